@@ -1,0 +1,25 @@
+"""Shared test setup. TRITON_INTERPRET must be set before any @triton.jit is defined."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+REALDNA = REPO / "data" / "hg38"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def realdna() -> Path:
+    """Folder with the embedded real hg38 pieces (chr1, chr2, chr22, chrM)."""
+    return REALDNA
