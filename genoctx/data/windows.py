@@ -1,0 +1,588 @@
+"""Windowing, N-gap policy, shard writer and manifest: the ``genoctx prepare`` verb's engine.
+
+Layout of a prepared directory ``OUT``::
+
+    OUT/manifest.json                 written last; the only file readers need to start from
+    OUT/shards/{chrom}.tokens.u8      the whole record as raw uint8 token ids (np.memmap-able)
+    OUT/shards/{chrom}.softmask.u8    0/1 per base (1 = lower case in the FASTA); all 0 with uppercase_only
+    OUT/shards/{chrom}.json           sidecar: md5s, counts and the arguments that produced the shard
+
+Design choices:
+- One shard per chromosome, holding the whole record. A window is ``(shard, offset, start, end)``; windows
+  are never copied, so an overlapping stride costs nothing on disk. Windows never cross chromosomes.
+- The N policy is "never scored": windows whose N fraction exceeds ``max_n_fraction`` are skipped and
+  counted; the N inside kept windows stay as token N and are masked from the loss downstream.
+- The split is by chromosome (default: chr22 held out for eval, every other record trains).
+- Every file is written atomically (temporary name in the same folder, fsync, ``os.replace``). A rerun with
+  the same arguments reuses shards whose bytes still match the md5 in their sidecar; a rerun with other
+  arguments into a directory prepared differently is refused. On a user error nothing written by the run
+  is left behind.
+- Counting N and soft-masked bases per window uses block prefix sums (4096-base blocks), so it costs
+  O(length + windows x block) whatever the stride.
+
+No torch here (``genoctx/data`` imports torch in ``dataset.py`` only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from genoctx.data.fasta import FastaError, fasta_md5, iter_records, locate_line
+from genoctx.data.tokenizer import VOCAB, InvalidBaseError, N, count_iupac, encode
+from genoctx.errors import GenoctxError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "genoctx-windows"
+FORMAT_VERSION = 1
+DEFAULT_EVAL_CHROMS = ("chr22",)
+_COUNT_BLOCK = 4096
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+try:  # the distribution's version (works even where an old editable install sees genoctx as a namespace)
+    GENOCTX_VERSION = _dist_version("genoctx")
+except PackageNotFoundError:
+    GENOCTX_VERSION = "unknown"
+
+
+# ----------------------------------------------------------------------------------------------- sizes
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a window or stride size: an int, or a string with a binary suffix.
+
+    ``"4096" -> 4096``, ``"16k"``/``"16K" -> 16384``, ``"512k" -> 524288``, ``"1M"``/``"1m" -> 1048576``,
+    ``"1G" -> 1073741824`` (k = 1024, M = 1024², G = 1024³; ``m`` means mega, never milli).
+
+    Raises:
+        GenoctxError: not a positive whole number of bases (e.g. ``"1.5M"``, ``"16kb"``, ``0``, ``-1``).
+    """
+    if isinstance(value, bool):
+        raise GenoctxError(f"invalid size {value!r}: expected a number of bases such as 16k, 512k or 1M")
+    if isinstance(value, int | np.integer):
+        size = int(value)
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        size = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    else:
+        raise GenoctxError(f"invalid size {value!r}: expected a number of bases such as 16k, 512k or 1M")
+    if size <= 0:
+        raise GenoctxError(f"invalid size {value!r}: must be positive")
+    return size
+
+
+# --------------------------------------------------------------------------------------------- windows
+
+
+def plan_windows(
+    length: int, window: int, stride: int | None = None, drop_last: bool = True
+) -> list[tuple[int, int]]:
+    """Windows over a record of ``length`` bases: 0-based half-open ``(start, end)``, starts at 0, stride, ...
+
+    Every full window ``[s, s + window)`` with ``s + window <= length`` is listed. The first start past the
+    last full window that is still inside the record gives one partial window ``[s, length)``: it is
+    dropped when ``drop_last`` (the default) and kept otherwise (padded with PAD to ``window`` at load
+    time). Later starts would give partial windows contained in that one and are never listed.
+
+    Raises:
+        GenoctxError: ``window`` or ``stride`` not positive, or ``length`` negative.
+    """
+    full, partial = _plan(length, window, window if stride is None else stride)
+    return full if drop_last or partial is None else [*full, partial]
+
+
+def _plan(length: int, window: int, stride: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    if window <= 0 or stride <= 0:
+        raise GenoctxError(f"window ({window}) and stride ({stride}) must be positive")
+    if length < 0:
+        raise GenoctxError(f"record length must be non-negative, got {length}")
+    n_full = 0 if length < window else (length - window) // stride + 1
+    full = [(s, s + window) for s in range(0, n_full * stride, stride)]
+    s = n_full * stride
+    partial = (s, length) if s < length else None
+    return full, partial
+
+
+class _RangeCounter:
+    """Count positions where ``pred(arr)`` holds inside any ``[s, e)`` via per-block prefix sums."""
+
+    def __init__(self, arr: np.ndarray, pred: Callable[[np.ndarray], np.ndarray], block: int = _COUNT_BLOCK):
+        self.arr, self.pred, self.block = arr, pred, block
+        nb = arr.shape[0] // block
+        counts = np.empty(nb, dtype=np.int64)
+        step = max(1, (1 << 24) // block)  # bound the temporary bool array to 16M elements
+        for i in range(0, nb, step):
+            j = min(nb, i + step)
+            counts[i:j] = pred(arr[i * block : j * block]).reshape(j - i, block).sum(axis=1)
+        self.cum = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.cum[1:])
+
+    def _direct(self, s: int, e: int) -> int:
+        return int(np.count_nonzero(self.pred(self.arr[s:e]))) if e > s else 0
+
+    def count(self, s: int, e: int) -> int:
+        b = self.block
+        bs, be = -(-s // b), e // b
+        if bs >= be:
+            return self._direct(s, e)
+        return int(self.cum[be] - self.cum[bs]) + self._direct(s, bs * b) + self._direct(be * b, e)
+
+
+# ------------------------------------------------------------------------------------------- file I/O
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes | np.ndarray) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder, fsync, then ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(data, np.ndarray):
+                data.tofile(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def _file_md5(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _safe_name(chrom: str) -> str:
+    """File-system-safe stem for a record name (``HLA-A*01:01`` -> ``HLA-A_01_01``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", chrom).lstrip(".") or "_"
+
+
+def read_manifest(out: str | Path) -> dict:
+    """Load and check ``OUT/manifest.json`` (``out`` may also be the manifest file itself).
+
+    Raises:
+        GenoctxError: missing, not JSON, not a genoctx-windows manifest, an unknown format version or
+            missing keys; the message names the path.
+    """
+    out = Path(out)
+    path = out if out.suffix == ".json" and not out.is_dir() else out / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise GenoctxError(f"{path}: no manifest; run `genoctx prepare --out {path.parent}` first") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GenoctxError(f"{path}: unreadable manifest: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise GenoctxError(f"{path}: not a {FORMAT} manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise GenoctxError(
+            f"{path}: manifest format_version {manifest.get('format_version')!r} is not supported "
+            f"(this genoctx reads version {FORMAT_VERSION})"
+        )
+    missing = [
+        k for k in ("vocabulary", "policies", "window", "shards", "windows", "splits") if k not in manifest
+    ]
+    if missing:
+        raise GenoctxError(f"{path}: manifest lacks {', '.join(missing)}")
+    return manifest
+
+
+def verify(out: str | Path) -> list[str]:
+    """Re-check every shard of a prepared directory against the manifest's lengths and md5s.
+
+    Returns:
+        One line per problem (missing file, wrong size, md5 mismatch); empty when everything matches.
+
+    Raises:
+        GenoctxError: the manifest itself is missing or invalid.
+    """
+    out = Path(out)
+    manifest = read_manifest(out)
+    root = out.parent if out.suffix == ".json" and not out.is_dir() else out
+    problems = []
+    for shard in manifest["shards"]:
+        for key, md5_key in (("tokens", "md5"), ("softmask", "softmask_md5")):
+            path = root / shard[key]
+            if not path.is_file():
+                problems.append(f"{path}: missing shard file")
+                continue
+            size = path.stat().st_size
+            if size != shard["length"]:
+                problems.append(f"{path}: {size} bytes, manifest says {shard['length']}")
+                continue
+            if md5_key in shard and (md5 := _file_md5(path)) != shard[md5_key]:
+                problems.append(f"{path}: md5 {md5} != manifest {shard[md5_key]}")
+    return problems
+
+
+# -------------------------------------------------------------------------------------------- prepare
+
+
+def _split_of(chrom: str, train: list[str] | None, eval_: list[str] | None) -> str | None:
+    if train is None and eval_ is None:
+        return "eval" if chrom in DEFAULT_EVAL_CHROMS else "train"
+    if chrom in (train or ()):
+        return "train"
+    if chrom in (eval_ or ()):
+        return "eval"
+    return None
+
+
+class _Run:
+    """Files and folders one prepare run created, so a failed run can remove exactly those."""
+
+    def __init__(self) -> None:
+        self.files: list[Path] = []
+        self.dirs: list[Path] = []
+
+    def mkdir(self, path: Path) -> None:
+        missing = []
+        p = path
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        path.mkdir(parents=True, exist_ok=True)
+        self.dirs.extend(missing)  # deepest first
+
+    def rollback(self) -> None:
+        for f in self.files:
+            f.unlink(missing_ok=True)
+        for d in self.dirs:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _load_or_write_shard(
+    run: _Run,
+    shards_dir: Path,
+    stem: str,
+    chrom: str,
+    seq: bytes,
+    source: Path,
+    shard_args: dict,
+    uppercase_only: bool,
+) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Reuse a finished shard whose sidecar and md5s match, or encode ``seq`` and write it atomically.
+
+    Returns ``(stats, tokens, softmask)``; the arrays are in memory (new shard) or read-only memmaps.
+    """
+    tok_path = shards_dir / f"{stem}.tokens.u8"
+    sm_path = shards_dir / f"{stem}.softmask.u8"
+    side_path = shards_dir / f"{stem}.json"
+    if side_path.is_file():
+        try:
+            side = json.loads(side_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            side = None
+        if side is not None and side.get("args") != shard_args:
+            raise GenoctxError(
+                f"{side_path}: this shard was prepared with other arguments ({side.get('args')}); "
+                "use a new --out"
+            )
+        if (
+            side is not None
+            and tok_path.is_file()
+            and sm_path.is_file()
+            and tok_path.stat().st_size == side["length"] == len(seq)
+            and sm_path.stat().st_size == side["length"]
+            and _file_md5(tok_path) == side["md5"]
+            and _file_md5(sm_path) == side["softmask_md5"]
+        ):
+            log.info("%s: shard %s is up to date; skipped", chrom, tok_path)
+            if side["length"] == 0:
+                return side["stats"], np.zeros(0, np.uint8), np.zeros(0, np.uint8)
+            return (
+                side["stats"],
+                np.memmap(tok_path, dtype=np.uint8, mode="r"),
+                np.memmap(sm_path, dtype=np.uint8, mode="r"),
+            )
+        log.info("%s: shard %s is missing or damaged; rewriting", chrom, tok_path)
+
+    try:
+        tokens, softmask = encode(seq)
+    except InvalidBaseError as e:
+        line = locate_line(source, chrom, e.offset)
+        where = f"position {e.offset + 1} of the record" + (f", line {line}" if line else "")
+        raise FastaError(f"{source}: record {chrom}: {e} ({where})") from None
+    softmask = np.zeros_like(tokens) if uppercase_only else softmask.view(np.uint8)
+    stats = {
+        "length": int(tokens.size),
+        "n_count": int(np.count_nonzero(tokens == N)),
+        "softmask_count": int(np.count_nonzero(softmask)),
+        "iupac_count": count_iupac(seq),
+        "md5": hashlib.md5(tokens.data).hexdigest(),
+        "softmask_md5": hashlib.md5(softmask.data).hexdigest(),
+    }
+    for path, arr in ((tok_path, tokens), (sm_path, softmask)):
+        run.files.append(path)
+        _atomic_write(path, arr)
+    sidecar = {
+        "chrom": chrom,
+        "source": str(source),
+        "args": shard_args,
+        "length": stats["length"],
+        "md5": stats["md5"],
+        "softmask_md5": stats["softmask_md5"],
+        "stats": stats,
+    }
+    run.files.append(side_path)
+    _atomic_write(side_path, _json_bytes(sidecar))
+    n, sm = stats["n_count"], stats["softmask_count"]
+    log.info("%s: wrote %s (%d bases, %d N, %d soft-masked)", chrom, tok_path, tokens.size, n, sm)
+    return stats, tokens, softmask
+
+
+def prepare(
+    fastas: list[Path],
+    out: Path,
+    window: int | str,
+    stride: int | str | None = None,
+    train_chroms: list[str] | None = None,
+    eval_chroms: list[str] | None = None,
+    max_n_fraction: float = 0.5,
+    uppercase_only: bool = False,
+    drop_last: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Tokenise FASTA records into per-chromosome shards and write the window manifest.
+
+    Args:
+        fastas: FASTA files (plain, gzip or bgzip); record names must be unique across all of them.
+        out: output directory (created). ``OUT/manifest.json`` is written last.
+        window: window length in bases (int or size string such as ``"512k"``, see :func:`parse_size`).
+        stride: distance between window starts in bases; default ``window`` (no overlap).
+        train_chroms, eval_chroms: the split by chromosome. Both None: ``chr22`` -> eval, every other
+            record -> train. Otherwise only the listed records are used (a None list counts as empty).
+        max_n_fraction: windows with ``n_count / (end - start)`` above this are skipped (counted in
+            ``skipped.too_many_n``). N inside kept windows is never scored downstream.
+        uppercase_only: ignore soft-masking (the softmask shard is all 0; policy ``"uppercase"``).
+        drop_last: drop each record's final partial window (counted in ``skipped.partial``); if False it is
+            kept and padded with PAD at load time.
+        progress: log one INFO line per record to stderr (via ``logging``); DEBUG when False.
+
+    Returns:
+        The manifest dict (also in ``OUT/manifest.json``); see the module docstring for the layout and
+        ``docs`` of keys: format, format_version, genoctx_version, vocabulary, policies, window, stride,
+        arguments, sources, splits, shards, windows (``shard`` = index into ``shards``, ``offset`` = start
+        in the shard file), skipped, counts.
+
+    Raises:
+        GenoctxError (FastaError for file problems): bad sizes or fraction; a FASTA missing, corrupt,
+        truncated, with duplicate names, or with an invalid base (file, record and position named); a
+        requested chromosome absent (the names present are listed); a chromosome in both splits; ``out``
+        holds a manifest or shard prepared with other arguments. Nothing written by the run is left.
+    """
+    say = log.info if progress else log.debug
+    window = parse_size(window)
+    stride = window if stride is None else parse_size(stride)
+    if not 0.0 <= float(max_n_fraction) <= 1.0:
+        raise GenoctxError(f"max_n_fraction must be in [0, 1], got {max_n_fraction}")
+    if not fastas:
+        raise GenoctxError("no FASTA file given")
+    train = None if train_chroms is None and eval_chroms is None else list(train_chroms or [])
+    eval_ = None if train is None else list(eval_chroms or [])
+    if train is not None:
+        both = sorted(set(train) & set(eval_))
+        if both:
+            raise GenoctxError(f"chromosomes in both train and eval: {', '.join(both)}")
+        if not train and not eval_:
+            raise GenoctxError("empty chromosome lists: give --train-chroms and/or --eval-chroms")
+
+    sources = [Path(p).expanduser().resolve() for p in fastas]
+    md5s = [fasta_md5(p) for p in sources]  # FastaError if missing: before anything is written
+    case = "uppercase" if uppercase_only else "softmask-channel"
+    arguments = {
+        "window": window,
+        "stride": stride,
+        "train_chroms": train,
+        "eval_chroms": eval_,
+        "max_n_fraction": float(max_n_fraction),
+        "uppercase_only": bool(uppercase_only),
+        "drop_last": bool(drop_last),
+        "source_md5s": md5s,
+    }
+
+    out = Path(out)
+    if (out / "manifest.json").exists():
+        old = read_manifest(out)
+        if old.get("arguments") != arguments:
+            raise GenoctxError(
+                f"{out}: already prepared with other arguments (window {old.get('window')}, stride "
+                f"{old.get('stride')}, splits {old.get('splits')}); use a new --out"
+            )
+        if not verify(out):
+            say("%s: already prepared with these arguments and every shard checks; nothing to do", out)
+            return old
+        say("%s: some shards are missing or damaged; resuming", out)
+
+    run = _Run()
+    try:
+        return _prepare(run, sources, md5s, out, window, stride, train, eval_, arguments, case, say)
+    except GenoctxError:
+        run.rollback()
+        raise
+
+
+def _prepare(
+    run: _Run,
+    sources: list[Path],
+    md5s: list[str],
+    out: Path,
+    window: int,
+    stride: int,
+    train: list[str] | None,
+    eval_: list[str] | None,
+    arguments: dict,
+    case: str,
+    say: Callable[..., None],
+) -> dict:
+    shards_dir = out / "shards"
+    run.mkdir(shards_dir)
+    max_n_fraction, drop_last = arguments["max_n_fraction"], arguments["drop_last"]
+    owner: dict[str, Path] = {}
+    stems: dict[str, str] = {}
+    source_entries, shards, windows = [], [], []
+    splits: dict[str, list[str]] = {"train": [], "eval": []}
+    skipped = {"too_many_n": 0, "partial": 0}
+    for src_index, (source, md5) in enumerate(zip(sources, md5s, strict=True)):
+        names = []
+        for chrom, seq in iter_records(source):
+            if chrom in owner:
+                raise FastaError(f"{source}: record {chrom!r} also appears in {owner[chrom]}")
+            owner[chrom] = source
+            names.append(chrom)
+            split = _split_of(chrom, train, eval_)
+            if split is None:
+                continue
+            stem = _safe_name(chrom)
+            if stem in stems.values():
+                raise GenoctxError(f"{source}: record names {chrom!r} and another map to the same file name")
+            stems[chrom] = stem
+            shard_args = {"format_version": FORMAT_VERSION, "chrom": chrom, "source_md5": md5, "case": case}
+            stats, tokens, softmask = _load_or_write_shard(
+                run, shards_dir, stem, chrom, seq, source, shard_args, case == "uppercase"
+            )
+            del seq
+            shard_index = len(shards)
+            shards.append(
+                {
+                    "chrom": chrom,
+                    "split": split,
+                    "tokens": f"shards/{stem}.tokens.u8",
+                    "softmask": f"shards/{stem}.softmask.u8",
+                    "source": src_index,
+                    **stats,
+                }
+            )
+            splits[split].append(chrom)
+            full, partial = _plan(stats["length"], window, stride)
+            spans = list(full)
+            if partial is not None:
+                if drop_last:
+                    skipped["partial"] += 1
+                else:
+                    spans.append(partial)
+            n_counter = _RangeCounter(tokens, lambda a: a == N)
+            sm_counter = _RangeCounter(softmask, lambda a: a != 0)
+            kept = 0
+            for start, end in spans:
+                n_count = n_counter.count(start, end)
+                if n_count > max_n_fraction * (end - start):
+                    skipped["too_many_n"] += 1
+                    continue
+                kept += 1
+                windows.append(
+                    {
+                        "split": split,
+                        "chrom": chrom,
+                        "start": start,
+                        "end": end,
+                        "n_count": n_count,
+                        "softmask_count": sm_counter.count(start, end),
+                        "shard": shard_index,
+                        "offset": start,
+                    }
+                )
+            del tokens, softmask, n_counter, sm_counter
+            say("%s -> %s: %d bases, %d of %d windows kept", chrom, split, stats["length"], kept, len(spans))
+        source_entries.append({"path": str(source), "md5": md5, "records": names})
+
+    requested = (train or []) + (eval_ or [])
+    absent = [c for c in requested if c not in owner]
+    if absent:
+        present = ", ".join(owner) or "none"
+        raise GenoctxError(f"chromosome(s) {', '.join(absent)} not found in the FASTA; present: {present}")
+    counts = {
+        split: {
+            "windows": sum(1 for w in windows if w["split"] == split),
+            "tokens": sum(w["end"] - w["start"] for w in windows if w["split"] == split),
+        }
+        for split in splits
+    }
+    for split, c in counts.items():
+        if c["windows"] == 0:
+            log.warning(
+                "split %r has no windows (chromosomes: %s)", split, ", ".join(splits[split]) or "none"
+            )
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "genoctx_version": GENOCTX_VERSION,
+        "vocabulary": list(VOCAB),
+        "policies": {
+            "case": case,
+            "n": "never-scored",
+            "max_n_fraction": max_n_fraction,
+            "iupac": "as-N",
+            "drop_last": drop_last,
+        },
+        "window": window,
+        "stride": stride,
+        "arguments": arguments,
+        "sources": source_entries,
+        "splits": splits,
+        "shards": shards,
+        "windows": windows,
+        "skipped": skipped,
+        "counts": counts,
+    }
+    manifest_path = out / "manifest.json"
+    run.files.append(manifest_path)
+    _atomic_write(manifest_path, _json_bytes(manifest))
+    n_train, n_eval = counts["train"]["windows"], counts["eval"]["windows"]
+    say("%s: %d train and %d eval windows of %d bases", manifest_path, n_train, n_eval, window)
+    return manifest
