@@ -1,0 +1,312 @@
+"""Kimi Delta Attention (KDA): the linear-attention mixer of the hybrid model.
+
+Kimi Linear (Moonshot AI, 2025, arXiv:2510.26692) extends the gated delta rule with a decay per key channel.
+Per head, a state S in R^{dk x dv} (fp32) evolves as
+
+    S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,      o_t = S_t^T (q_t * dk^-1/2).
+
+Design choices:
+
+- ``chunk_kda`` is the training and evaluation form: the WY/UT chunked algorithm of fla ``fla/ops/kda``
+  written in plain PyTorch (CPU and CUDA), differentiated by autograd (no custom backward). Intra-chunk
+  work is batched over all chunks; the inter-chunk state recurrence is a Python loop over chunks, so
+  memory is linear in the sequence length.
+- Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
+  Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
+  sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
+- The slow token-by-token reference is ``genoctx.model.reference.recurrent_kda``.
+- The layer follows the chunk contract: ``forward(x, cache) -> (y, cache)``; ``KDACache`` carries the
+  recurrent state and the last ``conv_size - 1`` pre-convolution inputs, so k chunks of L/k tokens equal
+  one pass over L tokens.
+- The core that ran is recorded in ``layer.stats["path"]`` ("chunk" = ours, "fla" = fla's Triton kernel,
+  used only when asked for with ``use_fla=True`` and the input is on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from genoctx.errors import GenoctxError
+from genoctx.model.config import ModelConfig
+
+_SUB_CHUNK = 8  # tokens per sub-chunk for the pairwise (masked) decay differences (8 is fastest on CPU)
+
+
+def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list[Tensor]:
+    """For each ``a`` in ``rows``: ``A[..., i, j] = sum_d a_id b_jd exp(G_id - G_jd)`` for ``j <= i``, else 0.
+
+    a, b, G: ``[..., C, K]``; G is non-increasing along C (a cumulative sum of log decays), so the causal
+    part has exponents <= 0. Inside sub-chunks of ``_SUB_CHUNK`` tokens the differences are formed
+    pairwise and masked to the causal part before ``exp``; between sub-chunks a row sub-chunk ``s`` uses
+    the anchor ``r = G`` at the last token of sub-chunk ``s - 1``: ``exp(G_i - r) * exp(r - G_j)``, both
+    factors <= 1. Memory per chunk is ``C * (sub + C / sub) * K`` rather than ``C * C * K``. The decay
+    factors on the ``b`` side are computed once and shared by all ``rows`` (A_kk and A_qk).
+
+    Returns a list of ``[..., C, C]`` tensors in b's dtype.
+    """
+    *lead, C, K = b.shape
+    sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
+    n = C // sub
+    bb, Gb = (x.reshape(*lead, n, sub, K) for x in (b, G))
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=b.device).tril()
+    diff = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    b_diag = bb.unsqueeze(-3) * diff.exp()  # [..., n, sub(i), sub(j), K]
+    eye = torch.eye(n, dtype=b.dtype, device=b.device)
+    if n > 1:
+        r = Gb[..., :-1, -1, :]  # [..., n-1, K] anchors for row sub-chunks 1..n-1
+        row_decay = (Gb[..., 1:, :, :] - r.unsqueeze(-2)).exp()  # [..., n-1, sub, K]
+        before = torch.arange(C, device=b.device)[None, :] < (
+            torch.arange(1, n, device=b.device)[:, None] * sub
+        )  # [n-1, C]: column j lies in an earlier sub-chunk
+        e = (r.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~before[..., None], float("-inf"))
+        b_off = (b.unsqueeze(-3) * e.exp()).transpose(-1, -2)  # [..., n-1, K, C]
+    out = []
+    for a in rows:
+        ab = a.reshape(*lead, n, sub, K)
+        diag = (ab.unsqueeze(-2) * b_diag).sum(-1)  # [..., n, sub, sub]
+        A = (diag.unsqueeze(-2) * eye[:, None, :, None]).reshape(*lead, n, sub, C)  # block diagonal
+        if n > 1:
+            off = (ab[..., 1:, :, :] * row_decay) @ b_off  # [..., n-1, sub, C]
+            A = A + torch.cat([off.new_zeros(*lead, 1, sub, C), off], dim=-3)
+        out.append(A.reshape(*lead, C, C))
+    return out
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Kimi Delta Attention in the chunked WY/UT form (Kimi Linear, 2025; fla ``chunk_kda``).
+
+    Per chunk of C tokens with Gamma = cumulative sum of g inside the chunk:
+    ``A_kk[i,j] = beta_i sum_d k_id k_jd e^{Gamma_id - Gamma_jd}`` (j < i);
+    ``W = (I + A_kk)^-1 Diag(beta) (e^Gamma * K)``, ``U = (I + A_kk)^-1 Diag(beta) V`` (triangular solve);
+    ``V' = U - W S``; ``O = (Q e^Gamma) S + A_qk V'`` with
+    ``A_qk[i,j] = sum_d q_id k_jd e^{Gamma_id - Gamma_jd}`` (j <= i);
+    ``S <- Diag(e^{Gamma_C}) S + (e^{Gamma_C - Gamma} * K)^T V'``. All exponents are <= 0.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys.
+        v: ``[B, T, H, V]`` values.
+        g: ``[B, T, H, K]`` log decay per key channel (<= 0; natural-log units per token).
+        beta: ``[B, T, H]`` delta-rule write strength.
+        scale: query scale; default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` state from the previous chunk, or None (zeros).
+        output_final_state: return the final state (else None).
+        chunk_size: tokens per chunk C. T need not be a multiple (padded internally with k = 0, beta = 0,
+            g = 0, which leave the state unchanged, then cut).
+
+    Returns:
+        ``(o, S)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``S`` ``[B, H, K, V]`` in fp32 (fp64 when q is
+        fp64), or None. Computed in fp32 (fp64 for fp64 inputs) with autocast disabled; gradients flow to
+        every input, including ``initial_state``. Memory is linear in T.
+
+    Raises:
+        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+    """
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(
+            f"q, k, g must share shape [B, T, H, K]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}"
+        )
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = [{B}, {T}, {H}]; got {tuple(beta.shape)}")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {V}]; got {tuple(initial_state.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if scale is None:
+        scale = K**-0.5
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_dtype = v.dtype
+    C = chunk_size
+    N = -(-T // C)
+    pad = N * C - T
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        S = q.new_zeros(B, H, K, V, dtype=ct)
+        if initial_state is not None:
+            S = S + initial_state.to(ct)
+        if T == 0:
+            return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
+
+        def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, N, C, D]
+            x = F.pad(x.to(ct), (0, 0, 0, 0, 0, pad))
+            return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+        q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
+        beta = F.pad(beta.to(ct), (0, 0, 0, pad)).reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
+        G = g.cumsum(-2)
+        eG = G.exp()
+        A_kk, A_qk = _causal_decay_scores((k, q), k, G)
+        A_kk = A_kk.tril(-1) * beta[..., None]
+        eye = torch.eye(C, dtype=ct, device=q.device)
+        rhs = beta[..., None] * torch.cat([eG * k, v], dim=-1)
+        WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+        W, U = WU.split([K, V], dim=-1)
+        q_dec = q * eG  # query against the state at the chunk start
+        G_last = G[..., -1:, :]
+        k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
+        state_decay = G_last.squeeze(-2).exp()[..., None]  # [B, H, N, K, 1]
+        # unbind once: indexing [:, :, n] inside the loop would make autograd write a full-size zero
+        # gradient per chunk (quadratic in T); unbind's backward stacks the per-chunk gradients once.
+        wq = torch.cat([W, q_dec], dim=-2)  # [B, H, N, 2C, K]: one product with S gives W S and Q S
+        per_chunk = (t.unbind(2) for t in (wq, U, A_qk, state_decay, k_dec))
+        outs = []
+        for wq_n, U_n, A_n, decay_n, k_n in zip(*per_chunk, strict=True):
+            WS, QS = (wq_n @ S).split(C, dim=-2)
+            v_new = U_n - WS
+            outs.append(QS + A_n @ v_new)
+            S = decay_n * S + k_n.transpose(-1, -2) @ v_new
+        o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+@dataclass
+class KDACache:
+    """What a KDA layer carries from one chunk of the sequence to the next (the chunk contract)."""
+
+    state: Tensor  # [B, H, K, V] fp32 recurrent state
+    conv_state: Tensor  # [B, conv_size - 1, 3 * H * K]: last pre-convolution inputs of q, k, v
+
+
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The Kimi Linear KDA layer (Kimi Linear, 2025; fla ``layers/kda.py``).
+
+    q, k, v: linear projections, short causal depthwise conv (kernel ``kda_conv_size``) + SiLU, q and k
+    L2-normalised per head. Decay ``g = -exp(A_log) * softplus(f(x) + dt_bias)`` with f low-rank
+    (d_model -> head_dim -> H * head_dim); ``beta = sigmoid(b_proj x)``; core = ``chunk_kda``; output
+    ``RMSNorm(o) * sigmoid(g_proj x)`` per head (g_proj low-rank), then ``o_proj``. Gate, decay, beta,
+    norm and the core run in fp32 even under bf16 autocast.
+
+    Args:
+        cfg: uses ``d_model``, ``kda_heads``, ``kda_head_dim``, ``kda_conv_size``, ``kda_chunk_size``,
+            ``norm_eps``, ``init_std``.
+        use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``).
+    """
+
+    def __init__(self, cfg: ModelConfig, use_fla: bool = False) -> None:
+        super().__init__()
+        d, H, Dh = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
+        self.n_heads, self.head_dim, self.key_dim = H, Dh, H * Dh
+        self.conv_size = cfg.kda_conv_size
+        self.chunk_size = cfg.kda_chunk_size
+        self.norm_eps = cfg.norm_eps
+        self.init_std = cfg.init_std
+        self.use_fla = use_fla
+        hk = self.key_dim
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * hk, 1, self.conv_size))  # depthwise, q|k|v channels
+        self.f_proj = nn.Sequential(nn.Linear(d, Dh, bias=False), nn.Linear(Dh, hk, bias=False))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(hk))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_proj = nn.Sequential(nn.Linear(d, Dh, bias=False), nn.Linear(Dh, hk, bias=True))
+        self.o_norm_weight = nn.Parameter(torch.ones(Dh))
+        self.o_proj = nn.Linear(hk, d, bias=False)
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.stats: dict = {"path": "chunk"}
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Linear weights N(0, init_std), biases 0; conv U(+-1/sqrt(kernel)); A_log = log U(1, 16);
+        dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 0.1] (Mamba/Kimi Linear init)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.init_std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        bound = 1.0 / math.sqrt(self.conv_size)
+        nn.init.uniform_(self.conv_weight, -bound, bound)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm_weight.fill_(1.0)
+
+    def project(
+        self, x: Tensor, conv_state: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Inputs of the KDA core from the residual stream.
+
+        Args:
+            x: ``[B, T, d_model]``.
+            conv_state: ``[B, conv_size - 1, 3 * H * K]`` pre-convolution q|k|v inputs of the previous tokens,
+                or None (zeros: start of the sequence).
+
+        Returns:
+            ``(q, k, v, g, beta, conv_state)``: q, k, v ``[B, T, H, K]`` (x's compute dtype; q, k unit norm),
+            g ``[B, T, H, K]`` fp32 log decay (<= 0), beta ``[B, T, H]`` fp32, and the new conv state.
+        """
+        B, T, _ = x.shape
+        H, Dh, hk = self.n_heads, self.head_dim, self.key_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3 hk]
+        if conv_state is None:
+            conv_state = qkv.new_zeros(B, self.conv_size - 1, 3 * hk)
+        xs = torch.cat([conv_state.to(qkv.dtype), qkv], dim=1)  # [B, conv_size - 1 + T, 3 hk]
+        new_conv_state = xs[:, xs.shape[1] - (self.conv_size - 1) :]
+        y = F.silu(F.conv1d(xs.transpose(1, 2), self.conv_weight.to(xs.dtype), groups=3 * hk)).transpose(1, 2)
+        q, k, v = (t.reshape(B, T, H, Dh) for t in y.split(hk, dim=-1))
+        f = self.f_proj(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+            q, k = _l2norm(q.to(ct)).to(q.dtype), _l2norm(k.to(ct)).to(k.dtype)
+            decay_rate = self.A_log.to(ct).exp()[:, None]  # [H, 1]
+            g = -decay_rate * F.softplus(f.to(ct).reshape(B, T, H, Dh) + self.dt_bias.to(ct).reshape(H, Dh))
+            beta = torch.sigmoid(self.b_proj(x).to(ct))
+        return q, k, v, g, beta, new_conv_state
+
+    def output(self, o: Tensor, x: Tensor) -> Tensor:
+        """``o_proj(RMSNorm(o) * sigmoid(g_proj x))``: o ``[B, T, H, K]`` core output, x ``[B, T, d_model]``;
+        returns ``[B, T, d_model]``. The norm and the gate run in fp32."""
+        B, T, _ = x.shape
+        gate = self.g_proj(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+            o = o.to(ct)
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight.to(ct)
+            o = o * torch.sigmoid(gate.to(ct).reshape(B, T, self.n_heads, self.head_dim))
+        return self.o_proj(o.reshape(B, T, self.key_dim).to(x.dtype))
+
+    def forward(self, x: Tensor, cache: KDACache | None = None) -> tuple[Tensor, KDACache]:
+        """One chunk of the sequence: ``x`` ``[B, T, d_model]`` and the cache of the previous chunk (None at
+        the start) -> ``(y [B, T, d_model], cache for the next chunk)``. Sets ``self.stats["path"]``.
+
+        Raises:
+            GenoctxError: ``use_fla=True`` on CUDA but fla is not installed.
+        """
+        q, k, v, g, beta, conv_state = self.project(x, None if cache is None else cache.conv_state)
+        initial_state = None if cache is None else cache.state
+        if self.use_fla and x.is_cuda:
+            try:
+                from fla.ops.kda import chunk_kda as fla_chunk_kda
+            except ImportError as err:
+                raise GenoctxError("use_fla=True needs fla-core (pip install 'genoctx[gpu]')") from err
+            o, state = fla_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+            path = "fla"
+        else:
+            o, state = chunk_kda(q, k, v, g, beta, initial_state=initial_state, chunk_size=self.chunk_size)
+            path = "chunk"
+        self.stats = {"path": path}
+        return self.output(o, x), KDACache(state=state, conv_state=conv_state)

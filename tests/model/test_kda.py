@@ -1,0 +1,206 @@
+"""Kimi Delta Attention: chunked form vs the token-by-token recurrence, and the layer's chunk contract."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from genoctx.model.config import preset
+from genoctx.model.kda import KDACache, KimiDeltaAttention, chunk_kda
+from genoctx.model.reference import recurrent_kda
+
+CHR22 = "hg38_chr22_32000001-32300000.fa"
+
+
+def _inputs(B, T, H, K, V, dtype=torch.float64, g_range=(0.0, 2.0), requires_grad=True):
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, dtype=dtype)
+    g = -torch.empty(B, T, H, K, dtype=dtype).uniform_(*g_range)
+    beta = torch.rand(B, T, H, dtype=dtype)
+    s0 = torch.randn(B, H, K, V, dtype=dtype)
+    xs = [q, k, v, g, beta, s0]
+    for x in xs:
+        x.requires_grad_(requires_grad)
+    return xs
+
+
+def _run_with_grads(fn, xs, do, dS, **kw):
+    for x in xs:
+        x.grad = None
+    o, S = fn(*xs[:5], initial_state=xs[5], **kw)
+    ((o * do).sum() + (S * dS).sum()).backward()
+    return o.detach(), S.detach(), [x.grad.clone() for x in xs]
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (63, 16), (130, 64), (64, 64), (45, 12)])
+def test_chunk_equals_recurrent_fp64(T, chunk):
+    B, H, K, V = 2, 2, 8, 6
+    xs = _inputs(B, T, H, K, V)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    dS = torch.randn(B, H, K, V, dtype=torch.float64)
+    o1, S1, g1 = _run_with_grads(chunk_kda, xs, do, dS, chunk_size=chunk)
+    o2, S2, g2 = _run_with_grads(recurrent_kda, xs, do, dS)
+    assert o1.dtype == torch.float64 and S1.dtype == torch.float64
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=0)
+    torch.testing.assert_close(S1, S2, atol=1e-6, rtol=0)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], g1, g2, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"grad of {name}")
+
+
+def test_no_initial_state_and_no_final_state():
+    q, k, v, g, beta, _ = _inputs(1, 20, 2, 4, 4, requires_grad=False)
+    o1, S1 = chunk_kda(q, k, v, g, beta, chunk_size=8, output_final_state=False)
+    o2, _ = recurrent_kda(q, k, v, g, beta)
+    assert S1 is None
+    torch.testing.assert_close(o1, o2, atol=1e-10, rtol=0)
+
+
+def test_fp32_dtypes_and_bf16_values():
+    q, k, v, g, beta, s0 = _inputs(1, 40, 2, 8, 8, dtype=torch.float32, requires_grad=False)
+    o, S = chunk_kda(q, k, v.bfloat16(), g, beta, initial_state=s0, chunk_size=16)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o_ref, S_ref = recurrent_kda(q, k, v.bfloat16(), g, beta, initial_state=s0)
+    torch.testing.assert_close(S, S_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o.float(), o_ref.float(), atol=2e-2, rtol=0)
+
+
+def test_reference_matches_fla_naive():
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    q, k, v, g, beta, s0 = _inputs(2, 37, 2, 8, 6, dtype=torch.float32, requires_grad=False)
+    o1, S1 = recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=s0)
+    o2, S2 = naive.naive_recurrent_kda(q, k, v, g, beta, scale=0.3, initial_state=s0, output_final_state=True)
+    torch.testing.assert_close(o1, o2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S1, S2, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
+def test_strong_decay_is_finite_and_exact(dtype, tol):
+    """g = -20 .. -50 per channel step: the span of Gamma in a chunk of 64 is ~3000, far past exp's range."""
+    B, T, H, K, V = 1, 130, 2, 8, 8
+    xs = _inputs(B, T, H, K, V, dtype=dtype, g_range=(20.0, 50.0))
+    # a few channels with weak decay, so the state is not trivially reset each step
+    with torch.no_grad():
+        xs[3][..., :2] = -0.01
+    do = torch.randn(B, T, H, V, dtype=dtype)
+    dS = torch.randn(B, H, K, V, dtype=dtype)
+    o1, S1, g1 = _run_with_grads(chunk_kda, xs, do, dS, chunk_size=64)
+    o2, S2, g2 = _run_with_grads(recurrent_kda, xs, do, dS)
+    assert torch.isfinite(o1).all() and torch.isfinite(S1).all()
+    assert all(torch.isfinite(gr).all() for gr in g1)
+    torch.testing.assert_close(o1, o2, atol=tol, rtol=0)
+    torch.testing.assert_close(S1, S2, atol=tol, rtol=0)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], g1, g2, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=0, msg=f"grad of {name}")
+
+
+def test_shape_errors():
+    q, k, v, g, beta, s0 = _inputs(1, 8, 2, 4, 4, requires_grad=False)
+    with pytest.raises(ValueError, match="beta"):
+        chunk_kda(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda(q, k, v, g, beta, initial_state=s0[:, :1])
+
+
+def _layer(dtype=torch.float64):
+    cfg = preset("tiny")  # d_model 32, 2 heads of 8, conv 4, chunk 16
+    return KimiDeltaAttention(cfg).to(dtype), cfg
+
+
+def _param_grads(layer):
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("splits", [(37,), (18, 19), (1, 2, 34), (17, 20)])
+def test_layer_chunks_equal_one_pass(splits):
+    """One forward over T tokens == consecutive forwards with the carried KDACache (values and gradients)."""
+    layer, cfg = _layer()
+    T = sum(splits)
+    x = torch.randn(2, T, cfg.d_model, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, T, cfg.d_model, dtype=torch.float64)
+
+    y_full, cache_full = layer(x)
+    assert layer.stats["path"] == "chunk"
+    (y_full * dy).sum().backward()
+    g_full, gx_full = _param_grads(layer), x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+
+    ys, cache, start = [], None, 0
+    for n in splits:
+        y, cache = layer(x[:, start : start + n], cache)
+        ys.append(y)
+        start += n
+    assert isinstance(cache, KDACache)
+    assert cache.state.shape == (2, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+    assert cache.conv_state.shape == (2, cfg.kda_conv_size - 1, 3 * cfg.kda_heads * cfg.kda_head_dim)
+    y_split = torch.cat(ys, dim=1)
+    (y_split * dy).sum().backward()
+
+    torch.testing.assert_close(y_split, y_full, atol=1e-10, rtol=0)
+    torch.testing.assert_close(cache.state, cache_full.state, atol=1e-10, rtol=0)
+    torch.testing.assert_close(cache.conv_state, cache_full.conv_state, atol=1e-12, rtol=0)
+    torch.testing.assert_close(x.grad, gx_full, atol=1e-10, rtol=0)
+    for name, gr in _param_grads(layer).items():
+        torch.testing.assert_close(gr, g_full[name], atol=1e-10, rtol=0, msg=f"grad of {name}")
+
+
+def test_layer_init_and_gate():
+    layer, cfg = _layer(torch.float32)
+    a = layer.A_log.exp()
+    assert ((a >= 1) & (a <= 16)).all()
+    dt = F.softplus(layer.dt_bias)
+    assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
+    x = torch.randn(1, 5, cfg.d_model)
+    q, k, v, g, beta, _ = layer.project(x)
+    assert (g <= 0).all() and ((beta > 0) & (beta < 1)).all()
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(1, 5, cfg.kda_heads), atol=1e-3, rtol=0)
+
+
+def test_layer_bf16_autocast_keeps_gates_fp32():
+    layer, cfg = _layer(torch.float32)
+    x = torch.randn(1, 20, cfg.d_model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, _, v, g, beta, _ = layer.project(x)
+        y, cache = layer(x)
+    assert v.dtype == torch.bfloat16
+    assert g.dtype == torch.float32 and beta.dtype == torch.float32 and cache.state.dtype == torch.float32
+    y_ref, _ = layer(x)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), y_ref, atol=5e-3, rtol=5e-2)
+
+
+def _chr22_tokens(realdna, n):
+    with open(realdna / CHR22) as f:
+        header = f.readline()
+        seq = f.readline()[:n]
+    assert header.startswith(">") and len(seq) == n
+    table = {c: i for i, c in enumerate("ACGTN")}
+    return torch.tensor([table[c] for c in seq.upper()])
+
+
+def test_layer_on_real_dna_chunk_vs_recurrent(realdna):
+    """chr22 bases -> embedding -> KDA layer: the chunked core equals the recurrence (values, gradients)."""
+    layer, cfg = _layer()
+    tokens = _chr22_tokens(realdna, 300)
+    emb = torch.nn.Embedding(5, cfg.d_model, dtype=torch.float64)
+    dy = torch.randn(1, 300, cfg.d_model, dtype=torch.float64)
+
+    x = emb(tokens)[None]  # [1, 300, d_model]
+    y_chunk, cache = layer(x)
+    (y_chunk * dy).sum().backward()
+    g_chunk = _param_grads(layer) | {"emb": emb.weight.grad.clone()}
+    layer.zero_grad()
+    emb.zero_grad()
+
+    x = emb(tokens)[None]
+    q, k, v, g, beta, _ = layer.project(x)
+    assert g.min() < 0
+    o, state = recurrent_kda(q, k, v, g, beta)
+    y_rec = layer.output(o, x)
+    (y_rec * dy).sum().backward()
+    g_rec = _param_grads(layer) | {"emb": emb.weight.grad.clone()}
+
+    torch.testing.assert_close(y_chunk, y_rec, atol=1e-9, rtol=0)
+    torch.testing.assert_close(cache.state, state, atol=1e-9, rtol=0)
+    for name, gr in g_chunk.items():
+        torch.testing.assert_close(gr, g_rec[name], atol=1e-9, rtol=0, msg=f"grad of {name}")
