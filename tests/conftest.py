@@ -23,3 +23,20 @@ def _seed():
 def realdna() -> Path:
     """Folder with the embedded real hg38 pieces (chr1, chr2, chr22, chrM)."""
     return REALDNA
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory) -> Path:
+    """A small prepared data set from real DNA: train = chrM (2k windows), eval = the chr22 piece."""
+    from genoctx.data.windows import prepare
+
+    out = tmp_path_factory.mktemp("prepared")
+    prepare(
+        [REALDNA / "hg38_chrM.fa", REALDNA / "hg38_chr22_32000001-32300000.fa"],
+        out,
+        window=2048,
+        train_chroms=["chrM"],
+        eval_chroms=["chr22"],
+        progress=False,
+    )
+    return out

@@ -1,0 +1,292 @@
+"""The training loop: train -> train_step -> forward_backward, with the loss arithmetic written out.
+
+Loss normalisation: every window contributes (sum of per-token losses in nats, number of scored tokens);
+the step's loss is the sum over its windows divided once by the total count. A window with no scored tokens
+(all N) adds 0 to both, so it can never produce a NaN.
+
+Data order is a pure function of (seed, step): sample k = step * batch_size + b is window
+``perm(seed, epoch)[k mod N]`` of epoch ``k // N``, cropped (when ``seq_len`` is set) at an offset drawn
+from ``numpy.random.default_rng([seed, k])``. A resumed run therefore sees exactly the windows an
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.dataset import WindowDataset, load_manifest, scored_mask
+from ..data.tokenizer import BOS, VOCAB
+from ..errors import GenoctxError
+from ..model.model import HybridLM, shift_inputs, token_losses
+from ..recipes import Recipe, TrainConfig
+from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint
+
+log = logging.getLogger("genoctx.train")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA max allocated on GPU, the process's peak resident set size on CPU (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+
+    def f(step: int) -> float:
+        if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(1, total_steps - cfg.warmup_steps)
+        t = min(1.0, (step - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
+    """AdamW (decoupled weight decay on matrices only) and its warm-up + cosine LambdaLR schedule."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=1e-8,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
+    return opt, sched
+
+
+def window_order(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of window indices used in ``epoch`` (int64 [num_windows])."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_windows, generator=g)
+
+
+def sample_batch(ds: WindowDataset, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
+    """The windows of optimizer step ``step``: tokens [batch_size, L] int64 and the data-order state."""
+    n = len(ds)
+    rows = []
+    for b in range(cfg.batch_size):
+        k = step * cfg.batch_size + b
+        epoch, pos = divmod(k, n)
+        idx = int(window_order(n, cfg.seed, epoch)[pos])
+        tokens = ds[idx]["tokens"]
+        if cfg.seq_len is not None and cfg.seq_len < tokens.numel():
+            off = int(np.random.default_rng([cfg.seed, k]).integers(0, tokens.numel() - cfg.seq_len + 1))
+            tokens = tokens[off : off + cfg.seq_len]
+        rows.append(tokens)
+    k_next = (step + 1) * cfg.batch_size
+    return torch.stack(rows), {"epoch": k_next // n, "position": k_next % n, "num_windows": n}
+
+
+def forward_backward(
+    model: HybridLM, tokens: torch.Tensor, autocast
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One forward and backward over a batch of windows.
+
+    tokens: [B, L] int64 window bases. Returns (sum of token losses in nats, scored-token count, aux loss).
+    The backward pass uses loss = sum / max(count, 1) + auxiliary losses.
+    """
+    inputs = shift_inputs(tokens, BOS)
+    scored = scored_mask(tokens)
+    with autocast:
+        logits, _ = model(inputs)
+    losses = token_losses(logits, tokens, scored)
+    loss_sum = losses.sum()
+    count = scored.sum()
+    loss = loss_sum / count.clamp(min=1)
+    aux = model.aux_loss()
+    total = loss + aux if aux is not None else loss
+    total.backward()
+    return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
+
+
+def train_step(model, optimizer, scheduler, tokens, cfg: TrainConfig, autocast) -> dict:
+    """Forward, backward, clip, optimizer and schedule step, router-bias update. Returns step metrics."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, count, aux = forward_backward(model, tokens, autocast)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    moe = model.update_router_biases()
+    loss = float(loss_sum / max(int(count), 1))
+    return {
+        "loss": loss,
+        "aux_loss": aux,
+        "scored_tokens": int(count),
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "moe_load_max_over_mean": max((m["load_max_over_mean"] for m in moe), default=None),
+    }
+
+
+def _check_manifest(data_dir: Path) -> dict:
+    manifest = load_manifest(data_dir)
+    if list(manifest.get("vocabulary", [])) != list(VOCAB):
+        raise GenoctxError(
+            f"{data_dir}/manifest.json: vocabulary {manifest.get('vocabulary')} is not genoctx's "
+            f"{list(VOCAB)}; prepare the data again with this version"
+        )
+    return manifest
+
+
+def train(
+    data_dir: str | Path,
+    recipe: Recipe,
+    out: str | Path,
+    resume: bool = False,
+    device: str = "cpu",
+    stop_after: int | None = None,
+) -> dict:
+    """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``.
+
+    ``recipe.train.steps == 0`` writes the untrained (initialised) model as checkpoint ``step_000000``.
+    ``stop_after`` ends this invocation after that step (with a checkpoint), as a scheduler time limit would;
+    the learning-rate schedule still spans ``recipe.train.steps``, so ``resume`` continues the same run.
+
+    Returns:
+        A summary dict (run dir, steps, final loss in nats/token, tokens/s, last checkpoint).
+
+    Raises:
+        GenoctxError: bad data dir, a run dir that already holds checkpoints without ``resume``, or a
+            ``resume`` from a run whose recipe differs.
+    """
+    cfg = recipe.train
+    data_dir, out = Path(data_dir), Path(out)
+    _check_manifest(data_dir)
+    ds = WindowDataset(data_dir, "train")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    dev = torch.device(device)
+
+    model = HybridLM(recipe.model).to(dev)
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
+    start = 0
+    latest = latest_checkpoint(out)
+    if latest is not None and not resume:
+        raise GenoctxError(
+            f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue "
+            f"or choose a new --out"
+        )
+    if resume and latest is not None:
+        state = load_training_state(latest, model, optimizer, scheduler)
+        start = int(state["step"])
+        log.info("resuming from %s (step %d)", latest, start)
+        _truncate_metrics(out / "metrics.jsonl", start)
+    out.mkdir(parents=True, exist_ok=True)
+
+    autocast = (
+        torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    )
+    params = model.num_parameters()
+    log.info(
+        "model: %d parameters (%d active per token); %d train windows of %d tokens; steps %d..%d",
+        params["total"],
+        params["active"],
+        len(ds),
+        ds.window,
+        start,
+        cfg.steps,
+    )
+
+    data_state = {"epoch": 0, "position": 0, "num_windows": len(ds)}
+    last = None
+    tokens_seen = 0
+    t_run = time.perf_counter()
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    ckpt = latest if start >= end else None
+    with open(out / "metrics.jsonl", "a") as mf:
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            tokens, data_state = sample_batch(ds, cfg, step)
+            model.train()
+            m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast)
+            dt = time.perf_counter() - t0
+            tokens_seen += tokens.numel()
+            last = {
+                "step": step + 1,
+                **m,
+                "tokens": tokens.numel(),
+                "tokens_per_s": tokens.numel() / dt,
+                "peak_memory_bytes": peak_memory_bytes(dev),
+                "layers": model.layer_stats(),
+            }
+            mf.write(json.dumps(last) + "\n")
+            mf.flush()
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                paths = ",".join(s.get("path", "?") for s in last["layers"])
+                log.info(
+                    "step %d/%d  loss %.4f nats (%.4f bits/base)  lr %.2e  %.0f tok/s  paths %s",
+                    step + 1,
+                    cfg.steps,
+                    m["loss"],
+                    m["loss"] / math.log(2),
+                    m["lr"],
+                    last["tokens_per_s"],
+                    paths,
+                )
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                ckpt = save_checkpoint(
+                    out,
+                    step + 1,
+                    model,
+                    optimizer,
+                    scheduler,
+                    recipe,
+                    {"data": data_state, "seed": cfg.seed},
+                    keep=cfg.keep_checkpoints,
+                )
+    if ckpt is None:  # nothing trained and nothing on disk: write the initial model (steps == 0)
+        ckpt = save_checkpoint(
+            out,
+            start,
+            model,
+            optimizer,
+            scheduler,
+            recipe,
+            {"data": data_state, "seed": cfg.seed},
+            keep=cfg.keep_checkpoints,
+        )
+    elapsed = time.perf_counter() - t_run
+    return {
+        "run": str(out),
+        "checkpoint": str(ckpt),
+        "steps": cfg.steps,
+        "step": max(start, end),
+        "resumed_from": start if resume else None,
+        "final_loss": last["loss"] if last else None,
+        "tokens_trained": tokens_seen,
+        "tokens_per_s": tokens_seen / elapsed if tokens_seen else None,
+        "peak_memory_bytes": peak_memory_bytes(dev),
+        "parameters": params,
+    }
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines past ``step`` (left by a run that stopped after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [
+        ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    tmp.replace(path)

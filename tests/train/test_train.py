@@ -1,0 +1,72 @@
+"""Training loop: checkpoints, resume equals an uninterrupted run, metrics."""
+
+import json
+
+import pytest
+
+from genoctx.errors import GenoctxError
+from genoctx.recipes import load_recipe
+from genoctx.train.checkpoint import latest_checkpoint, list_checkpoints, load_model
+from genoctx.train.loop import lr_lambda, train
+
+
+def _recipe(steps, **kw):
+    over = [
+        f"train.steps={steps}",
+        "train.seq_len=256",
+        "train.checkpoint_every=3",
+        "train.warmup_steps=1",
+        "train.keep_checkpoints=0",
+    ] + [f"train.{k}={v}" for k, v in kw.items()]
+    return load_recipe("recipes/tiny.yaml", over)
+
+
+def _metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_gives_the_same_loss_as_an_uninterrupted_run(prepared, tmp_path):
+    full = tmp_path / "full"
+    train(prepared, _recipe(4), full)
+    part = tmp_path / "part"
+    train(prepared, _recipe(4), part, stop_after=2)  # stops after step 2 (checkpoint at 2)
+    train(prepared, _recipe(4), part, resume=True)
+    a, b = _metrics(full), _metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for ma, mb in zip(a, b, strict=True):
+        assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-6, abs=1e-7)
+    assert [c.name for c in list_checkpoints(part)] == ["step_000002", "step_000003", "step_000004"]
+
+
+def test_steps_zero_writes_the_untrained_model(prepared, tmp_path):
+    summary = train(prepared, _recipe(0), tmp_path / "init")
+    ck = latest_checkpoint(tmp_path / "init")
+    assert ck.name == "step_000000" and summary["checkpoint"] == str(ck)
+    model, recipe, state = load_model(tmp_path / "init")
+    assert state["step"] == 0 and recipe.preset == "tiny"
+
+
+def test_metrics_record_paths_and_loss_in_nats(prepared, tmp_path):
+    train(prepared, _recipe(2), tmp_path / "r")
+    m = _metrics(tmp_path / "r")
+    assert len(m) == 2
+    for row in m:
+        assert 0.5 < row["loss"] < 3.0  # nats/token on 4 bases: ln 4 = 1.386 at chance
+        assert row["tokens"] == 256 and row["tokens_per_s"] > 0 and row["peak_memory_bytes"] > 0
+        paths = [(s["mixer"], s["path"]) for s in row["layers"]]
+        assert ("dsa", "sparse") in paths
+        assert row["moe_load_max_over_mean"] >= 1.0
+
+
+def test_existing_run_without_resume_is_refused(prepared, tmp_path):
+    train(prepared, _recipe(0), tmp_path / "r")
+    with pytest.raises(GenoctxError, match="--resume"):
+        train(prepared, _recipe(0), tmp_path / "r")
+
+
+def test_schedule_warms_up_then_decays_to_min():
+    cfg = _recipe(100, warmup_steps=10, min_lr_ratio=0.1).train
+    f = lr_lambda(cfg, 100)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert f(55) == pytest.approx(0.55)
