@@ -10,7 +10,6 @@ fi
 G=.venv/bin/genoctx
 OUT=${OUT:-demo}
 WINDOW=${WINDOW:-16k}
-STEPS=${STEPS:-300}
 
 $G prepare --out "$OUT/data" --window "$WINDOW" --chroms chr1,chr2 --eval-chroms chr22 \
   --fasta data/hg38/hg38_chr1_1-1000000.fa.gz \
@@ -18,6 +17,6 @@ $G prepare --out "$OUT/data" --window "$WINDOW" --chroms chr1,chr2 --eval-chroms
   --fasta data/hg38/hg38_chr22_32000001-32300000.fa >&2
 # The untrained model (same seed) is the baseline.
 $G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/init" --steps 0 --resume >&2
-$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/run" --steps "$STEPS" --resume >&2
+$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/run" --resume >&2
 $G eval --by-position --checkpoint "$OUT/run" --baseline "$OUT/init" --data "$OUT/data" \
   --plot "$OUT/by_position.png" --format table

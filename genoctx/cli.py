@@ -28,16 +28,20 @@ app.add_typer(model_app, name="model")
 
 
 def _setup_logging(verbose: bool) -> None:
-    from rich.console import Console
-    from rich.logging import RichHandler
+    """Logs to stderr: rich on a terminal, plain unwrapped lines (no colour codes) in pipes and files."""
+    level = logging.DEBUG if verbose else logging.INFO
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.logging import RichHandler
 
-    console = Console(stderr=True)
-    handler = RichHandler(
-        console=console, show_path=False, show_time=console.is_terminal, markup=False, rich_tracebacks=False
-    )
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, format="%(message)s", handlers=[handler], force=True
-    )
+        handler: logging.Handler = RichHandler(
+            console=Console(stderr=True), show_path=False, markup=False, rich_tracebacks=False
+        )
+        fmt = "%(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=[handler], force=True)
 
 
 def _user_errors(fn):
