@@ -9,8 +9,15 @@ Presets (``PRESETS``):
 
 - ``tiny``: a few thousand parameters, for unit tests (seconds on a CPU).
 - ``cpu-small``: trains on a laptop CPU on real DNA in minutes (the README demo).
-- ``glm-flash-like``: the published scale the project targets: 45 mixing layers (34 KDA + 11 DSA, about
-  3:1), MoE, n = 4 hyper-connections; widths from the Kimi Linear and DeepSeek-V3.2 configs.
+- ``glm-flash-like``: the published scale the project targets, a "flash" (~30B total, ~3B active) model:
+  45 mixing layers (34 KDA + 11 DSA, about 3:1), MoE, n = 4 hyper-connections. Mixer widths are the
+  published ones: KDA 32 heads of 128 (Kimi-Linear-48B-A3B), the lightning indexer 64 heads of 128 with
+  top-2048 (DeepSeek-V3.2), DSA in MQA form with 32 query heads of 128. The MoE takes the 30B-A3B class
+  shape of GLM-4.7-Flash (hidden 2048, 64 routed experts of width 1536, top-4, one shared expert, sigmoid
+  router with expert bias). Kimi Linear's own MoE (hidden 2304, 256 experts of 1024, top-8) over 45 layers
+  would give 83.7B total / 4.7B active, a different class (Kimi Linear has 27 layers); this preset gives
+  29.2B total / 3.7B active (``genoctx model info --preset glm-flash-like``; the vocabulary is 8
+  nucleotide tokens, so there are no large embedding tables).
 """
 
 from __future__ import annotations
@@ -52,8 +59,12 @@ class ModelConfig:
     indexer_tile_tokens: int = 1 << 22  # budget: query-tile rows x key columns of indexer scores held at once
     # "sparse": top-k attention (default). "dense": full causal attention, only when asked for explicitly.
     dsa_mode: str = "sparse"
-    # Indexer training stage (DeepSeek-V3.2): "sparse" = KL on the selected set, indexer input detached;
-    # "warmup" = KL against the dense attention distribution; "off" = no indexer loss.
+    # Indexer training stage (DeepSeek-V3.2), recipe key model.indexer_stage (CLI: --set model.indexer_stage=...):
+    # "sparse" = KL(p || softmax(I)) on the selected top-k set, p = head-summed main attention there (detached),
+    # indexer input detached: the indexer learns only from the KL, the model only from the LM loss;
+    # "warmup" = KL against the dense attention distribution over all visible keys (DeepSeek's warm-up also
+    # runs the main attention dense, model.dsa_mode=dense, and freezes every non-indexer parameter: the
+    # trainer's job); "off" = no indexer loss. indexer_loss_coef scales the KL added to the LM loss.
     indexer_stage: str = "sparse"
     indexer_loss_coef: float = 1.0
 
@@ -148,12 +159,12 @@ def _presets() -> dict[str, ModelConfig]:
             moe_chunk_tokens=8192,
             hc_streams=4,
         ),
-        # Published scale: Kimi-Linear-48B-A3B (KDA 32 heads of 128, MoE 256 experts top-8 + 1 shared,
-        # expert width 1024, hidden 2304) with DeepSeek-V3.2's indexer (64 heads of 128, top-2048);
-        # 45 mixing layers at about 3:1 (34 KDA + 11 DSA).
+        # Published scale, GLM-4.7-Flash class (~30B total, ~3B active; see the module docstring):
+        # KDA 32 heads of 128 (Kimi Linear), DSA 32 query heads of 128 over one shared key/value head (MQA)
+        # with DeepSeek-V3.2's indexer (64 heads of 128, top-2048); 45 mixing layers, 34 KDA + 11 DSA.
         "glm-flash-like": ModelConfig(
             vocab_size=8,
-            d_model=2304,
+            d_model=2048,
             n_layers=45,
             layer_pattern="KKKDKKKDKKKDKKKDKKKDKKKDKKKDKKKDKKKDKKKDKKKKD",
             kda_heads=32,
@@ -164,9 +175,9 @@ def _presets() -> dict[str, ModelConfig]:
             index_heads=64,
             index_head_dim=128,
             index_topk=2048,
-            n_experts=256,
-            experts_per_token=8,
-            expert_hidden=1024,
+            n_experts=64,
+            experts_per_token=4,
+            expert_hidden=1536,
             shared_experts=1,
             moe_chunk_tokens=16384,
             hc_streams=4,

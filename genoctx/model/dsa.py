@@ -170,6 +170,17 @@ def indexer_topk(
     return out
 
 
+def _no_autocast(fn):
+    """Run an autograd Function's forward/backward with autocast off: they pick their own (>= fp32) dtypes."""
+
+    def wrapped(ctx, *args):
+        dev = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+        with torch.autocast(device_type=dev, enabled=False):
+            return fn(ctx, *args)
+
+    return wrapped
+
+
 def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     """``x [B, N, ...]`` gathered at ``idx [B, R, K]`` (entries >= 0) -> ``[B, R, K, ...]``."""
     B, N = x.shape[:2]
@@ -190,6 +201,7 @@ class _SparseAttention(torch.autograd.Function):
     """Softmax attention of each query over its selected keys; query tiles; gathers recomputed in backward."""
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, q, k, v, idx, scale, tile_tokens):
         B, T, H, Dh = q.shape
         KVH = k.shape[2]
@@ -220,6 +232,7 @@ class _SparseAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, do):
         q, k, v, idx, lse = ctx.saved_tensors
         scale, rows = ctx.scale, ctx.rows
@@ -315,6 +328,7 @@ class _IndexerKLSparse(torch.autograd.Function):
     """
 
     @staticmethod
+    @_no_autocast
     def forward(ctx, iq, iw, ik, q, k, idx, scale, rows):
         B, T, H, Dh = q.shape
         KVH = k.shape[2]

@@ -19,6 +19,8 @@ Design choices:
   of the streams, which are copies after ``expand_streams``); b_post = 0 so H_post = 1; b_res puts 0.95 on
   the diagonal of H_res. With equal streams the layer is then a plain residual up to the α-scaled dynamic
   term, whose random φ (std 0.02, as in DeepSeek-V4) breaks the symmetry between streams.
+- Sinkhorn-Knopp is recomputed in backward (``torch.utils.checkpoint``): its ``2 x iters`` intermediate
+  ``[B, T, n, n]`` tensors would otherwise be the largest activation of the layer.
 - ``n_streams == 1`` has no parameters and is exactly ``x + F(x)`` (bit for bit).
 """
 
@@ -28,6 +30,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 ALPHA_INIT = 0.01  # gate scales α_pre, α_post, α_res (mHC paper)
 RES_INIT_DIAG = 0.95  # diagonal of H_res at init (identity-favouring)
@@ -125,7 +128,11 @@ class HyperConnection(nn.Module):
             h_pre = torch.sigmoid(self.alpha_pre.to(cdtype) * p_pre + self.b_pre.to(cdtype))
             h_post = 2.0 * torch.sigmoid(self.alpha_post.to(cdtype) * p_post + self.b_post.to(cdtype))
             res_logits = self.alpha_res.to(cdtype) * p_res.unflatten(-1, (n, n)) + self.b_res.to(cdtype)
-            h_res = sinkhorn_knopp(res_logits, self.sinkhorn_iters)
+            if torch.is_grad_enabled() and res_logits.requires_grad:
+                # recomputed in backward: autograd would otherwise keep 2 x iters [B, T, n, n] tensors
+                h_res = checkpoint(sinkhorn_knopp, res_logits, self.sinkhorn_iters, use_reentrant=False)
+            else:
+                h_res = sinkhorn_knopp(res_logits, self.sinkhorn_iters)
         return h_pre, h_post, h_res
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

@@ -14,6 +14,9 @@ Design choices:
 - Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
   Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
   sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
+- The layer recomputes the core in backward (``recompute=True``): only q, k, v, g, beta and the initial
+  state are kept per layer; ``_CausalDecayScores`` has a hand-written backward that recomputes its decay
+  factors, so even the core's own graph keeps nothing of size ``T x sub x K``.
 - The slow token-by-token reference is ``genoctx.model.reference.recurrent_kda``.
 - The layer follows the chunk contract: ``forward(x, cache) -> (y, cache)``; ``KDACache`` carries the
   recurrent state and the last ``conv_size - 1`` pre-convolution inputs, so k chunks of L/k tokens equal
@@ -30,11 +33,99 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from genoctx.errors import GenoctxError
 from genoctx.model.config import ModelConfig
 
 _SUB_CHUNK = 8  # tokens per sub-chunk for the pairwise (masked) decay differences (8 is fastest on CPU)
+
+
+def _decay_factors(b: Tensor, G: Tensor):
+    """Decay factors shared by the forward and backward of ``_CausalDecayScores`` (every exponent <= 0).
+
+    b, G: ``[..., C, K]``. Returns ``(sub, n, bb, Ed, b_diag, row_decay, e, b_off)``: ``Ed``
+    ``[..., n, sub, sub, K]`` = ``exp(G_i - G_j)`` inside sub-chunks (0 above the diagonal), ``b_diag = b_j Ed``;
+    ``row_decay`` ``[..., n-1, sub, K]`` = ``exp(G_i - r_s)``, ``e`` ``[..., n-1, C, K]`` = ``exp(r_s - G_j)`` for
+    columns in earlier sub-chunks (else 0), ``b_off = b * e`` (the last three None when n == 1).
+    """
+    *lead, C, K = b.shape
+    sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
+    n = C // sub
+    bb, Gb = (x.reshape(*lead, n, sub, K) for x in (b, G))
+    causal = torch.ones(sub, sub, dtype=torch.bool, device=b.device).tril()
+    Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(~causal[..., None], float("-inf")).exp_()
+    b_diag = bb.unsqueeze(-3) * Ed  # [..., n, sub(i), sub(j), K]
+    row_decay = e = b_off = None
+    if n > 1:
+        r = Gb[..., :-1, -1, :]  # [..., n-1, K] anchors for row sub-chunks 1..n-1
+        row_decay = (Gb[..., 1:, :, :] - r.unsqueeze(-2)).exp_()  # [..., n-1, sub, K]
+        before = torch.arange(C, device=b.device)[None, :] < (torch.arange(1, n, device=b.device)[:, None] * sub)
+        e = (r.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill_(~before[..., None], float("-inf")).exp_()
+        b_off = b.unsqueeze(-3) * e  # [..., n-1, C, K]
+    return sub, n, bb, Ed, b_diag, row_decay, e, b_off
+
+
+def _block_diagonal(diag: Tensor, C: int) -> Tensor:
+    """``[..., n, sub, sub]`` diagonal blocks -> ``[..., n, sub, C]`` rows with the blocks on the diagonal."""
+    *lead, n, sub, _ = diag.shape
+    A = diag.new_zeros(*lead, n, sub, n, sub)
+    A.diagonal(dim1=-4, dim2=-2).copy_(diag.movedim(-3, -1))
+    return A.view(*lead, n, sub, C)
+
+
+class _CausalDecayScores(torch.autograd.Function):
+    """``A[..., i, j] = sum_d a_id b_jd exp(G_id - G_jd)`` (j <= i, else 0) for several ``a``, one autograd node.
+
+    Backward recomputes the decay factors (nothing of size ``C x sub x K`` is saved) and uses
+    ``da_i = sum_j dA_ij b_j e^{G_i - G_j}``, ``db_j = sum_i dA_ij a_i e^{G_i - G_j}`` (the same causal
+    decayed products, transposed) and ``dG = sum_a a * da - b * db`` (A depends on G only via G_i - G_j).
+    """
+
+    @staticmethod
+    def forward(ctx, b, G, *rows):
+        C = b.shape[-2]
+        sub, n, _, _, b_diag, row_decay, _, b_off = _decay_factors(b, G)
+        out = []
+        for a in rows:
+            ab = a.reshape(*a.shape[:-2], n, sub, a.shape[-1])
+            A = _block_diagonal((b_diag * ab.unsqueeze(-2)).sum(-1), C)  # [..., n, sub, C]
+            if n > 1:
+                A[..., 1:, :, :] += (ab[..., 1:, :, :] * row_decay) @ b_off.transpose(-1, -2)
+            out.append(A.reshape(*a.shape[:-1], C))
+        ctx.save_for_backward(b, G, *rows)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *dAs):
+        b, G, *rows = ctx.saved_tensors
+        *lead, C, K = b.shape
+        sub, n, bb, Ed, b_diag, row_decay, e, b_off = _decay_factors(b, G)
+        g_bdiag = torch.zeros_like(b_diag) if any(d is not None for d in dAs) else None
+        g_boff = torch.zeros_like(b_off) if n > 1 else None
+        grads, dG = [], torch.zeros_like(G)
+        for a, dA in zip(rows, dAs, strict=True):
+            if dA is None:
+                grads.append(None)
+                continue
+            ab = a.reshape(*lead, n, sub, K)
+            dAr = dA.reshape(*lead, n, sub, n, sub)
+            dAd = dAr.diagonal(dim1=-4, dim2=-2).movedim(-1, -3).contiguous()  # [..., n, sub(i), sub(j)]
+            da = (dAd.unsqueeze(-1) * b_diag).sum(-2)  # [..., n, sub, K]
+            g_bdiag.add_(dAd.unsqueeze(-1) * ab.unsqueeze(-2))
+            if n > 1:
+                d_off = dA.reshape(*lead, n, sub, C)[..., 1:, :, :].contiguous()  # [..., n-1, sub, C]
+                a_dec = ab[..., 1:, :, :] * row_decay
+                da[..., 1:, :, :] += (d_off @ b_off) * row_decay
+                g_boff.add_(d_off.transpose(-1, -2) @ a_dec)
+            da = da.reshape(a.shape)
+            dG.add_(a * da)
+            grads.append(da)
+        db = (g_bdiag * Ed).sum(-3).reshape(b.shape)
+        if n > 1:
+            db += (g_boff * e).sum(-3)
+        dG.sub_(b * db)
+        return (db, dG, *grads)
 
 
 def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list[Tensor]:
@@ -44,37 +135,12 @@ def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list
     part has exponents <= 0. Inside sub-chunks of ``_SUB_CHUNK`` tokens the differences are formed
     pairwise and masked to the causal part before ``exp``; between sub-chunks a row sub-chunk ``s`` uses
     the anchor ``r = G`` at the last token of sub-chunk ``s - 1``: ``exp(G_i - r) * exp(r - G_j)``, both
-    factors <= 1. Memory per chunk is ``C * (sub + C / sub) * K`` rather than ``C * C * K``. The decay
-    factors on the ``b`` side are computed once and shared by all ``rows`` (A_kk and A_qk).
+    factors <= 1. Memory per chunk is ``C * (sub + C / sub) * K`` rather than ``C * C * K``, and only while
+    the node runs: backward recomputes the factors (``_CausalDecayScores``) and saves only a, b, G.
 
     Returns a list of ``[..., C, C]`` tensors in b's dtype.
     """
-    *lead, C, K = b.shape
-    sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
-    n = C // sub
-    bb, Gb = (x.reshape(*lead, n, sub, K) for x in (b, G))
-    causal = torch.ones(sub, sub, dtype=torch.bool, device=b.device).tril()
-    diff = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
-    b_diag = bb.unsqueeze(-3) * diff.exp()  # [..., n, sub(i), sub(j), K]
-    eye = torch.eye(n, dtype=b.dtype, device=b.device)
-    if n > 1:
-        r = Gb[..., :-1, -1, :]  # [..., n-1, K] anchors for row sub-chunks 1..n-1
-        row_decay = (Gb[..., 1:, :, :] - r.unsqueeze(-2)).exp()  # [..., n-1, sub, K]
-        before = torch.arange(C, device=b.device)[None, :] < (
-            torch.arange(1, n, device=b.device)[:, None] * sub
-        )  # [n-1, C]: column j lies in an earlier sub-chunk
-        e = (r.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~before[..., None], float("-inf"))
-        b_off = (b.unsqueeze(-3) * e.exp()).transpose(-1, -2)  # [..., n-1, K, C]
-    out = []
-    for a in rows:
-        ab = a.reshape(*lead, n, sub, K)
-        diag = (ab.unsqueeze(-2) * b_diag).sum(-1)  # [..., n, sub, sub]
-        A = (diag.unsqueeze(-2) * eye[:, None, :, None]).reshape(*lead, n, sub, C)  # block diagonal
-        if n > 1:
-            off = (ab[..., 1:, :, :] * row_decay) @ b_off  # [..., n-1, sub, C]
-            A = A + torch.cat([off.new_zeros(*lead, 1, sub, C), off], dim=-3)
-        out.append(A.reshape(*lead, C, C))
-    return out
+    return list(_CausalDecayScores.apply(b, G, *rows))
 
 
 def chunk_kda(
@@ -201,9 +267,11 @@ class KimiDeltaAttention(nn.Module):
         cfg: uses ``d_model``, ``kda_heads``, ``kda_head_dim``, ``kda_conv_size``, ``kda_chunk_size``,
             ``norm_eps``, ``init_std``.
         use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``).
+        recompute: with grad enabled, save only the core's inputs and rerun ``chunk_kda`` in backward
+            (``torch.utils.checkpoint``): about 6x less activation memory for the core, one extra core forward.
     """
 
-    def __init__(self, cfg: ModelConfig, use_fla: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, use_fla: bool = False, recompute: bool = True) -> None:
         super().__init__()
         d, H, Dh = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
         self.n_heads, self.head_dim, self.key_dim = H, Dh, H * Dh
@@ -212,6 +280,7 @@ class KimiDeltaAttention(nn.Module):
         self.norm_eps = cfg.norm_eps
         self.init_std = cfg.init_std
         self.use_fla = use_fla
+        self.recompute = recompute
         hk = self.key_dim
         self.q_proj = nn.Linear(d, hk, bias=False)
         self.k_proj = nn.Linear(d, hk, bias=False)
@@ -306,7 +375,11 @@ class KimiDeltaAttention(nn.Module):
             o, state = fla_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
             path = "fla"
         else:
-            o, state = chunk_kda(q, k, v, g, beta, initial_state=initial_state, chunk_size=self.chunk_size)
+            args = (q, k, v, g, beta, None, initial_state, True, self.chunk_size)
+            if self.recompute and torch.is_grad_enabled():
+                o, state = checkpoint(chunk_kda, *args, use_reentrant=False)
+            else:
+                o, state = chunk_kda(*args)
             path = "chunk"
         self.stats = {"path": path}
         return self.output(o, x), KDACache(state=state, conv_state=conv_state)

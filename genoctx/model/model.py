@@ -108,9 +108,7 @@ class HybridLM(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
-    def forward(
-        self, tokens: torch.Tensor, cache: ModelCache | None = None
-    ) -> tuple[torch.Tensor, ModelCache]:
+    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache]:
         """Run one chunk.
 
         Args:
@@ -141,7 +139,10 @@ class HybridLM(nn.Module):
         return total
 
     def layer_stats(self) -> list[dict]:
-        """Per layer, what ran in the last forward: mixer type and path, DSA keys scored, MoE load."""
+        """Per layer, what ran in the last forward: ``layer``, ``mixer`` ("kda"/"dsa"), the mixer's ``stats``
+        (KDA ``path``; DSA ``path``, ``keys_scored``, ``keys_attended``, ``indexer_loss``) and, for MoE layers,
+        ``moe_tokens_per_expert`` (list of E ints: token-slots routed to each expert in that forward) and
+        ``moe_load_max_over_mean`` (max / mean of that list; 1.0 = perfectly balanced)."""
         out = []
         for i, b in enumerate(self.blocks):
             s = {"layer": i, "mixer": "dsa" if b.layer_type == DSA else "kda"}
@@ -150,6 +151,8 @@ class HybridLM(nn.Module):
             fs = getattr(b.ffn, "stats", None)
             if fs:
                 s["moe_load_max_over_mean"] = fs.get("load_max_over_mean")
+                tpe = fs.get("tokens_per_expert")
+                s["moe_tokens_per_expert"] = tpe.tolist() if torch.is_tensor(tpe) else tpe
             out.append(s)
         return out
 
@@ -159,7 +162,9 @@ class HybridLM(nn.Module):
         return [b.ffn.update_bias() for b in self.blocks if isinstance(b.ffn, MoE)]
 
     def num_parameters(self) -> dict:
-        """Total and active (per token) parameter counts."""
+        """Parameter counts: ``total`` and ``active`` per token (total minus the ``n_experts -
+        experts_per_token`` routed experts a token does not use, in every MoE layer). Works on the meta
+        device (no memory) for large presets."""
         total = sum(p.numel() for p in self.parameters())
         active = total
         cfg = self.cfg
@@ -167,6 +172,70 @@ class HybridLM(nn.Module):
             per_expert = 3 * cfg.d_model * cfg.expert_hidden
             active -= len(self.blocks) * (cfg.n_experts - cfg.experts_per_token) * per_expert
         return {"total": total, "active": active}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> dict:
+    """Model FLOPs per token of one sequence of ``seq_len`` tokens, training (forward + backward) and forward.
+
+    Counts matmul FLOPs (2 per multiply-add); elementwise work (norms, gates, softmax, Sinkhorn, mHC stream
+    mixing of ``n^2 D`` per token) and recomputation are not counted. Backward = 2x forward for everything
+    trained by gradient; the indexer's top-k scoring runs without gradient (forward only).
+
+    - ``dense`` = 2 x (active parameters, minus the embedding table unless tied: a lookup) per token
+      forward, i.e. the usual ``6 N_active`` for training. Includes the mHC projections and the router.
+    - ``kda`` per KDA layer and head, chunk ``C``, head dim ``d`` (chunked WY form, independent of L):
+      ``A_kk``, ``A_qk`` ``2 C d``, triangular solve for W and U ``C d``, ``A_qk V'`` ``C d``, ``W S``, ``Q S``
+      and the state update ``3 d^2`` multiply-adds: ``4 C d + 3 d^2``.
+    - ``dsa_attention`` per DSA layer: ``2 H Dh k_eff`` multiply-adds (QK and PV), ``k_eff`` = mean over the
+      sequence of ``min(top-k, t)`` keys attended (mean visible keys ``(L + 1) / 2`` when dense).
+    - ``dsa_indexer`` per DSA layer: ``H_I d_I (L + 1) / 2`` multiply-adds (every visible key scored, forward
+      only; the L-dependent term) plus, for the indexer KL of the sparse stage, ``3 H_I d_I k_eff`` (scores
+      forward and backward) and ``H Dh k_eff`` (the target attention); the warm-up KL uses all visible keys.
+
+    Args:
+        cfg: the architecture.
+        seq_len: L, tokens in the sequence (>= 1).
+        active_params: ``HybridLM.num_parameters()["active"]``.
+
+    Returns:
+        ``{"train": {...}, "forward": {...}}``, each with ``dense``, ``kda``, ``dsa_attention``,
+        ``dsa_indexer`` and ``total`` (FLOPs per token, floats).
+
+    Raises:
+        ValueError: ``seq_len < 1``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    L = seq_len
+    types = cfg.layer_types
+    n_kda, n_dsa = types.count("K"), types.count(DSA)
+    matmul_params = active_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    C, d = cfg.kda_chunk_size, cfg.kda_head_dim
+    kda_macs = n_kda * cfg.kda_heads * (4 * C * d + 3 * d * d)
+    kk = min(cfg.index_topk, L) if cfg.dsa_mode == "sparse" else L
+    k_eff = (kk * (kk + 1) / 2 + (L - kk) * kk) / L  # mean of min(top-k, t) over t = 1..L
+    mean_visible = (L + 1) / 2
+    keys = mean_visible if cfg.dsa_mode == "dense" else k_eff
+    HI, dI, H, Dh = cfg.index_heads, cfg.index_head_dim, cfg.dsa_heads, cfg.dsa_head_dim
+    attn_macs = n_dsa * 2 * H * Dh * keys
+    topk_macs = n_dsa * HI * dI * mean_visible if (cfg.dsa_mode == "sparse" or cfg.indexer_stage == "sparse") else 0
+    kl_keys = {"sparse": k_eff, "warmup": mean_visible, "off": 0.0}[cfg.indexer_stage]
+    kl_macs = n_dsa * (3 * HI * dI + H * Dh) * kl_keys
+    train = {
+        "dense": 6.0 * matmul_params,
+        "kda": 6.0 * kda_macs,
+        "dsa_attention": 6.0 * attn_macs,
+        "dsa_indexer": 2.0 * (topk_macs + kl_macs),
+    }
+    fwd = {
+        "dense": 2.0 * matmul_params,
+        "kda": 2.0 * kda_macs,
+        "dsa_attention": 2.0 * attn_macs,
+        "dsa_indexer": 2.0 * topk_macs,
+    }
+    for x in (train, fwd):
+        x["total"] = sum(x.values())
+    return {"train": train, "forward": fwd}
 
 
 def shift_inputs(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:

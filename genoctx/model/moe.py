@@ -160,9 +160,7 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
         if self.aux_coef > 0:
             picked = F.one_hot(experts.reshape(-1), self.n_experts).float()  # [N*k, E]
-            sel = picked.new_zeros(n_seq, self.n_experts).index_add_(
-                0, seq.repeat_interleave(self.top_k), picked
-            )
+            sel = picked.new_zeros(n_seq, self.n_experts).index_add_(0, seq.repeat_interleave(self.top_k), picked)
             p = scores / scores.sum(-1, keepdim=True)
             psum = p.new_zeros(n_seq, self.n_experts).index_add_(0, seq, p)
             return y, counts, sel, psum

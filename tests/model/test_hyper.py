@@ -124,9 +124,7 @@ def test_pre_post_match_loop_reference_forward_and_backward(n):
 
     torch.testing.assert_close(h, h_ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(out, out_ref, atol=1e-10, rtol=1e-10)
-    for (name, _), g, gr in zip(
-        [("x", 0), ("f_out", 0), *hc.named_parameters()], grads, grads_ref, strict=True
-    ):
+    for (name, _), g, gr in zip([("x", 0), ("f_out", 0), *hc.named_parameters()], grads, grads_ref, strict=True):
         torch.testing.assert_close(g, gr, atol=1e-9, rtol=1e-9, msg=f"grad of {name}")
 
 

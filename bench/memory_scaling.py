@@ -1,0 +1,130 @@
+"""Peak memory of one forward+backward of the ``cpu-small`` model by sequence length; one JSON line per L.
+
+    .venv/bin/python bench/memory_scaling.py [--lengths 8192 16384 32768 65536] [--threads 2]
+
+Prints, per length L::
+
+    {"bench": "memory_scaling", "L": 65536, "preset": "cpu-small", "peak_mib": ..., "seconds": ...,
+     "mib_per_1k_tokens": ..., "growth_vs_prev_L": ...}
+
+Method (as ``bench/dsa_vs_dense.py``):
+
+- Input: real DNA (the embedded hg38 chr22 piece, ``data/hg38``), ``<bos>`` + the first L - 1 bases, batch 1.
+- Step: ``HybridLM(preset("cpu-small"))`` forward over the whole L tokens in one pass (no chunking, no
+  activation checkpointing beyond the model's own: MoE chunks are recomputed in backward), next-token
+  cross-entropy + the auxiliary losses (indexer KL), backward. fp32.
+- Each L runs in a fresh subprocess. Peak memory on CPU is ``ru_maxrss`` (the process's peak resident set)
+  after the step minus the resident set just before it (model, optimizer-free, inputs allocated; a warm-up
+  step at 512 tokens has loaded kernels). On CUDA: ``torch.cuda.max_memory_allocated()`` minus the
+  allocation before the step.
+
+Target (issue 4, DESIGN.md performance rules): memory grows linearly with L: 32k -> 64k at most 2.2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rss_now_mib() -> float:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _tokens(L: int):
+    import torch
+
+    from genoctx.data.tokenizer import BOS, encode
+
+    text = (REPO / "data" / "hg38" / "hg38_chr22_32000001-32300000.fa").read_text().split("\n", 1)[1]
+    seq = text.replace("\n", "")
+    seq = (seq * (L // len(seq) + 1))[:L]
+    tokens = torch.from_numpy(encode(seq)[0].astype("int64"))[None]
+    inputs = torch.cat([torch.full_like(tokens[:, :1], BOS), tokens[:, :-1]], dim=1)
+    return inputs, tokens
+
+
+def worker(L: int, preset_name: str, device: str) -> dict:
+    """One forward+backward at length L in this process; returns its time and peak memory."""
+    import torch
+    import torch.nn.functional as F
+
+    from genoctx.model.config import preset
+    from genoctx.model.model import HybridLM
+
+    torch.manual_seed(0)
+    model = HybridLM(preset(preset_name)).to(device)
+
+    def step(inputs, targets):
+        logits, _ = model(inputs.to(device))
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten())
+        aux = model.aux_loss()
+        (loss if aux is None else loss + aux).backward()
+
+    step(*_tokens(512))  # warm-up: loads kernels
+    model.zero_grad(set_to_none=False)  # gradient buffers stay allocated: they are not part of the peak
+    inputs, targets = _tokens(L)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = _rss_now_mib()
+    t0 = time.perf_counter()
+    step(inputs, targets)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _peak_rss_mib()) - base
+    return {"seconds": round(seconds, 2), "peak_mib": round(peak, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--preset", default="cpu-small")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker-L", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker_L:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        print(json.dumps(worker(a.worker_L, a.preset, a.device)))
+        return
+    prev = None
+    for L in a.lengths:
+        cmd = [sys.executable, __file__, "--worker-L", str(L), "--preset", a.preset, "--device", a.device]
+        cmd += ["--threads", str(a.threads)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = {"bench": "memory_scaling", "L": L, "preset": a.preset, "device": a.device, "threads": a.threads}
+        if p.returncode:
+            err = p.stderr.strip().splitlines()
+            line["error"] = err[-1] if err else p.returncode
+        else:
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            line.update(res)
+            line["mib_per_1k_tokens"] = round(res["peak_mib"] / (L / 1024), 2)
+            if prev is not None:
+                line["growth_vs_prev_L"] = round(res["peak_mib"] / prev["peak_mib"], 2)
+            prev = res
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
