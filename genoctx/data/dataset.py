@@ -27,8 +27,7 @@ def load_manifest(data_dir: str | Path) -> dict:
     manifest = read_manifest(data_dir)
     if tuple(manifest["vocabulary"]) != VOCAB:
         raise GenoctxError(
-            f"{Path(data_dir) / 'manifest.json'}: vocabulary {manifest['vocabulary']} "
-            f"differs from {list(VOCAB)}"
+            f"{Path(data_dir) / 'manifest.json'}: vocabulary {manifest['vocabulary']} differs from {list(VOCAB)}"
         )
     return manifest
 
@@ -68,8 +67,7 @@ class WindowDataset(Dataset):
         if not self.windows:
             available = sorted({w["split"] for w in self.manifest["windows"]})
             raise GenoctxError(
-                f"{self.data_dir}: split {split!r} has no windows; "
-                f"available: {', '.join(available) or 'none'}"
+                f"{self.data_dir}: split {split!r} has no windows; available: {', '.join(available) or 'none'}"
             )
         self.shards = self.manifest["shards"]
         for index in sorted({w["shard"] for w in self.windows}):

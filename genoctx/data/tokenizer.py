@@ -99,6 +99,40 @@ def encode(seq: bytes | str | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return tokens, _LOWER_LUT[raw]
 
 
+_STRIP = b" \t\r\n\v\f"  # deleted by encode_chunk (line breaks, blank lines, stray spaces)
+_TOKEN_TABLE = _TOKEN_LUT.tobytes()
+_LOWER_TABLE = _LOWER_LUT.astype(np.uint8).tobytes()
+_INVALID_BYTE = bytes([_INVALID])
+
+
+def encode_chunk(raw: bytes, softmask: bool = True) -> tuple[bytes, bytes | None]:
+    """Tokenise a raw piece of FASTA sequence text in one pass: whitespace removed, bases mapped.
+
+    The fast path of ``genoctx prepare``: ``bytes.translate`` with a 256-entry table and a delete set,
+    equal to :func:`encode` on the text with line breaks removed (tested on the real hg38 pieces).
+
+    Args:
+        raw: sequence text as in the file, line breaks (``\\n``, ``\\r\\n``), blank lines, spaces and tabs
+            allowed (they are removed); no header lines.
+        softmask: also return the soft-mask channel.
+
+    Returns:
+        ``(tokens, mask)``: ``tokens`` bytes [L] of ids A=0 C=1 G=2 T=3 N=4 (IUPAC codes → N), ``mask``
+        bytes [L] of 0/1 (1 = lower case) or None when ``softmask`` is False. L = non-whitespace bytes.
+
+    Raises:
+        InvalidBaseError: the first byte that is neither a base, an IUPAC code nor whitespace; its
+            ``offset`` is the 0-based position in ``raw`` (not in the stripped sequence).
+    """
+    tokens = raw.translate(_TOKEN_TABLE, _STRIP)
+    if _INVALID_BYTE in tokens:
+        arr = np.frombuffer(raw, dtype=np.uint8)
+        bad = (_TOKEN_LUT[arr] == _INVALID) & ~np.isin(arr, np.frombuffer(_STRIP, dtype=np.uint8))
+        offset = int(np.flatnonzero(bad)[0])
+        raise InvalidBaseError(offset, int(arr[offset]))
+    return tokens, (raw.translate(_LOWER_TABLE, _STRIP) if softmask else None)
+
+
 def count_iupac(seq: bytes | str | np.ndarray) -> int:
     """Number of IUPAC ambiguity codes (R Y K M S W B D H V, either case) in ``seq``."""
     return int(np.count_nonzero(_IUPAC_LUT[_as_bytes_array(seq)]))

@@ -30,6 +30,8 @@ import json
 import logging
 import os
 import re
+import threading
+import zlib
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
@@ -38,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from genoctx.data.fasta import FastaError, fasta_md5, iter_records, locate_line
-from genoctx.data.tokenizer import VOCAB, InvalidBaseError, N, count_iupac, encode
+from genoctx.data.fasta import FastaError, FastaStream, fasta_md5, is_gzip, line_at
+from genoctx.data.tokenizer import VOCAB, InvalidBaseError, N, encode_chunk
 from genoctx.errors import GenoctxError
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ FORMAT = "genoctx-windows"
 FORMAT_VERSION = 1
 DEFAULT_EVAL_CHROMS = ("chr22",)
 _COUNT_BLOCK = 4096
+_WS = b" \t\r\n\v\f"
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 try:  # the distribution's version (works even where an old editable install sees genoctx as a namespace)
@@ -84,9 +87,7 @@ def parse_size(value: int | str) -> int:
 # --------------------------------------------------------------------------------------------- windows
 
 
-def plan_windows(
-    length: int, window: int, stride: int | None = None, drop_last: bool = True
-) -> list[tuple[int, int]]:
+def plan_windows(length: int, window: int, stride: int | None = None, drop_last: bool = True) -> list[tuple[int, int]]:
     """Windows over a record of ``length`` bases: 0-based half-open ``(start, end)``, starts at 0, stride, ...
 
     Every full window ``[s, s + window)`` with ``s + window <= length`` is listed. The first start past the
@@ -114,16 +115,28 @@ def _plan(length: int, window: int, stride: int) -> tuple[list[tuple[int, int]],
 
 
 class _RangeCounter:
-    """Count positions where ``pred(arr)`` holds inside any ``[s, e)`` via per-block prefix sums."""
+    """Count positions where ``pred(arr)`` holds inside any ``[s, e)`` via per-block prefix sums.
 
-    def __init__(self, arr: np.ndarray, pred: Callable[[np.ndarray], np.ndarray], block: int = _COUNT_BLOCK):
+    ``block_counts`` (int64 [len(arr) // block]) may be given when they were counted while streaming.
+    """
+
+    def __init__(
+        self,
+        arr: np.ndarray,
+        pred: Callable[[np.ndarray], np.ndarray],
+        block: int = _COUNT_BLOCK,
+        block_counts: np.ndarray | None = None,
+    ):
         self.arr, self.pred, self.block = arr, pred, block
         nb = arr.shape[0] // block
-        counts = np.empty(nb, dtype=np.int64)
-        step = max(1, (1 << 24) // block)  # bound the temporary bool array to 16M elements
-        for i in range(0, nb, step):
-            j = min(nb, i + step)
-            counts[i:j] = pred(arr[i * block : j * block]).reshape(j - i, block).sum(axis=1)
+        if block_counts is not None:
+            counts = block_counts[:nb]
+        else:
+            counts = np.empty(nb, dtype=np.int64)
+            step = max(1, (1 << 24) // block)  # bound the temporary bool array to 16M elements
+            for i in range(0, nb, step):
+                j = min(nb, i + step)
+                counts[i:j] = pred(arr[i * block : j * block]).reshape(j - i, block).sum(axis=1)
         self.cum = np.zeros(nb + 1, dtype=np.int64)
         np.cumsum(counts, out=self.cum[1:])
 
@@ -136,6 +149,45 @@ class _RangeCounter:
         if bs >= be:
             return self._direct(s, e)
         return int(self.cum[be] - self.cum[bs]) + self._direct(s, bs * b) + self._direct(be * b, e)
+
+
+class _BlockCounter:
+    """Streaming per-block counts of N tokens over consecutive chunks of one record (chunks without N
+    cost nothing: their blocks are known to be 0)."""
+
+    def __init__(self, block: int = _COUNT_BLOCK):
+        self.block = block
+        self.parts: list[np.ndarray | int] = []  # arrays of counts, or an int = that many zero blocks
+        self.fill = 0  # bases in the current partial block
+        self.cur = 0
+
+    def add(self, tokens: bytes, n_total: int) -> None:
+        """Add one chunk (``n_total`` = number of N in ``tokens``, already counted)."""
+        b, size, pos = self.block, len(tokens), 0
+        if self.fill:
+            take = min(b - self.fill, size)
+            self.cur += tokens.count(4, 0, take) if n_total else 0
+            self.fill += take
+            pos = take
+            if self.fill == b:
+                self.parts.append(np.array([self.cur], np.int64))
+                self.fill = self.cur = 0
+        k = (size - pos) // b
+        if k:
+            if n_total:
+                a = np.frombuffer(tokens, np.uint8, count=k * b, offset=pos).reshape(k, b)
+                self.parts.append(np.count_nonzero(a == 4, axis=1).astype(np.int64))
+            else:
+                self.parts.append(k)
+            pos += k * b
+        if pos < size:
+            self.cur += tokens.count(4, pos) if n_total else 0
+            self.fill += size - pos
+
+    def counts(self) -> np.ndarray:
+        """N count per full block, int64 [length // block]."""
+        arrays = [np.zeros(p, np.int64) if isinstance(p, int) else p for p in self.parts]
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
 
 
 # ------------------------------------------------------------------------------------------- file I/O
@@ -184,6 +236,14 @@ def _file_md5(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _file_crc32(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
 def _safe_name(chrom: str) -> str:
     """File-system-safe stem for a record name (``HLA-A*01:01`` -> ``HLA-A_01_01``)."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", chrom).lstrip(".") or "_"
@@ -211,9 +271,7 @@ def read_manifest(out: str | Path) -> dict:
             f"{path}: manifest format_version {manifest.get('format_version')!r} is not supported "
             f"(this genoctx reads version {FORMAT_VERSION})"
         )
-    missing = [
-        k for k in ("vocabulary", "policies", "window", "shards", "windows", "splits") if k not in manifest
-    ]
+    missing = [k for k in ("vocabulary", "policies", "window", "shards", "windows", "splits") if k not in manifest]
     if missing:
         raise GenoctxError(f"{path}: manifest lacks {', '.join(missing)}")
     return manifest
@@ -233,7 +291,7 @@ def verify(out: str | Path) -> list[str]:
     root = out.parent if out.suffix == ".json" and not out.is_dir() else out
     problems = []
     for shard in manifest["shards"]:
-        for key, md5_key in (("tokens", "md5"), ("softmask", "softmask_md5")):
+        for key in ("tokens", "softmask"):
             path = root / shard[key]
             if not path.is_file():
                 problems.append(f"{path}: missing shard file")
@@ -242,8 +300,24 @@ def verify(out: str | Path) -> list[str]:
             if size != shard["length"]:
                 problems.append(f"{path}: {size} bytes, manifest says {shard['length']}")
                 continue
-            if md5_key in shard and (md5 := _file_md5(path)) != shard[md5_key]:
+            crc_key = "crc32" if key == "tokens" else "softmask_crc32"
+            md5_key = "md5" if key == "tokens" else "softmask_md5"  # format_version 1 before genoctx 0.2
+            if crc_key in shard and (crc := _file_crc32(path)) != shard[crc_key]:
+                problems.append(f"{path}: crc32 {crc} != manifest {shard[crc_key]}")
+            elif crc_key not in shard and md5_key in shard and (md5 := _file_md5(path)) != shard[md5_key]:
                 problems.append(f"{path}: md5 {md5} != manifest {shard[md5_key]}")
+    for i, w in enumerate(manifest["windows"]):
+        if "crc32" not in w or problems:
+            continue
+        shard = manifest["shards"][w["shard"]]
+        with open(root / shard["tokens"], "rb") as f:
+            f.seek(w["offset"])
+            crc = f"{zlib.crc32(f.read(w['end'] - w['start'])):08x}"
+        if crc != w["crc32"]:
+            problems.append(
+                f"{root / shard['tokens']}: window {i} ({w['chrom']}:{w['start']}-{w['end']}) crc32 "
+                f"{crc} != manifest {w['crc32']}"
+            )
     return problems
 
 
@@ -286,84 +360,141 @@ class _Run:
                 pass
 
 
-def _load_or_write_shard(
-    run: _Run,
-    shards_dir: Path,
-    stem: str,
-    chrom: str,
-    seq: bytes,
-    source: Path,
-    shard_args: dict,
-    uppercase_only: bool,
-) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Reuse a finished shard whose sidecar and md5s match, or encode ``seq`` and write it atomically.
+class _Md5:
+    """The md5 of a source file, computed in a background thread (hashlib releases the GIL)."""
 
-    Returns ``(stats, tokens, softmask)``; the arrays are in memory (new shard) or read-only memmaps.
-    """
-    tok_path = shards_dir / f"{stem}.tokens.u8"
-    sm_path = shards_dir / f"{stem}.softmask.u8"
-    side_path = shards_dir / f"{stem}.json"
-    if side_path.is_file():
+    def __init__(self, path: Path):
+        self.path = path
+        self._value: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
-            side = json.loads(side_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            side = None
-        if side is not None and side.get("args") != shard_args:
-            raise GenoctxError(
-                f"{side_path}: this shard was prepared with other arguments ({side.get('args')}); "
-                "use a new --out"
-            )
-        if (
-            side is not None
-            and tok_path.is_file()
-            and sm_path.is_file()
-            and tok_path.stat().st_size == side["length"] == len(seq)
-            and sm_path.stat().st_size == side["length"]
-            and _file_md5(tok_path) == side["md5"]
-            and _file_md5(sm_path) == side["softmask_md5"]
-        ):
-            log.info("%s: shard %s is up to date; skipped", chrom, tok_path)
-            if side["length"] == 0:
-                return side["stats"], np.zeros(0, np.uint8), np.zeros(0, np.uint8)
-            return (
-                side["stats"],
-                np.memmap(tok_path, dtype=np.uint8, mode="r"),
-                np.memmap(sm_path, dtype=np.uint8, mode="r"),
-            )
-        log.info("%s: shard %s is missing or damaged; rewriting", chrom, tok_path)
+            self._value = fasta_md5(self.path)
+        except BaseException as e:  # re-raised by result()
+            self._error = e
 
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+def _shard_args(chrom: str, source_md5: str, case: str) -> dict:
+    return {"format_version": FORMAT_VERSION, "chrom": chrom, "source_md5": source_md5, "case": case}
+
+
+def _clean_stale_temporaries(folder: Path) -> None:
+    """Remove ``.NAME.tmp-PID`` files left by a killed run (PID no longer alive)."""
+    if not folder.is_dir():
+        return
+    for tmp in folder.glob(".*.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            pass
+
+
+def _shard_is_current(side_path: Path, tok_path: Path, sm_path: Path, shard_args: dict) -> dict | None:
+    """The sidecar if the shard was finished with these arguments and its bytes still match; else None.
+
+    Raises:
+        GenoctxError: the shard was prepared with other arguments.
+    """
+    if not side_path.is_file():
+        return None
     try:
-        tokens, softmask = encode(seq)
-    except InvalidBaseError as e:
-        line = locate_line(source, chrom, e.offset)
-        where = f"position {e.offset + 1} of the record" + (f", line {line}" if line else "")
-        raise FastaError(f"{source}: record {chrom}: {e} ({where})") from None
-    softmask = np.zeros_like(tokens) if uppercase_only else softmask.view(np.uint8)
+        side = json.loads(side_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if side.get("args") != shard_args:
+        raise GenoctxError(
+            f"{side_path}: this shard was prepared with other arguments ({side.get('args')}); use a new --out"
+        )
+    if (
+        "crc32" in side
+        and tok_path.is_file()
+        and sm_path.is_file()
+        and tok_path.stat().st_size == side["length"] == sm_path.stat().st_size
+        and _file_crc32(tok_path) == side["crc32"]
+        and _file_crc32(sm_path) == side["softmask_crc32"]
+    ):
+        return side
+    return None
+
+
+def _stream_shard(
+    run: _Run,
+    tok_path: Path,
+    sm_path: Path,
+    chrom: str,
+    segments: Any,
+    source: Path,
+    uppercase_only: bool,
+) -> tuple[dict, _BlockCounter]:
+    """Tokenise one record's raw segments into ``tok_path``/``sm_path`` (temporary names, then rename).
+
+    Memory is O(one segment) whatever the record length. Returns the record's stats and block counts.
+    """
+    tmps = [p.with_name(f".{p.name}.tmp-{os.getpid()}") for p in (tok_path, sm_path)]
+    counter = _BlockCounter()
+    length = n_count = sm_count = iupac = 0
+    tok_crc = sm_crc = 0
+    try:
+        with open(tmps[0], "wb") as ftok, open(tmps[1], "wb") as fsm:
+            for raw, offset in segments:
+                try:
+                    tokens, softmask = encode_chunk(raw, softmask=not uppercase_only)
+                except InvalidBaseError as e:
+                    pos = length + len(raw[: e.offset].translate(None, _WS))
+                    line = line_at(source, offset + e.offset)
+                    raise FastaError(
+                        f"{source}: record {chrom}: invalid base {chr(e.byte)!r} (byte 0x{e.byte:02x}) at offset "
+                        f"{pos} (0-based; position {pos + 1} of the record), line {line}"
+                    ) from None
+                if softmask is None:
+                    softmask = bytes(len(tokens))
+                n = tokens.count(4)
+                if n:
+                    iupac += n - raw.count(b"N") - raw.count(b"n")
+                counter.add(tokens, n)
+                if not uppercase_only:
+                    sm_count += int(np.count_nonzero(np.frombuffer(softmask, np.uint8)))
+                ftok.write(tokens)
+                fsm.write(softmask)
+                tok_crc = zlib.crc32(tokens, tok_crc)
+                sm_crc = zlib.crc32(softmask, sm_crc)
+                length += len(tokens)
+                n_count += n
+            # no fsync here: a shard torn by a crash fails its crc32 on the next run and is rewritten
+        for tmp, path in zip(tmps, (tok_path, sm_path), strict=True):
+            run.files.append(path)
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
     stats = {
-        "length": int(tokens.size),
-        "n_count": int(np.count_nonzero(tokens == N)),
-        "softmask_count": int(np.count_nonzero(softmask)),
-        "iupac_count": count_iupac(seq),
-        "md5": hashlib.md5(tokens.data).hexdigest(),
-        "softmask_md5": hashlib.md5(softmask.data).hexdigest(),
+        "length": length,
+        "n_count": n_count,
+        "softmask_count": sm_count,
+        "iupac_count": iupac,
+        "crc32": f"{tok_crc:08x}",
+        "softmask_crc32": f"{sm_crc:08x}",
     }
-    for path, arr in ((tok_path, tokens), (sm_path, softmask)):
-        run.files.append(path)
-        _atomic_write(path, arr)
-    sidecar = {
-        "chrom": chrom,
-        "source": str(source),
-        "args": shard_args,
-        "length": stats["length"],
-        "md5": stats["md5"],
-        "softmask_md5": stats["softmask_md5"],
-        "stats": stats,
-    }
-    run.files.append(side_path)
-    _atomic_write(side_path, _json_bytes(sidecar))
-    n, sm = stats["n_count"], stats["softmask_count"]
-    log.info("%s: wrote %s (%d bases, %d N, %d soft-masked)", chrom, tok_path, tokens.size, n, sm)
-    return stats, tokens, softmask
+    return stats, counter
 
 
 def prepare(
@@ -377,6 +508,7 @@ def prepare(
     uppercase_only: bool = False,
     drop_last: bool = True,
     progress: bool = True,
+    expected_lengths: dict[str, int] | None = None,
 ) -> dict:
     """Tokenise FASTA records into per-chromosome shards and write the window manifest.
 
@@ -393,6 +525,8 @@ def prepare(
         drop_last: drop each record's final partial window (counted in ``skipped.partial``); if False it is
             kept and padded with PAD at load time.
         progress: log one INFO line per record to stderr (via ``logging``); DEBUG when False.
+        expected_lengths: ``{chrom: bases}`` (e.g. UCSC ``hg38.chrom.sizes``); a tokenised record of another
+            length is an error (checked after decompression, before its windows are listed).
 
     Returns:
         The manifest dict (also in ``OUT/manifest.json``); see the module docstring for the layout and
@@ -423,7 +557,9 @@ def prepare(
             raise GenoctxError("empty chromosome lists: give --train-chroms and/or --eval-chroms")
 
     sources = [Path(p).expanduser().resolve() for p in fastas]
-    md5s = [fasta_md5(p) for p in sources]  # FastaError if missing: before anything is written
+    for p in sources:
+        is_gzip(p)  # FastaError if missing or unreadable: before anything is written
+    md5_jobs = [_Md5(p) for p in sources]  # hashed in background threads while the records stream
     case = "uppercase" if uppercase_only else "softmask-channel"
     arguments = {
         "window": window,
@@ -433,12 +569,13 @@ def prepare(
         "max_n_fraction": float(max_n_fraction),
         "uppercase_only": bool(uppercase_only),
         "drop_last": bool(drop_last),
-        "source_md5s": md5s,
+        "source_md5s": None,  # filled in from md5_jobs when first needed
     }
 
     out = Path(out)
     if (out / "manifest.json").exists():
         old = read_manifest(out)
+        arguments["source_md5s"] = [job.result() for job in md5_jobs]
         if old.get("arguments") != arguments:
             raise GenoctxError(
                 f"{out}: already prepared with other arguments (window {old.get('window')}, stride "
@@ -451,7 +588,9 @@ def prepare(
 
     run = _Run()
     try:
-        return _prepare(run, sources, md5s, out, window, stride, train, eval_, arguments, case, say)
+        return _prepare(
+            run, sources, md5_jobs, out, window, stride, train, eval_, arguments, case, say, expected_lengths or {}
+        )
     except GenoctxError:
         run.rollback()
         raise
@@ -460,7 +599,7 @@ def prepare(
 def _prepare(
     run: _Run,
     sources: list[Path],
-    md5s: list[str],
+    md5_jobs: list[_Md5],
     out: Path,
     window: int,
     stride: int,
@@ -469,22 +608,25 @@ def _prepare(
     arguments: dict,
     case: str,
     say: Callable[..., None],
+    expected_lengths: dict[str, int],
 ) -> dict:
     shards_dir = out / "shards"
     run.mkdir(shards_dir)
+    _clean_stale_temporaries(shards_dir)
+    _clean_stale_temporaries(out)
     max_n_fraction, drop_last = arguments["max_n_fraction"], arguments["drop_last"]
+    uppercase_only = case == "uppercase"
     owner: dict[str, Path] = {}
     stems: dict[str, str] = {}
     source_entries, shards, windows = [], [], []
     splits: dict[str, list[str]] = {"train": [], "eval": []}
     skipped = {"too_many_n": 0, "partial": 0}
-    for src_index, (source, md5) in enumerate(zip(sources, md5s, strict=True)):
-        names = []
-        for chrom, seq in iter_records(source):
+    for src_index, (source, md5_job) in enumerate(zip(sources, md5_jobs, strict=True)):
+        stream = FastaStream(source)
+        for chrom, segments in stream:
             if chrom in owner:
                 raise FastaError(f"{source}: record {chrom!r} also appears in {owner[chrom]}")
             owner[chrom] = source
-            names.append(chrom)
             split = _split_of(chrom, train, eval_)
             if split is None:
                 continue
@@ -492,11 +634,44 @@ def _prepare(
             if stem in stems.values():
                 raise GenoctxError(f"{source}: record names {chrom!r} and another map to the same file name")
             stems[chrom] = stem
-            shard_args = {"format_version": FORMAT_VERSION, "chrom": chrom, "source_md5": md5, "case": case}
-            stats, tokens, softmask = _load_or_write_shard(
-                run, shards_dir, stem, chrom, seq, source, shard_args, case == "uppercase"
-            )
-            del seq
+            tok_path = shards_dir / f"{stem}.tokens.u8"
+            sm_path = shards_dir / f"{stem}.softmask.u8"
+            side_path = shards_dir / f"{stem}.json"
+            side = None
+            if side_path.is_file():  # a rerun: the source's md5 decides whether the shard is reusable
+                shard_args = _shard_args(chrom, md5_job.result(), case)
+                side = _shard_is_current(side_path, tok_path, sm_path, shard_args)
+            if side is not None:
+                log.info("%s: shard %s is up to date; skipped", chrom, tok_path)
+                for _ in segments:  # move the stream past this record
+                    pass
+                stats = side["stats"]
+                tokens = np.memmap(tok_path, dtype=np.uint8, mode="r") if stats["length"] else np.zeros(0, np.uint8)
+                softmask = np.memmap(sm_path, dtype=np.uint8, mode="r") if stats["length"] else tokens
+                n_counter = _RangeCounter(tokens, lambda a: a == N)
+            else:
+                stats, blocks = _stream_shard(run, tok_path, sm_path, chrom, segments, source, uppercase_only)
+                sidecar = {
+                    "chrom": chrom,
+                    "source": str(source),
+                    "args": _shard_args(chrom, md5_job.result(), case),
+                    "length": stats["length"],
+                    "crc32": stats["crc32"],
+                    "softmask_crc32": stats["softmask_crc32"],
+                    "stats": stats,
+                }
+                run.files.append(side_path)
+                _atomic_write(side_path, _json_bytes(sidecar))
+                n, sm = stats["n_count"], stats["softmask_count"]
+                log.info("%s: wrote %s (%d bases, %d N, %d soft-masked)", chrom, tok_path, stats["length"], n, sm)
+                tokens = np.memmap(tok_path, dtype=np.uint8, mode="r") if stats["length"] else np.zeros(0, np.uint8)
+                softmask = np.memmap(sm_path, dtype=np.uint8, mode="r") if stats["length"] else tokens
+                n_counter = _RangeCounter(tokens, lambda a: a == N, block_counts=blocks.counts())
+            if chrom in expected_lengths and stats["length"] != expected_lengths[chrom]:
+                raise FastaError(
+                    f"{source}: record {chrom} has {stats['length']} bases after decompression; "
+                    f"chrom.sizes says {expected_lengths[chrom]}"
+                )
             shard_index = len(shards)
             shards.append(
                 {
@@ -516,8 +691,6 @@ def _prepare(
                     skipped["partial"] += 1
                 else:
                     spans.append(partial)
-            n_counter = _RangeCounter(tokens, lambda a: a == N)
-            sm_counter = _RangeCounter(softmask, lambda a: a != 0)
             kept = 0
             for start, end in spans:
                 n_count = n_counter.count(start, end)
@@ -532,14 +705,16 @@ def _prepare(
                         "start": start,
                         "end": end,
                         "n_count": n_count,
-                        "softmask_count": sm_counter.count(start, end),
+                        "softmask_count": int(np.count_nonzero(softmask[start:end])),
                         "shard": shard_index,
                         "offset": start,
+                        "crc32": f"{zlib.crc32(tokens[start:end]):08x}",
                     }
                 )
-            del tokens, softmask, n_counter, sm_counter
+            del tokens, softmask, n_counter
             say("%s -> %s: %d bases, %d of %d windows kept", chrom, split, stats["length"], kept, len(spans))
-        source_entries.append({"path": str(source), "md5": md5, "records": names})
+        source_entries.append({"path": str(source), "md5": md5_job.result(), "records": stream.names})
+    arguments["source_md5s"] = [e["md5"] for e in source_entries]
 
     requested = (train or []) + (eval_ or [])
     absent = [c for c in requested if c not in owner]
@@ -555,9 +730,7 @@ def _prepare(
     }
     for split, c in counts.items():
         if c["windows"] == 0:
-            log.warning(
-                "split %r has no windows (chromosomes: %s)", split, ", ".join(splits[split]) or "none"
-            )
+            log.warning("split %r has no windows (chromosomes: %s)", split, ", ".join(splits[split]) or "none")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

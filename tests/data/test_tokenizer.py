@@ -71,9 +71,7 @@ def test_iupac_as_n():
     assert tk.count_iupac("ACRYKMSWBDHVryk") == 13
 
 
-@pytest.mark.parametrize(
-    ("seq", "offset", "byte"), [(b"ACGX", 3, "X"), (b"-ACG", 0, "-"), (b"AC GT", 2, " ")]
-)
+@pytest.mark.parametrize(("seq", "offset", "byte"), [(b"ACGX", 3, "X"), (b"-ACG", 0, "-"), (b"AC GT", 2, " ")])
 def test_bad_byte_names_offset(seq, offset, byte):
     with pytest.raises(tk.InvalidBaseError) as info:
         tk.encode(seq)

@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -84,9 +85,7 @@ def test_plan_windows_against_loop():
     for _ in range(300):
         length, window, stride = (int(x) for x in rng.integers(1, 60, size=3))
         for drop_last in (True, False):
-            assert plan_windows(length, window, stride, drop_last) == _plan_reference(
-                length, window, stride, drop_last
-            )
+            assert plan_windows(length, window, stride, drop_last) == _plan_reference(length, window, stride, drop_last)
     with pytest.raises(GenoctxError):
         plan_windows(10, 0)
     with pytest.raises(GenoctxError):
@@ -104,9 +103,7 @@ def test_prepare_default_split_and_shards(dna, tmp_path):
     assert m["policies"] == {"case": "softmask-channel", "n": "never-scored", "max_n_fraction": 0.5,
                              "iupac": "as-N", "drop_last": True}  # fmt: skip
     assert m["splits"] == {"train": ["chr2"], "eval": ["chr22"]}
-    assert [s["md5"] for s in m["sources"]] == [
-        hashlib.md5((dna / f).read_bytes()).hexdigest() for f in (CHR2, CHR22)
-    ]
+    assert [s["md5"] for s in m["sources"]] == [hashlib.md5((dna / f).read_bytes()).hexdigest() for f in (CHR2, CHR22)]
     assert [s["records"] for s in m["sources"]] == [["chr2"], ["chr22"]]
     assert json.loads((out / "manifest.json").read_text()) == m
 
@@ -120,7 +117,8 @@ def test_prepare_default_split_and_shards(dna, tmp_path):
         assert shard["n_count"] == seq.upper().count("N")
         assert shard["softmask_count"] == sum(c.islower() for c in seq)
         assert shard["iupac_count"] == 0
-        assert shard["md5"] == hashlib.md5(tokens.tobytes()).hexdigest()
+        assert shard["crc32"] == f"{zlib.crc32(tokens.tobytes()):08x}"
+        assert shard["softmask_crc32"] == f"{zlib.crc32(softmask.tobytes()):08x}"
         # windows: stride 12000, full windows only, each with counts from the source slice
         ws = [w for w in m["windows"] if w["chrom"] == shard["chrom"]]
         spans = [(w["start"], w["end"]) for w in ws]
@@ -132,6 +130,7 @@ def test_prepare_default_split_and_shards(dna, tmp_path):
             assert w["n_count"] == piece.upper().count("N")
             assert w["softmask_count"] == sum(c.islower() for c in piece)
             assert w["offset"] == w["start"] and m["shards"][w["shard"]] is shard
+            assert w["crc32"] == f"{zlib.crc32(tokens[w['start'] : w['end']].tobytes()):08x}"
     chr2 = m["shards"][0]
     assert chr2["n_count"] == 10_000 and chr2["softmask_count"] > 0  # chr2 starts with 10,000 N, soft-masked
     for split in ("train", "eval"):
@@ -167,7 +166,7 @@ def test_plain_gzip_input(dna, tmp_path):
     gz.write_bytes(gzip.compress((dna / CHR22).read_bytes()))
     a = prepare([gz], tmp_path / "a", 4096, progress=False)
     b = prepare([dna / CHR22], tmp_path / "b", 4096, progress=False)
-    assert a["shards"][0]["md5"] == b["shards"][0]["md5"]
+    assert a["shards"][0]["crc32"] == b["shards"][0]["crc32"]
     assert a["windows"] == b["windows"] and len(a["windows"]) == 300_000 // 4096
 
 
@@ -210,9 +209,7 @@ def test_rerun_skips_and_resumes(dna, tmp_path):
     assert len(verify(out)) == 1 and str(damaged) in verify(out)[0]
     assert prepare(**args) == first
     assert verify(out) == [] and (out / "manifest.json").read_bytes() == manifest_bytes
-    assert (out / first["shards"][0]["tokens"]).stat().st_mtime_ns == mtimes[
-        out / first["shards"][0]["tokens"]
-    ]
+    assert (out / first["shards"][0]["tokens"]).stat().st_mtime_ns == mtimes[out / first["shards"][0]["tokens"]]
 
 
 def test_rerun_with_other_arguments_refused(dna, tmp_path):
@@ -243,9 +240,7 @@ def _bad_record_file(dna: Path, tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    "case", ["missing", "duplicate", "duplicate-across", "truncated", "bad-byte", "absent"]
-)
+@pytest.mark.parametrize("case", ["missing", "duplicate", "duplicate-across", "truncated", "bad-byte", "absent"])
 def test_errors_leave_nothing(dna, tmp_path, case):
     out = tmp_path / "out"
     kwargs = {}
