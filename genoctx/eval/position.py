@@ -1,12 +1,24 @@
-"""Held-out loss binned by how much context each token had.
+"""Held-out loss binned by how much context each token had, with intervals, baselines and references.
 
 Every window is scored as the model sees it in training: ``<bos>`` then the window, so the base at window
 position p (0-based) is predicted from exactly p bases of preceding context. A token's *position* is that p.
-N bases are never scored. Per bin we report the scored-token count, the mean loss in nats per base and the
-same in bits per base (nats / ln 2).
+N bases are never scored. Per bin we report the scored-token count, the mean loss in nats per base, the
+same in bits per base (nats / ln 2), and a percentile-bootstrap interval over windows (``bootstrap.py``).
+
+Several models are scored on the same windows: checkpoints (the first one is the baseline; every other model
+gets its absolute and relative change against it, with a paired-bootstrap interval) and optionally an
+order-K Markov chain fitted on the training split (``markov.py``), the reference a model that learned to use
+long context must beat. Any object with the chunk contract ``model(inputs [B, T], cache) -> (logits
+[B, T, V], cache)`` can be scored.
+
+Views: with ``reverse_complement`` every window is also scored on its reverse-complement strand (positions
+count from the start of that strand); with ``split_by="softmask"`` soft-masked (repeat) and unmasked bases
+are reported separately, as well as together. View names are ``"{strand}/{mask}"`` with strand in forward,
+reverse, both and mask in all, softmasked, unmasked; ``"forward/all"`` is the main result.
 
 Windows longer than fit in memory are evaluated as consecutive chunks of ``chunk_tokens`` with the carried
-cache (the chunk contract), which gives the same losses as one pass.
+cache (the chunk contract), which gives the same losses as one pass. The JSON document is described in
+``docs/eval_schema.md`` and checked against :data:`genoctx.eval.schema.SCHEMA`.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import csv
 import io
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +35,32 @@ import numpy as np
 import torch
 
 from ..data.dataset import WindowDataset, load_manifest, scored_mask
-from ..data.tokenizer import BOS, VOCAB
+from ..data.tokenizer import BOS, PAD, VOCAB, reverse_complement
 from ..errors import GenoctxError
-from ..model.model import HybridLM, shift_inputs, token_losses
+from ..model.model import shift_inputs, token_losses
 from ..train.checkpoint import load_model, resolve_checkpoint
+from .bootstrap import percentile_interval, ratio_samples, resample_weights
+from .markov import MarkovModel, fit_markov
+from .plot import plot
+
+__all__ = [
+    "BinnedLoss",
+    "binned_losses",
+    "compare",
+    "evaluate",
+    "parse_bins",
+    "plot",
+    "position_losses",
+    "score_windows",
+    "to_csv",
+    "to_table",
+]
 
 log = logging.getLogger("genoctx.eval")
 LN2 = math.log(2.0)
+STRANDS = ("forward", "reverse", "both")
+MASKS = ("all", "softmasked", "unmasked")
+MAIN_VIEW = "forward/all"
 
 
 def parse_bins(spec: str, window: int) -> list[int]:
@@ -61,15 +93,11 @@ def parse_bins(spec: str, window: int) -> list[int]:
     try:
         edges = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise GenoctxError(
-            f"--bins {spec!r}: expected log2, linear:N or comma-separated integer edges"
-        ) from None
+        raise GenoctxError(f"--bins {spec!r}: expected log2, linear:N or comma-separated integer edges") from None
     if not edges or any(b <= a for a, b in zip(edges, edges[1:], strict=False)) or edges[0] < 0:
         raise GenoctxError(f"--bins {spec!r}: edges must be non-negative and strictly increasing")
     if edges[-1] > window:
-        raise GenoctxError(
-            f"--bins {spec!r}: edge {edges[-1]} is beyond the data's window of {window} tokens"
-        )
+        raise GenoctxError(f"--bins {spec!r}: edge {edges[-1]} is beyond the data's window of {window} tokens")
     if edges[0] != 0:
         edges = [0, *edges]
     if edges[-1] != window:
@@ -78,11 +106,13 @@ def parse_bins(spec: str, window: int) -> list[int]:
 
 
 @torch.no_grad()
-def position_losses(model: HybridLM, tokens: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+def position_losses(model, tokens: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
     """Per-position next-token loss of one batch of windows, in nats, 0 where not scored.
 
     Args:
-        model: the language model (put in eval mode by the caller).
+        model: any object with the chunk contract ``model(inputs [B, T] int64, cache) -> (logits [B, T, V],
+            cache)`` (``HybridLM`` in eval mode; a plain object with ``forward`` works too). The first call
+            gets ``cache=None``.
         tokens: [B, W] int64 window bases.
         chunk_tokens: feed the window in consecutive chunks of this many tokens with the carried cache
             (bounded memory); None = one pass.
@@ -90,6 +120,7 @@ def position_losses(model: HybridLM, tokens: torch.Tensor, chunk_tokens: int | N
     Returns:
         [B, W] float64 losses (nats).
     """
+    forward = model if callable(model) else model.forward
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
     W = tokens.shape[1]
@@ -97,8 +128,14 @@ def position_losses(model: HybridLM, tokens: torch.Tensor, chunk_tokens: int | N
     cache = None
     out = []
     for s in range(0, W, step):
-        logits, cache = model(inputs[:, s : s + step], cache)
-        out.append(token_losses(logits, tokens[:, s : s + step], scored[:, s : s + step]).double())
+        logits, cache = forward(inputs[:, s : s + step], cache)
+        out.append(
+            token_losses(
+                logits.float() if logits.dtype == torch.float16 else logits,
+                tokens[:, s : s + step],
+                scored[:, s : s + step],
+            ).double()
+        )
     return torch.cat(out, dim=1)
 
 
@@ -126,31 +163,114 @@ class BinnedLoss:
         s, c = float(self.loss_sum.sum()), int(self.count.sum())
         return {"tokens": c, "loss": s / c if c else None}
 
+    def __add__(self, other: BinnedLoss) -> BinnedLoss:
+        return BinnedLoss(self.edges, self.loss_sum + other.loss_sum, self.count + other.count)
+
+
+def view_names(reverse: bool = False, softmask: bool = False) -> list[str]:
+    """The views an evaluation reports, main view first: ``"{strand}/{mask}"``."""
+    strands = list(STRANDS) if reverse else ["forward"]
+    masks = list(MASKS) if softmask else ["all"]
+    return [f"{s}/{m}" for s in strands for m in masks]
+
+
+def rc_window(tokens: np.ndarray, softmask: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reverse-complement strand of a window whose first ``length`` entries are bases (the rest PAD).
+
+    tokens int [W], softmask bool [W] -> (int64 [W], bool [W]); padding stays at the end, so position p of
+    the result is predicted from the p bases before it on that strand.
+    """
+    t = np.full(tokens.shape[0], PAD, dtype=np.int64)
+    m = np.zeros(tokens.shape[0], dtype=bool)
+    t[:length] = reverse_complement(np.asarray(tokens[:length]).astype(np.uint8)).astype(np.int64)
+    m[:length] = np.asarray(softmask[:length])[::-1]
+    return t, m
+
+
+ScoreFn = Callable[[np.ndarray], np.ndarray]
+"""Scores one window: int64 [W] token ids -> float64 [W] loss in nats (0 where not scored)."""
+
+
+def model_scorer(model, chunk_tokens: int | None = None, device: str | torch.device = "cpu") -> ScoreFn:
+    """A :data:`ScoreFn` for a chunk-contract model (see :func:`position_losses`)."""
+    if hasattr(model, "eval"):
+        model.eval()
+
+    def score(tokens: np.ndarray) -> np.ndarray:
+        t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
+        return position_losses(model, t, chunk_tokens)[0].cpu().numpy()
+
+    return score
+
+
+def markov_scorer(markov: MarkovModel) -> ScoreFn:
+    """A :data:`ScoreFn` for a fitted :class:`MarkovModel`."""
+    return markov.token_losses
+
+
+def score_windows(
+    score: ScoreFn,
+    ds: WindowDataset,
+    edges: list[int],
+    max_windows: int | None = None,
+    views: list[str] | None = None,
+) -> dict[str, BinnedLoss]:
+    """Score the windows of ``ds`` (or the first ``max_windows``) and sum losses per window, bin and view.
+
+    Args:
+        score: window scorer (:func:`model_scorer`, :func:`markov_scorer`).
+        ds: the windows; ``ds[i]`` gives ``tokens`` [W], ``softmask`` [W], ``start``/``end``.
+        edges: bin edges in tokens of context (:func:`parse_bins`).
+        views: names from :func:`view_names`; default the main view only.
+
+    Returns:
+        ``{view: BinnedLoss}`` with arrays [windows, bins]; ``both/*`` views are forward + reverse sums.
+    """
+    views = views or [MAIN_VIEW]
+    n = len(ds) if max_windows is None else min(len(ds), max_windows)
+    nb = len(edges) - 1
+    strands = ["forward"] + (["reverse"] if any(v.split("/")[0] in ("reverse", "both") for v in views) else [])
+    masks = sorted({v.split("/")[1] for v in views}, key=MASKS.index)
+    sums = {(s, m): np.zeros((n, nb)) for s in strands for m in masks}
+    cnts = {(s, m): np.zeros((n, nb), dtype=np.int64) for s in strands for m in masks}
+    bin_of = np.searchsorted(np.asarray(edges[1:-1]), np.arange(ds.window), side="right")
+    for i in range(n):
+        item = ds[i]
+        tokens, soft = item["tokens"].numpy(), item["softmask"].numpy()
+        for strand in strands:
+            if strand == "reverse":
+                tokens, soft = rc_window(tokens, soft, item["end"] - item["start"])
+            losses = np.asarray(score(tokens), dtype=np.float64)
+            scored = (tokens >= 0) & (tokens <= 3)
+            for mask in masks:
+                sel = scored if mask == "all" else scored & (soft if mask == "softmasked" else ~soft)
+                b = bin_of[sel]
+                sums[strand, mask][i] = np.bincount(b, weights=losses[sel], minlength=nb)
+                cnts[strand, mask][i] = np.bincount(b, minlength=nb)
+        log.debug("window %d/%d scored", i + 1, n)
+    out = {}
+    for v in views:
+        strand, mask = v.split("/")
+        if strand == "both":
+            out[v] = BinnedLoss(edges, sums["forward", mask], cnts["forward", mask]) + BinnedLoss(
+                edges, sums["reverse", mask], cnts["reverse", mask]
+            )
+        else:
+            out[v] = BinnedLoss(edges, sums[strand, mask], cnts[strand, mask])
+    return out
+
 
 def binned_losses(
-    model: HybridLM,
+    model,
     ds: WindowDataset,
     edges: list[int],
     chunk_tokens: int | None = None,
     max_windows: int | None = None,
     device: str | torch.device = "cpu",
 ) -> BinnedLoss:
-    """Score every window of ``ds`` (or the first ``max_windows``) and sum losses into position bins."""
-    model.eval()
-    n = len(ds) if max_windows is None else min(len(ds), max_windows)
-    edges_t = torch.tensor(edges[1:-1], dtype=torch.long)
-    nb = len(edges) - 1
-    loss_sum = np.zeros((n, nb))
-    count = np.zeros((n, nb), dtype=np.int64)
-    for i in range(n):
-        tokens = ds[i]["tokens"][None].to(device)
-        losses = position_losses(model, tokens, chunk_tokens)[0].cpu()
-        scored = scored_mask(tokens)[0].cpu()
-        bin_of = torch.bucketize(torch.arange(tokens.shape[1]), edges_t, right=True)
-        loss_sum[i] = torch.zeros(nb, dtype=torch.float64).index_add_(0, bin_of, losses).numpy()
-        count[i] = torch.zeros(nb, dtype=torch.long).index_add_(0, bin_of, scored.long()).numpy()
-        log.debug("window %d/%d: %.4f nats", i + 1, n, loss_sum[i].sum() / max(count[i].sum(), 1))
-    return BinnedLoss(edges, loss_sum, count)
+    """Score every window of ``ds`` (or the first ``max_windows``) with a chunk-contract ``model`` and sum
+    losses into position bins (forward strand, all scored bases)."""
+    return score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows)[MAIN_VIEW]
 
 
 def _with_bits(d: dict) -> dict:
@@ -159,7 +279,9 @@ def _with_bits(d: dict) -> dict:
 
 
 def compare(result: BinnedLoss, baseline: BinnedLoss | None) -> dict:
-    """The JSON document of ``genoctx eval --by-position`` (shape documented in README)."""
+    """The core of the JSON document: ``{"bins": [...], "overall": {...}}`` of ``result`` with the baseline's
+    loss and ``relative_change = loss / baseline_loss - 1`` when a baseline is given (no intervals; see
+    :func:`evaluate` for the full document)."""
     bins = [_with_bits(b) for b in result.bins()]
     overall = _with_bits(result.overall())
     if baseline is not None:
@@ -168,14 +290,66 @@ def compare(result: BinnedLoss, baseline: BinnedLoss | None) -> dict:
             b["relative_change"] = (b["loss"] / bb["loss"] - 1) if b["loss"] and bb["loss"] else None
         bo = baseline.overall()
         overall["baseline_loss"] = bo["loss"]
-        overall["relative_change"] = (
-            (overall["loss"] / bo["loss"] - 1) if overall["loss"] and bo["loss"] else None
-        )
+        overall["relative_change"] = (overall["loss"] / bo["loss"] - 1) if overall["loss"] and bo["loss"] else None
     return {"bins": bins, "overall": overall}
 
 
+@dataclass
+class _Scored:
+    """One model's results: identity and ``{view: BinnedLoss}``."""
+
+    entry: dict
+    views: dict[str, BinnedLoss]
+
+
+def _annotate(
+    block: dict,
+    res: BinnedLoss,
+    samples: np.ndarray | None,
+    level: float,
+    refs: list[tuple[str, BinnedLoss, np.ndarray | None]],
+) -> dict:
+    """Add ``loss_ci`` and, per reference (prefix, result, samples), its loss, difference and relative change
+    with paired-bootstrap intervals to the rows of ``block`` (bins then overall)."""
+    rows = [*block["bins"], block["overall"]]
+    ci = percentile_interval(samples, level) if samples is not None else [None] * len(rows)
+    for row, c in zip(rows, ci, strict=True):
+        row["loss_ci"] = c
+        row["bits_per_base_ci"] = [c[0] / LN2, c[1] / LN2] if c else None
+    for prefix, ref, ref_samples in refs:
+        ref_rows = [*ref.bins(), ref.overall()]
+        if samples is not None and ref_samples is not None:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                d_ci = percentile_interval(samples - ref_samples, level)
+                r_ci = percentile_interval(samples / ref_samples - 1.0, level)
+        else:
+            d_ci = r_ci = [None] * len(rows)
+        for row, rr, dc, rc in zip(rows, ref_rows, d_ci, r_ci, strict=True):
+            ok = row["loss"] is not None and rr["loss"]
+            if prefix == "baseline":
+                row["baseline_loss"] = rr["loss"]
+                row["difference"] = row["loss"] - rr["loss"] if ok else None
+                row["difference_ci"] = dc if ok else None
+                row["relative_change"] = row["loss"] / rr["loss"] - 1 if ok else None
+                row["relative_change_ci"] = rc if ok else None
+            else:
+                row[f"{prefix}_loss"] = rr["loss"]
+                row[f"{prefix}_relative_change"] = row["loss"] / rr["loss"] - 1 if ok else None
+                row[f"{prefix}_relative_change_ci"] = rc if ok else None
+    return block
+
+
+def _label(ck: Path, taken: set[str]) -> str:
+    name = f"{ck.parent.parent.name}:{ck.name}" if ck.parent.name == "checkpoints" else ck.name
+    base, i = name, 2
+    while name in taken:
+        name, i = f"{base}#{i}", i + 1
+    taken.add(name)
+    return name
+
+
 def evaluate(
-    checkpoint: str | Path,
+    checkpoint: str | Path | list[str | Path] | None,
     data_dir: str | Path,
     split: str = "eval",
     bins: str = "log2",
@@ -183,16 +357,44 @@ def evaluate(
     chunk_tokens: int | None = None,
     max_windows: int | None = None,
     device: str = "cpu",
+    *,
+    markov: int | None = None,
+    markov_alpha: float = 1.0,
+    reverse_complement: bool = False,
+    split_by: str | None = None,
+    resamples: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    models: list | None = None,
 ) -> dict:
-    """Position-binned held-out loss of ``checkpoint`` (and optionally ``baseline``) on ``split`` of ``data_dir``.
+    """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
+
+    Args:
+        checkpoint: a checkpoint (or run directory), or a list of them. With a list of two or more, the
+            first is the baseline. With ``baseline`` given (the older form), that is the baseline instead.
+            The document's top-level ``bins``/``overall`` report the last checkpoint (the only one, or the
+            one that is not the baseline in ``checkpoint=X, baseline=Y``); every model is in ``models``.
+        baseline: checkpoint to compare against (alias of putting it first in the list).
+        chunk_tokens: score windows in chunks of this many tokens with the carried cache (bounded memory).
+        markov: also fit an order-K Markov chain on the ``train`` split and score the same tokens; with no
+            checkpoint at all it is the only (reported) model.
+        markov_alpha: its add-α pseudo-count.
+        reverse_complement: also score the reverse-complement strand of every window (views ``reverse/*``,
+            ``both/*``).
+        split_by: ``"softmask"`` to report soft-masked and unmasked bases separately (views ``*/softmasked``,
+            ``*/unmasked``); None for no split.
+        resamples, seed, level: percentile bootstrap over windows (B resamples, numpy seed, two-sided level).
+        models: extra ``(name, chunk-contract model)`` pairs scored after the checkpoints (tests, notebooks).
 
     Returns:
-        ``{"bins": [...], "overall": {...}, "checkpoint", "baseline", "split", "windows", "window"}``; losses
-        in nats per scored base, ``relative_change = loss / baseline_loss - 1``.
+        The document described in ``docs/eval_schema.md``: ``{"bins": [...], "overall": {...}, "checkpoint",
+        "baseline", "split", "windows", "window", "edges", "confidence", "models", "views"?}``; losses in
+        nats per scored base, ``relative_change = loss / baseline_loss - 1``.
 
     Raises:
-        GenoctxError: missing checkpoint, data prepared with another vocabulary, an empty split, bins
-            beyond the window.
+        GenoctxError: no model to score, a missing checkpoint, data prepared with another vocabulary or
+            without a soft-mask channel (with ``split_by="softmask"``), an empty split, bins beyond the
+            window, no scored token in the windows, bad bootstrap or Markov parameters.
     """
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
@@ -201,30 +403,111 @@ def evaluate(
             f"{data_dir}/manifest.json: prepared with vocabulary {manifest.get('vocabulary')}, "
             f"genoctx uses {list(VOCAB)}"
         )
-    ckpts = [resolve_checkpoint(checkpoint)] + ([resolve_checkpoint(baseline)] if baseline else [])
+    if split_by not in (None, "softmask"):
+        raise GenoctxError(f"--split-by {split_by!r}: the only split is 'softmask'")
+    if split_by == "softmask" and manifest.get("policies", {}).get("case") == "uppercase":
+        raise GenoctxError(f"--split-by softmask: {data_dir} was prepared with --uppercase-only (no soft-mask)")
+    if not 0 < level < 1:
+        raise GenoctxError(f"confidence level {level} must be between 0 and 1")
+    if resamples < 0:
+        raise GenoctxError(f"--resamples {resamples} must be >= 0")
+    if max_windows is not None and max_windows < 1:
+        raise GenoctxError(f"--max-windows {max_windows} must be >= 1")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise GenoctxError(f"--chunk-tokens {chunk_tokens} must be >= 1")
+    ckpts_in = [] if checkpoint is None else list(checkpoint) if isinstance(checkpoint, list | tuple) else [checkpoint]
+    if baseline is not None:
+        ckpts_in = [baseline, *ckpts_in]
+    ckpts = [resolve_checkpoint(c) for c in ckpts_in]
+    if not ckpts and markov is None and not models:
+        raise GenoctxError("nothing to evaluate: give --checkpoint (one or more) or --markov K")
     ds = WindowDataset(data_dir, split)
     edges = parse_bins(bins, ds.window)
-    results = []
+    views = view_names(reverse_complement, split_by == "softmask")
+    n = len(ds) if max_windows is None else min(len(ds), max_windows)
+
+    scored: list[_Scored] = []
+    taken: set[str] = set()
     for ck in ckpts:
         model, _, _ = load_model(ck, device)
-        log.info(
-            "scoring %d %s windows of %d tokens with %s",
-            len(ds) if max_windows is None else min(len(ds), max_windows),
-            split,
-            ds.window,
-            ck,
+        log.info("scoring %d %s windows of %d tokens with %s", n, split, ds.window, ck)
+        res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
+        scored.append(_Scored({"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck)}, res))
+        del model
+    for name, model in models or []:
+        res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
+        taken.add(name)
+        scored.append(_Scored({"name": name, "kind": "model", "path": None}, res))
+    if scored and scored[0].views[MAIN_VIEW].count.sum() == 0:
+        raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
+    mk: _Scored | None = None
+    if markov is not None:
+        log.info("fitting an order-%d Markov chain on the train split of %s", markov, data_dir)
+        chain = fit_markov(data_dir, markov, markov_alpha)
+        res = score_windows(markov_scorer(chain), ds, edges, max_windows, views)
+        mk = _Scored(
+            {
+                "name": f"markov-{markov}",
+                "kind": "markov",
+                "path": None,
+                "order": markov,
+                "alpha": markov_alpha,
+                "train_tokens": chain.tokens_seen,
+            },
+            res,
         )
-        results.append(binned_losses(model, ds, edges, chunk_tokens, max_windows, device))
-    doc = compare(results[0], results[1] if baseline else None)
+        if res[MAIN_VIEW].count.sum() == 0:
+            raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
+
+    all_models = scored + ([mk] if mk else [])
+    base = scored[0] if len(scored) >= 2 else None
+    reported = scored[-1] if scored else mk
+    weights = resample_weights(n, resamples, seed)
+    if weights is None and resamples:
+        log.warning("%d window(s): no bootstrap interval (needs at least 2 windows)", n)
+    samples = {
+        (id(m), v): (ratio_samples(weights, r.loss_sum, r.count) if weights is not None else None)
+        for m in all_models
+        for v, r in m.views.items()
+    }
+
+    def block(m: _Scored, v: str) -> dict:
+        b = compare(m.views[v], None)
+        refs = []
+        if base is not None and m is not base:
+            refs.append(("baseline", base.views[v], samples[id(base), v]))
+        if mk is not None and m is not mk:
+            refs.append(("markov", mk.views[v], samples[id(mk), v]))
+        return _annotate(b, m.views[v], samples[id(m), v], level, refs)
+
+    entries = []
+    for m in all_models:
+        e = {**m.entry, "baseline": m is base, "reported": m is reported, **block(m, MAIN_VIEW)}
+        if len(views) > 1:
+            e["views"] = {v: block(m, v) for v in views[1:]}
+        entries.append(e)
+    top = next(e for e in entries if e["reported"])
+    doc = {"bins": top["bins"], "overall": top["overall"]}
     doc.update(
         {
-            "checkpoint": str(ckpts[0]),
-            "baseline": str(ckpts[1]) if baseline else None,
+            "checkpoint": top["path"] if top["kind"] == "checkpoint" else None,
+            "baseline": base.entry["path"] if base is not None else None,
+            "reported": top["name"],
             "split": split,
-            "windows": int(results[0].count.shape[0]),
+            "windows": n,
             "window": ds.window,
+            "edges": list(edges),
+            "confidence": {
+                "level": level,
+                "method": "percentile bootstrap over windows, paired across models",
+                "resamples": resamples if weights is not None else 0,
+                "seed": seed,
+            },
+            "models": entries,
         }
     )
+    if len(views) > 1:
+        doc["views"] = top["views"]
     return doc
 
 
@@ -232,63 +515,86 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def to_table(doc: dict) -> str:
-    """A plain-text table of a result document (one row per bin, then the overall row)."""
-    has_base = "baseline_loss" in doc["overall"]
-    head = ["context (tokens)", "tokens", "loss (nats)", "bits/base"]
-    if has_base:
-        head += ["baseline (nats)", "change"]
-    rows = []
-    for b in [*doc["bins"], {**doc["overall"], "start": None}]:
-        rng = "overall" if b.get("start") is None else f"[{b['start']}, {b['end']})"
-        r = [rng, str(b["tokens"]), _fmt(b["loss"], ".4f"), _fmt(b["bits_per_base"], ".4f")]
-        if has_base:
-            rc = b.get("relative_change")
-            r += [_fmt(b.get("baseline_loss"), ".4f"), "-" if rc is None else f"{100 * rc:+.2f}%"]
-        rows.append(r)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+def _fmt_ci(ci, spec: str, scale: float = 1.0, sign: str = "") -> str:
+    return "" if not ci else f" [{format(scale * ci[0], sign + spec)}, {format(scale * ci[1], sign + spec)}]"
+
+
+def _table(rows_by_model: list[tuple[dict, list[dict]]], has_base: bool, base_name: str | None) -> str:
+    head = ["context (tokens)", "tokens"]
+    for e, _ in rows_by_model:
+        head += [f"{e['name']} nats [95% CI]", "bits/base"]
+        if has_base and not e.get("baseline"):
+            head.append(f"change vs {base_name}")
+    first = rows_by_model[0][1]
+    out_rows = []
+    for i, r0 in enumerate(first):
+        rng = "overall" if r0.get("start") is None else f"[{r0['start']}, {r0['end']})"
+        row = [rng, str(r0["tokens"])]
+        for e, rows in rows_by_model:
+            r = rows[i]
+            row += [_fmt(r["loss"], ".4f") + _fmt_ci(r.get("loss_ci"), ".4f"), _fmt(r.get("bits_per_base"), ".4f")]
+            if has_base and not e.get("baseline"):
+                rc = r.get("relative_change")
+                row.append(
+                    ("-" if rc is None else f"{100 * rc:+.2f}%") + _fmt_ci(r.get("relative_change_ci"), ".2f", 100, "+")
+                )
+        out_rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in out_rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in out_rows]
     return "\n".join(lines)
 
 
+def to_table(doc: dict) -> str:
+    """A plain-text table per view: one row per bin then the overall row; one loss column (with its interval)
+    per model and one change-vs-baseline column per non-baseline model."""
+    models = doc.get("models")
+    if not models:  # a bare compare() document
+        models = [{"name": "loss", "baseline": False, "bins": doc["bins"], "overall": doc["overall"]}]
+    has_base = any(e.get("baseline") for e in models) or "baseline_loss" in doc["overall"]
+    base_name = next((e["name"] for e in models if e.get("baseline")), "baseline")
+    views = [MAIN_VIEW, *(models[0].get("views") or {})]
+    parts = []
+    for v in views:
+        rows = []
+        for e in models:
+            blk = e if v == MAIN_VIEW else e["views"][v]
+            rows.append((e, [*blk["bins"], {**blk["overall"], "start": None}]))
+        title = f"# {v} ({doc.get('split', '?')} split, {doc.get('windows', '?')} windows)"
+        parts.append((title + "\n" if len(views) > 1 else "") + _table(rows, has_base, base_name))
+    return "\n\n".join(parts)
+
+
+CSV_COLUMNS = [
+    "start", "end", "tokens", "loss", "bits_per_base", "baseline_loss", "relative_change",
+    "loss_ci_low", "loss_ci_high", "difference", "difference_ci_low", "difference_ci_high",
+    "relative_change_ci_low", "relative_change_ci_high", "markov_loss", "markov_relative_change",
+    "model", "view",
+]  # fmt: skip
+
+
+def _flat(row: dict, model: str, view: str) -> dict:
+    r = {**row, "model": model, "view": view}
+    for k in ("loss_ci", "difference_ci", "relative_change_ci"):
+        ci = row.get(k)
+        r[f"{k}_low"], r[f"{k}_high"] = (ci[0], ci[1]) if ci else (None, None)
+    return r
+
+
 def to_csv(doc: dict) -> str:
-    """CSV with one row per bin and a final ``overall`` row (empty start/end)."""
-    cols = ["start", "end", "tokens", "loss", "bits_per_base", "baseline_loss", "relative_change"]
+    """CSV, one row per (model, view, bin) and an ``overall`` row per (model, view) (``start`` = overall).
+
+    The reported model's main view comes first (the rows of the single-model form); the columns
+    ``start,end,tokens,loss,bits_per_base,baseline_loss,relative_change`` keep their order.
+    """
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
-    for b in doc["bins"]:
-        w.writerow(b)
-    w.writerow({**doc["overall"], "start": "overall"})
+    models = doc.get("models") or [{"name": "", "reported": True, "bins": doc["bins"], "overall": doc["overall"]}]
+    models = sorted(models, key=lambda e: not e.get("reported"))
+    for e in models:
+        for v, blk in [(MAIN_VIEW, e), *(e.get("views") or {}).items()]:
+            for b in blk["bins"]:
+                w.writerow(_flat(b, e["name"], v))
+            w.writerow(_flat({**blk["overall"], "start": "overall"}, e["name"], v))
     return buf.getvalue()
-
-
-def plot(doc: dict, path: str | Path) -> Path:
-    """Loss per position bin on a log-2 position axis (and the baseline when present), written as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bins = [b for b in doc["bins"] if b["tokens"]]
-    mids = [max(1.0, math.sqrt(max(b["start"], 1) * b["end"])) for b in bins]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(mids, [b["loss"] for b in bins], "o-", label=Path(doc["checkpoint"]).name)
-    if "baseline_loss" in doc["overall"]:
-        ax.plot(
-            mids, [b["baseline_loss"] for b in bins], "s--", label=f"baseline {Path(doc['baseline']).name}"
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context before the token (tokens = bases, bin geometric centre)")
-    ax.set_ylabel("held-out loss (nats per base)")
-    ax.set_title(f"loss by position, split {doc['split']} ({doc['windows']} windows of {doc['window']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path

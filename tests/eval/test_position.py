@@ -11,8 +11,6 @@ from genoctx.errors import GenoctxError
 from genoctx.eval.position import binned_losses, evaluate, parse_bins, plot, position_losses, to_csv, to_table
 from genoctx.model.config import preset
 from genoctx.model.model import HybridLM
-from genoctx.recipes import load_recipe
-from genoctx.train.loop import train
 
 
 def test_parse_bins():
@@ -52,15 +50,6 @@ def test_n_is_never_scored():
     model = HybridLM(preset("tiny")).eval()
     losses = position_losses(model, tokens)
     assert (losses[0, 2:4] == 0).all() and (losses[0, [0, 1, 4, 5]] > 0).all()
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(prepared, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    over = ["train.seq_len=256", "train.warmup_steps=1"]
-    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=0", *over]), root / "init")
-    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", *over]), root / "run")
-    return root / "run", root / "init"
 
 
 def test_json_document_shape_and_baseline(prepared, two_checkpoints, tmp_path):

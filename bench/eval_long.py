@@ -1,0 +1,92 @@
+"""Streaming evaluation of one long window in bounded memory: prints one JSON line.
+
+Prepares the embedded real hg38 chr2 piece (chr2:1-2,333,275) into windows of ``--window`` tokens (default
+1M = 1,048,576 bases) in a temporary directory, builds the ``cpu-small`` model (random init, or
+``--checkpoint``), and scores the first window with ``genoctx.eval.position.score_windows`` in chunks of
+``--chunk-tokens`` with the carried cache (the chunk contract). Reports wall time, tokens/s, the process's
+peak resident memory (``ru_maxrss``) and its resident memory before scoring, and the loss.
+
+    .venv/bin/python bench/eval_long.py                      # the README number (minutes on 2 CPU cores)
+    .venv/bin/python bench/eval_long.py --window 64k         # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from genoctx.data.dataset import WindowDataset  # noqa: E402
+from genoctx.data.windows import parse_size, prepare  # noqa: E402
+from genoctx.eval.position import model_scorer, parse_bins, score_windows  # noqa: E402
+from genoctx.model.config import preset  # noqa: E402
+from genoctx.model.model import HybridLM  # noqa: E402
+from genoctx.train.checkpoint import load_model  # noqa: E402
+
+
+def _rss_gib() -> float:
+    """Current resident set size of this process (Linux /proc), GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--window", default="1M", help="window length (k/M suffixes, k = 1024)")
+    ap.add_argument("--chunk-tokens", default="16k", help="tokens per chunk (carried cache)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="a cpu-small checkpoint; default random init")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    window, chunk = parse_size(args.window), parse_size(args.chunk_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "chr2"
+        prepare([REPO / "data/hg38/hg38_chr2_1-2333275.fa.gz"], data, window=window, train_chroms=[],
+                eval_chroms=["chr2"], progress=False)  # fmt: skip
+        ds = WindowDataset(data, "eval")
+        if args.checkpoint:
+            model, _, _ = load_model(args.checkpoint)
+        else:
+            torch.manual_seed(0)
+            model = HybridLM(preset("cpu-small"))
+        edges = parse_bins("log2", window)
+        rss_before = _rss_gib()
+        t0 = time.perf_counter()
+        res = score_windows(model_scorer(model, chunk), ds, edges, max_windows=1)["forward/all"]
+        seconds = time.perf_counter() - t0
+    overall = res.overall()
+    print(
+        json.dumps(
+            {
+                "bench": "eval_long",
+                "model": "cpu-small" + ("" if args.checkpoint else " (random init)"),
+                "window": window,
+                "chunk_tokens": chunk,
+                "source": f"hg38 {ds.windows[0]['chrom']}:{ds.windows[0]['start'] + 1}-{ds.windows[0]['end']}",
+                "scored_tokens": overall["tokens"],
+                "seconds": round(seconds, 1),
+                "tokens_per_s": round(window / seconds, 1),
+                "rss_before_gib": round(rss_before, 3),
+                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                "loss": overall["loss"],
+                "last_bin": res.bins()[-1],
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
