@@ -74,9 +74,22 @@ def _split_list(s: str | None) -> list[str] | None:
 @_user_errors
 def prepare(
     fasta: Annotated[
-        list[Path], typer.Option("--fasta", help="FASTA file (plain, gzip or bgzip); repeatable.")
-    ],
-    out: Annotated[Path, typer.Option("--out", help="Output directory for shards and manifest.json.")],
+        list[Path] | None, typer.Option("--fasta", help="Local FASTA file (plain, gzip or bgzip); repeatable.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output directory for shards and manifest.json.")] = None,
+    assembly: Annotated[
+        str | None, typer.Option(help="Download this assembly (hg38) instead of --fasta: only the chromosomes asked.")
+    ] = None,
+    base_url: Annotated[
+        str | None,
+        typer.Option(envvar="GENOCTX_BASE_URL", help="Mirror with UCSC's layout (default: UCSC goldenPath)."),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Download cache (default $XDG_CACHE_HOME/genoctx).")
+    ] = None,
+    verify: Annotated[
+        Path | None, typer.Option("--verify", help="Re-check every shard and window checksum of DIR; no prepare.")
+    ] = None,
     window: Annotated[
         str, typer.Option(help="Window length in tokens (bases); k/M suffixes, k = 1024.")
     ] = "512k",
@@ -92,30 +105,59 @@ def prepare(
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N.")] = 0.5,
     uppercase_only: Annotated[bool, typer.Option(help="Drop the soft-mask channel.")] = False,
     keep_partial: Annotated[
-        bool, typer.Option(help="Keep (pad) the last partial window of each chromosome.")
-    ] = False,
+        bool,
+        typer.Option("--keep-partial/--drop-partial", "--pad-last/--drop-last",
+                     help="Keep (pad with <pad>) or drop the last partial window of each chromosome."),
+    ] = False,  # fmt: skip
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Tokenize FASTA into windows split by chromosome; prints a JSON summary.
+    """Tokenize FASTA (local, or downloaded and verified) into windows split by chromosome; prints JSON.
 
-    Example: genoctx prepare --fasta data/hg38/hg38_chr22_32000001-32300000.fa --window 16k --out prepared
+    Examples:
+      genoctx prepare --fasta data/hg38/hg38_chr22_32000001-32300000.fa --window 16k --out prepared
+      genoctx prepare --assembly hg38 --chroms chr1,chr2 --eval-chroms chr22 --window 512k --out hg38-512k
+      genoctx prepare --verify hg38-512k
     """
     _setup_logging(verbose)
     from .data.windows import parse_size
     from .data.windows import prepare as run_prepare
+    from .data.windows import verify as verify_dir
 
+    if verify is not None:
+        problems = verify_dir(verify)
+        _emit_json({"verify": str(verify), "ok": not problems, "problems": problems})
+        if problems:
+            raise GenoctxError(f"{verify}: {len(problems)} problem(s); first: {problems[0]}")
+        return
+    if out is None:
+        raise GenoctxError("--out is required (or use --verify DIR)")
+    if bool(fasta) == bool(assembly):
+        raise GenoctxError("give either --fasta FILE (repeatable) or --assembly NAME (e.g. hg38)")
+    train_list, eval_list = _split_list(chroms), _split_list(eval_chroms)
+    expected = None
+    if assembly:
+        from .data.assemblies import get_assembly
+        from .data.download import fetch_assembly
+
+        asm = get_assembly(assembly)
+        wanted = (train_list or []) + (eval_list or [])
+        fasta, sizes = fetch_assembly(
+            asm, wanted or None, cache_dir=cache_dir, base_url=base_url, progress=sys.stderr.isatty()
+        )
+        expected = sizes
     w = parse_size(window)
     manifest = run_prepare(
         fasta,
         out,
         window=w,
         stride=parse_size(stride) if stride else None,
-        train_chroms=_split_list(chroms),
-        eval_chroms=_split_list(eval_chroms),
+        train_chroms=train_list,
+        eval_chroms=eval_list,
         max_n_fraction=max_n_fraction,
         uppercase_only=uppercase_only,
         drop_last=not keep_partial,
         progress=sys.stderr.isatty(),
+        expected_lengths=expected,
     )
     _emit_json(
         {
@@ -125,6 +167,7 @@ def prepare(
             "splits": manifest["splits"],
             "counts": manifest.get("counts"),
             "skipped": manifest.get("skipped"),
+            "sources": [s["path"] for s in manifest.get("sources", [])],
         }
     )
 
@@ -146,11 +189,22 @@ def train(
         list[str] | None, typer.Option("--set", help="Override a recipe key: train.lr=1e-3.")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
+    num_workers: Annotated[
+        int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
+    ] = None,
+    cp: Annotated[int, typer.Option(help="Context-parallel size: workers sharing one window.")] = 1,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
 
     Example: genoctx train --data prepared --recipe recipes/cpu-small.yaml --out runs/demo --steps 200
+
+    Example (Ray, 2 workers sharing each window): genoctx train --data prepared --recipe recipes/tiny.yaml
+    --out runs/cp2 --num-workers 2 --cp 2
     """
     _setup_logging(verbose)
     from .recipes import load_recipe
@@ -160,7 +214,26 @@ def train(
     if steps is not None:
         overrides.append(f"train.steps={steps}")
     rec = load_recipe(recipe, overrides)
-    _emit_json(run_train(data, rec, out, resume=resume, device=_device(device), stop_after=stop_after))
+    if num_workers is None:
+        if cp != 1 or address is not None or gpus_per_worker:
+            raise GenoctxError("--cp, --address and --gpus-per-worker need --num-workers")
+        _emit_json(run_train(data, rec, out, resume=resume, device=_device(device), stop_after=stop_after))
+        return
+    from .parallel.launch import train_distributed
+
+    _emit_json(
+        train_distributed(
+            data,
+            rec,
+            out,
+            num_workers=num_workers,
+            cp=cp,
+            address=address,
+            gpus_per_worker=gpus_per_worker,
+            resume=resume,
+            stop_after=stop_after,
+        )
+    )
 
 
 def _device(name: str) -> str:
@@ -176,36 +249,64 @@ def _device(name: str) -> str:
 @app.command("eval")
 @_user_errors
 def eval_(
-    checkpoint: Annotated[Path, typer.Option(help="Checkpoint directory, or a run directory (its latest).")],
     data: Annotated[Path, typer.Option(help="Prepared data directory.")],
+    checkpoint: Annotated[
+        list[Path] | None,
+        typer.Option(help="Checkpoint or run directory (its latest); repeatable, the first is the baseline."),
+    ] = None,
     by_position: Annotated[
         bool, typer.Option("--by-position", help="Bin the loss by context length.")
     ] = False,
-    baseline: Annotated[Path | None, typer.Option(help="Checkpoint to compare against.")] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="Checkpoint to compare against (same as giving it as the first --checkpoint).")
+    ] = None,
     split: Annotated[str, typer.Option(help="Split of the prepared data to score.")] = "eval",
     bins: Annotated[str, typer.Option(help="log2, linear:N, or comma-separated edges in tokens.")] = "log2",
+    markov: Annotated[
+        int | None, typer.Option(help="Also score an order-K Markov chain fitted on the train split.")
+    ] = None,
+    markov_alpha: Annotated[float, typer.Option(help="Add-alpha pseudo-count of the Markov chain.")] = 1.0,
+    reverse_complement: Annotated[
+        bool, typer.Option("--reverse-complement", help="Also score the reverse-complement strand.")
+    ] = False,
+    split_by: Annotated[
+        str | None, typer.Option(help="softmask: report soft-masked and unmasked bases separately too.")
+    ] = None,
+    resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows (0 = no intervals).")] = 1000,
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
     format_: Annotated[str, typer.Option("--format", help="table, json or csv (on stdout).")] = "table",
     plot: Annotated[Path | None, typer.Option(help="Write a PNG of loss against position.")] = None,
+    plot_metric: Annotated[
+        str, typer.Option(help="What --plot draws: loss or relative_change (vs the baseline).")
+    ] = "loss",
     chunk_tokens: Annotated[str | None, typer.Option(help="Score windows in chunks (carried cache).")] = None,
     max_windows: Annotated[int | None, typer.Option(help="Score only the first N windows.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Held-out next-token loss, binned by how many tokens of context each token had.
+    """Held-out next-token loss, binned by how many tokens of context each token had, with 95% bootstrap
+    intervals over windows. Several --checkpoint: the first is the baseline (paired intervals of the change).
 
-    Example: genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
+    Examples:
+      genoctx eval --by-position --checkpoint runs/init --checkpoint runs/demo --data prepared --markov 8
+      genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
+      genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
     """
     _setup_logging(verbose)
     if format_ not in ("table", "json", "csv"):
         raise GenoctxError(f"--format must be table, json or csv, got {format_!r}")
     if not by_position:
         raise GenoctxError("only --by-position evaluation exists so far; pass --by-position")
+    if plot_metric not in ("loss", "relative_change"):
+        raise GenoctxError(f"--plot-metric must be loss or relative_change, got {plot_metric!r}")
+    if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
+        raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
     from .data.windows import parse_size
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
 
     doc = evaluate(
-        checkpoint,
+        list(checkpoint or []),
         data,
         split=split,
         bins=bins,
@@ -213,9 +314,15 @@ def eval_(
         chunk_tokens=parse_size(chunk_tokens) if chunk_tokens else None,
         max_windows=max_windows,
         device=_device(device),
+        markov=markov,
+        markov_alpha=markov_alpha,
+        reverse_complement=reverse_complement,
+        split_by=split_by,
+        resamples=resamples,
+        seed=seed,
     )
     if plot is not None:
-        write_plot(doc, plot)
+        write_plot(doc, plot, metric=plot_metric)
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
     if format_ == "json":
         _emit_json(doc)
@@ -232,21 +339,35 @@ def model_info(
     recipe: Annotated[
         Path | None, typer.Option(help="Use the model of a recipe instead of a preset.")
     ] = None,
+    seq_len: Annotated[
+        str, typer.Option("--seq-len", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
+    ] = "1M",
 ) -> None:
-    """Print the architecture and parameter counts (total and active per token) as JSON."""
+    """Print the architecture, parameter counts (total and active per token) and FLOPs per token as JSON.
+
+    FLOPs per token at --seq-len L (genoctx.model.model.flops_per_token): training = 6 x active matmul
+    parameters + KDA chunk cost (6 H (4 C d + 3 d^2) per KDA layer) + DSA attention over top-k keys
+    (6 x 2 H Dh k_eff) + the indexer (2 H_I d_I (L+1)/2 scoring, forward only, plus its KL). Example:
+
+        genoctx model info --preset glm-flash-like --seq-len 1M
+    """
+    from .data.windows import parse_size
     from .model.config import preset as get_preset
+    from .model.model import flops_per_token
     from .recipes import load_recipe
 
     try:
         cfg = load_recipe(recipe).model if recipe else get_preset(preset)
     except KeyError as e:
         raise GenoctxError(e.args[0]) from None
-    from .model.model import HybridLM
-
-    if cfg.d_model * cfg.n_layers > 20000:
-        counts = _count_params_meta(cfg)
-    else:
-        counts = HybridLM(cfg).num_parameters()
+    try:
+        L = parse_size(seq_len)
+    except (ValueError, GenoctxError) as e:
+        raise GenoctxError(f"--seq-len: {e}") from None
+    if L < 1:
+        raise GenoctxError(f"--seq-len must be >= 1, got {seq_len!r}")
+    counts = _count_params_meta(cfg)  # meta device: no memory, any size
+    flops = flops_per_token(cfg, L, counts["active"])
     _emit_json(
         {
             "preset": preset if recipe is None else None,
@@ -254,6 +375,8 @@ def model_info(
             "kda_layers": cfg.layer_types.count("K"),
             "dsa_layers": cfg.layer_types.count("D"),
             "parameters": counts,
+            "seq_len": L,
+            "flops_per_token": flops,
             "config": cfg.to_dict(),
         }
     )

@@ -3,9 +3,12 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REALDNA, REPO
+
+REPO = Path(__file__).resolve().parents[1]
+REALDNA = REPO / "data" / "hg38"
 
 
 def genoctx(*args, check=True):

@@ -28,6 +28,7 @@ from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
+from ..parallel.context import ParallelDims, all_reduce_grads, all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint
 
@@ -78,12 +79,18 @@ def window_order(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_windows, generator=g)
 
 
-def sample_batch(ds: WindowDataset, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, dict]:
-    """The windows of optimizer step ``step``: tokens [batch_size, L] int64 and the data-order state."""
+def sample_batch(
+    ds: WindowDataset, cfg: TrainConfig, step: int, dp: int = 1, dp_rank: int = 0
+) -> tuple[torch.Tensor, dict]:
+    """The windows of optimizer step ``step``: tokens [batch_size, L] int64 and the data-order state.
+
+    With data parallelism the global batch is ``batch_size * dp`` samples; DP rank ``d`` takes samples
+    ``k = (step * dp + d) * batch_size + b``, so DP = 2 with batch 1 sees what one process with batch 2 sees.
+    """
     n = len(ds)
     rows = []
     for b in range(cfg.batch_size):
-        k = step * cfg.batch_size + b
+        k = (step * dp + dp_rank) * cfg.batch_size + b
         epoch, pos = divmod(k, n)
         idx = int(window_order(n, cfg.seed, epoch)[pos])
         tokens = ds[idx]["tokens"]
@@ -91,36 +98,81 @@ def sample_batch(ds: WindowDataset, cfg: TrainConfig, step: int) -> tuple[torch.
             off = int(np.random.default_rng([cfg.seed, k]).integers(0, tokens.numel() - cfg.seq_len + 1))
             tokens = tokens[off : off + cfg.seq_len]
         rows.append(tokens)
-    k_next = (step + 1) * cfg.batch_size
+    k_next = (step + 1) * cfg.batch_size * dp
     return torch.stack(rows), {"epoch": k_next // n, "position": k_next % n, "num_windows": n}
 
 
 def forward_backward(
-    model: HybridLM, tokens: torch.Tensor, autocast
+    model: HybridLM, tokens: torch.Tensor, autocast, dims: ParallelDims | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One forward and backward over a batch of windows.
 
-    tokens: [B, L] int64 window bases. Returns (sum of token losses in nats, scored-token count, aux loss).
-    The backward pass uses loss = sum / max(count, 1) + auxiliary losses.
+    tokens: [B, L] int64 window bases (this data-parallel rank's windows, whole; the CP slice is cut here).
+    Returns (sum of token losses in nats, scored-token count, aux loss), all over the global batch.
+
+    Single process (``dims`` None or one rank): the backward pass uses loss = sum / max(count, 1) + aux.
+    Distributed (``dims.world > 1``, ``apply_cp`` already applied when ``dims.cp > 1``):
+
+        count_g  = all-reduce_{CP x DP}(count)                       scored tokens of the global batch
+        q_local  = B x (L / cp)                                      queries (positions) on this rank
+        q_g      = q_local x cp x dp
+        objective_rank = loss_sum_rank / max(count_g, 1) + aux_rank x q_local / q_g
+        grad     = all-reduce_{CP x DP}(grad objective_rank)        summed, never divided again
+
+    The ranks' objectives add up to the one-process objective (the auxiliary losses are means over queries),
+    so the gradients equal one process's over the whole batch. A rank with no scored token (an all-N slice)
+    contributes 0 / count_g: no NaN.
     """
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
+    if dims is None or not dims.is_distributed:
+        with autocast:
+            logits, _ = model(inputs)
+        losses = token_losses(logits, tokens, scored)
+        loss_sum = losses.sum()
+        count = scored.sum()
+        loss = loss_sum / count.clamp(min=1)
+        aux = model.aux_loss()
+        total = loss + aux if aux is not None else loss
+        total.backward()
+        return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
+    if dims.cp > 1:
+        inputs, tokens, scored = (shard_sequence(t, dims.cp, dims.cp_rank) for t in (inputs, tokens, scored))
+    group = dims.dp_cp_group
+    count = scored.sum()
+    count_g = all_reduce_sum(count, group)
     with autocast:
         logits, _ = model(inputs)
-    losses = token_losses(logits, tokens, scored)
-    loss_sum = losses.sum()
-    count = scored.sum()
-    loss = loss_sum / count.clamp(min=1)
+    loss_sum = token_losses(logits, tokens, scored).sum()
+    share = 1.0 / dims.world  # q_local / q_g: every rank holds B x L / cp positions
     aux = model.aux_loss()
-    total = loss + aux if aux is not None else loss
+    total = loss_sum / count_g.clamp(min=1)
+    if aux is not None:
+        total = total + aux * share
     total.backward()
-    return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
+    all_reduce_grads(model, group)
+    sums = torch.stack(
+        [
+            loss_sum.detach().double(),
+            (aux.detach() * share).double() if aux is not None else loss_sum.new_zeros((), dtype=torch.float64),
+        ]
+    )
+    sums = all_reduce_sum(sums, group)
+    return sums[0], count_g, float(sums[1])
 
 
-def train_step(model, optimizer, scheduler, tokens, cfg: TrainConfig, autocast) -> dict:
-    """Forward, backward, clip, optimizer and schedule step, router-bias update. Returns step metrics."""
+def train_step(
+    model, optimizer, scheduler, tokens, cfg: TrainConfig, autocast, dims: ParallelDims | None = None
+) -> dict:
+    """Forward, backward, clip, optimizer and schedule step, router-bias update. Returns step metrics.
+
+    With ``dims`` (distributed), gradients are all-reduced in ``forward_backward`` and the MoE expert loads
+    are all-reduced over CP x DP before the router-bias update, so every rank takes the same step.
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, count, aux = forward_backward(model, tokens, autocast)
+    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims)
+    if dims is not None and dims.is_distributed:
+        all_reduce_moe_loads(model, dims.dp_cp_group)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
@@ -183,8 +235,7 @@ def train(
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
-            f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue "
-            f"or choose a new --out"
+            f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
     if resume and latest is not None:
         state = load_training_state(latest, model, optimizer, scheduler)
@@ -193,9 +244,7 @@ def train(
         _truncate_metrics(out / "metrics.jsonl", start)
     out.mkdir(parents=True, exist_ok=True)
 
-    autocast = (
-        torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
-    )
+    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     params = model.num_parameters()
     log.info(
         "model: %d parameters (%d active per token); %d train windows of %d tokens; steps %d..%d",
@@ -284,9 +333,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines past ``step`` (left by a run that stopped after its last checkpoint)."""
     if not path.is_file():
         return
-    keep = [
-        ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step
-    ]
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     tmp.replace(path)

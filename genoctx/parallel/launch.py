@@ -1,0 +1,321 @@
+"""Distributed training on Ray (Ray Train V2 ``TorchTrainer``): CP x DP workers, locally or on a cluster.
+
+``train_distributed`` is what ``genoctx train --num-workers N [--cp C]`` runs:
+
+- Ray: an existing cluster (``address="auto"`` or ``"ray://HOST:PORT"``) or a local one started with no
+  dashboard and a short temporary directory (unix socket paths are limited to ~107 characters). Ray Train
+  creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the CP x DP groups
+  with Megatron-core (``init_parallel``) and applies context parallelism from outside (``apply_cp``).
+- Data: DP rank ``d`` takes samples ``(step * dp + d) * batch_size + b`` (``sample_batch``); the CP ranks of
+  a DP group take the same windows and each runs its contiguous slice.
+- Checkpoints: rank 0 writes the usual ``RUN/checkpoints/step_N`` (atomic; ``genoctx eval`` reads it) and
+  reports it with ``ray.train.report``; Ray keeps its copy under ``RUN/ray``. ``--resume`` reruns the same
+  ``RunConfig(name="ray", storage_path=RUN)``, and every worker restores from ``ray.train.get_checkpoint()``.
+  The same path serves ``FailureConfig``: a worker that dies makes Ray restart the group from the last
+  reported checkpoint.
+- Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each
+  rank's tokens, tokens/s, peak memory, MoE max/mean expert load and DSA indexer keys scored. The summary
+  prints the busiest rank's load over the mean (``rank_imbalance``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..errors import GenoctxError
+from ..recipes import Recipe
+
+log = logging.getLogger("genoctx.train")
+
+RAY_RUN_NAME = "ray"  # Ray Train's run directory under RUN (its checkpoint copies and state snapshot)
+_SOCKET_BUDGET = 40  # characters of the Ray temp dir that keep its socket paths under the unix limit
+
+
+def _ray_temp_dir(out: Path) -> str:
+    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp."""
+    p = out / ".ray"
+    if len(str(p)) <= _SOCKET_BUDGET:
+        p.mkdir(parents=True, exist_ok=True)
+        return str(p)
+    return tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+
+
+def _rank_stats(model, tokens: int, dt: float, device) -> dict:
+    from ..train.loop import peak_memory_bytes
+
+    stats = model.layer_stats()
+    moe = [s["moe_load_max_over_mean"] for s in stats if s.get("moe_load_max_over_mean") is not None]
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / dt if dt > 0 else None,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "moe_load_max_over_mean": max(moe) if moe else None,
+        "dsa_keys_scored": sum(int(s.get("keys_scored") or 0) for s in stats if s["mixer"] == "dsa"),
+    }
+
+
+def _train_worker(config: dict) -> None:
+    """The Ray Train worker loop (one process per CP x DP rank). ``config``: recipe dict, paths, cp, fault."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from ..data.dataset import WindowDataset
+    from ..model.model import HybridLM
+    from ..recipes import recipe_from_dict
+    from ..train.checkpoint import load_training_state, save_checkpoint
+    from ..train.loop import _truncate_metrics, build_optimizer, sample_batch, train_step
+    from .context import apply_cp, init_parallel
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    recipe = recipe_from_dict(config["recipe"], "<ray config>")
+    cfg = recipe.train
+    out, data_dir = Path(config["out"]), Path(config["data"])
+    dims = init_parallel(config["cp"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cfg.num_threads or config["threads"])
+    dev = ray.train.torch.get_device() if config["gpus_per_worker"] > 0 else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    model = HybridLM(recipe.model).to(dev)
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
+    if dims.cp > 1:
+        apply_cp(model, dims.cp_group)
+    start = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            start = int(load_training_state(Path(d), model, optimizer, scheduler)["step"])
+        if rank == 0:
+            log.info("resuming from step %d", start)
+    if rank == 0:
+        _truncate_metrics(out / "metrics.jsonl", start)
+    ds = WindowDataset(data_dir, "train")
+    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
+    fault = config.get("fault")  # (rank, step): fault injection for the restart test
+    with open(out / "metrics.jsonl", "a") if rank == 0 else nullcontext() as mf:
+        for step in range(start, end):
+            if fault and rank == fault[0] and step == fault[1] and not (out / ".fault_done").exists():
+                (out / ".fault_done").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.perf_counter()
+            tokens, data_state = sample_batch(ds, cfg, step, dims.dp, dims.dp_rank)
+            model.train()
+            m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims)
+            dt = time.perf_counter() - t0
+            mine = {"rank": rank, "cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank}
+            mine.update(_rank_stats(model, tokens.numel() // dims.cp, dt, dev))
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+            row = {
+                "step": step + 1,
+                **m,
+                "tokens": sum(r["tokens"] for r in ranks),
+                "tokens_per_s": sum(r["tokens"] for r in ranks) / max(dt, 1e-9),
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+                "layers": model.layer_stats(),
+                "ranks": ranks,
+            }
+            if rank == 0:
+                mf.write(json.dumps(row, default=str) + "\n")
+                mf.flush()
+                if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                    log.info(
+                        "step %d/%d  loss %.4f nats (%.4f bits/base)  lr %.2e  %.0f tok/s  %d workers (cp %d)",
+                        step + 1,
+                        cfg.steps,
+                        m["loss"],
+                        m["loss"] / math.log(2),
+                        m["lr"],
+                        row["tokens_per_s"],
+                        world,
+                        dims.cp,
+                    )
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                report = {"step": step + 1, "loss": m["loss"]}
+                if rank == 0:
+                    path = save_checkpoint(
+                        out,
+                        step + 1,
+                        model,
+                        optimizer,
+                        scheduler,
+                        recipe,
+                        {"data": data_state, "seed": cfg.seed, "cp": dims.cp, "dp": dims.dp},
+                        keep=cfg.keep_checkpoints,
+                    )
+                    ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+                else:
+                    ray.train.report(report, checkpoint=None)
+
+
+def _summary(out: Path, recipe: Recipe, start: int | None, elapsed: float) -> dict:
+    from ..train.checkpoint import latest_checkpoint
+
+    path = out / "metrics.jsonl"
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    per_rank: dict[int, dict] = {}
+    for row in rows:
+        for r in row.get("ranks", []):
+            acc = per_rank.setdefault(r["rank"], {"tokens": 0, "dsa_keys_scored": 0})
+            acc["tokens"] += r["tokens"]
+            acc["dsa_keys_scored"] += r["dsa_keys_scored"]
+
+    def busiest_over_mean(key: str) -> float | None:
+        vals = [v[key] for v in per_rank.values()]
+        mean = sum(vals) / len(vals) if vals else 0
+        return max(vals) / mean if mean > 0 else None
+
+    last = rows[-1] if rows else None
+    ckpt = latest_checkpoint(out)
+    return {
+        "run": str(out),
+        "checkpoint": str(ckpt) if ckpt else None,
+        "steps": recipe.train.steps,
+        "step": last["step"] if last else (start or 0),
+        "resumed_from": start,
+        "final_loss": last["loss"] if last else None,
+        "tokens_per_s": last["tokens_per_s"] if last else None,
+        "peak_memory_bytes": last["peak_memory_bytes"] if last else None,
+        "workers": len(per_rank),
+        "rank_imbalance": {
+            "dsa_keys_scored_max_over_mean": busiest_over_mean("dsa_keys_scored"),
+            "tokens_max_over_mean": busiest_over_mean("tokens"),
+            "moe_load_max_over_mean": max(
+                (r["moe_load_max_over_mean"] or 0.0 for r in (last or {}).get("ranks", [])), default=None
+            ),
+        },
+        "elapsed_s": elapsed,
+    }
+
+
+def train_distributed(
+    data_dir: str | Path,
+    recipe: Recipe,
+    out: str | Path,
+    *,
+    num_workers: int,
+    cp: int = 1,
+    address: str | None = None,
+    gpus_per_worker: float = 0,
+    resume: bool = False,
+    stop_after: int | None = None,
+    max_failures: int = 2,
+) -> dict:
+    """Train with ``num_workers`` Ray workers: ``cp``-way context parallel x ``num_workers / cp`` data parallel.
+
+    Args:
+        data_dir: prepared data directory (``genoctx prepare --out``).
+        recipe: the resolved recipe; ``train.batch_size`` is per DP rank.
+        out: run directory (``checkpoints/``, ``metrics.jsonl``, ``ray/``).
+        num_workers: Ray workers (processes), one rank each.
+        cp: context-parallel size; divides ``num_workers`` and the window (or ``train.seq_len``) in tokens.
+        address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
+        gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
+        resume: continue the run in ``out`` from its latest checkpoint.
+        stop_after: end this invocation after that step (checkpointed); ``resume`` continues.
+        max_failures: worker-group restarts (from the last checkpoint) before giving up.
+
+    Returns:
+        The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA keys
+        scored and tokens over the mean, and the largest MoE max/mean expert load).
+
+    Raises:
+        GenoctxError: bad worker counts, a window that does not split into ``cp`` slices, existing checkpoints
+            without ``resume``, or a training failure after ``max_failures`` restarts.
+    """
+    from ..data.dataset import WindowDataset
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.loop import _check_manifest
+
+    if num_workers < 1 or cp < 1 or num_workers % cp:
+        raise GenoctxError(f"--cp {cp} must be >= 1 and divide --num-workers {num_workers}")
+    out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
+    _check_manifest(data_dir)
+    L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
+    if L % cp or L // cp < recipe.model.kda_conv_size - 1:
+        raise GenoctxError(f"--cp {cp}: the {L}-token training window does not split into {cp} equal slices")
+    latest = latest_checkpoint(out)
+    if latest is not None and not resume:
+        raise GenoctxError(
+            f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
+        )
+    start = None
+    if resume and latest is not None:
+        start = int(json.loads((latest / "state.json").read_text())["step"])
+    out.mkdir(parents=True, exist_ok=True)
+    fault = os.environ.get("GENOCTX_FAULT_KILL")  # "RANK:STEP": kill that worker once (restart test)
+    config = {
+        "recipe": recipe.to_dict(),
+        "out": str(out),
+        "data": str(data_dir),
+        "cp": cp,
+        "stop_after": stop_after,
+        "gpus_per_worker": gpus_per_worker,
+        "threads": max(1, (os.cpu_count() or 1) // num_workers),
+        "fault": [int(x) for x in fault.split(":")] if fault else None,
+    }
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    # Ray prints worker and raylet lines to stdout; stdout is for the JSON summary only, so they go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gpus_per_worker, max_failures)
+
+
+def _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gpus_per_worker, max_failures) -> dict:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+    started, temp_dir = False, None
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            temp_dir = _ray_temp_dir(out)
+            ray.init(
+                include_dashboard=False,
+                _temp_dir=temp_dir,
+                num_cpus=max(num_workers + 1, os.cpu_count() or 1),
+                num_gpus=int(math.ceil(gpus_per_worker * num_workers)) or None,
+                object_store_memory=256 << 20,  # checkpoints travel as files, not through the object store
+                configure_logging=False,
+            )
+        started = True
+    resources = {"CPU": 1}
+    if gpus_per_worker > 0:
+        resources["GPU"] = gpus_per_worker
+    trainer = TorchTrainer(
+        _train_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=RAY_RUN_NAME,
+            storage_path=str(out),
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints or None),
+        ),
+    )
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+    except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
+        raise GenoctxError(f"distributed training failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    finally:
+        if started:
+            ray.shutdown()
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    return _summary(out, recipe, start, time.perf_counter() - t0)
