@@ -56,8 +56,40 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
     return f
 
 
+def freeze_for_indexer_warmup(model: HybridLM) -> int:
+    """The DSA indexer warm-up stage (DeepSeek-V3.2, stage 1): attention runs dense and every parameter but the
+    lightning indexers' is frozen, so only the indexer KL loss against the dense attention distribution trains.
+
+    Returns the number of parameters left trainable (0 when the stage is not ``warmup``: nothing is frozen).
+
+    Raises:
+        GenoctxError: ``indexer_stage: warmup`` without ``dsa_mode: dense`` (the warm-up fits the indexer to
+            the dense distribution while the model attends densely), or a model with no DSA layer.
+    """
+    cfg = model.cfg
+    if cfg.indexer_stage != "warmup":
+        return 0
+    if cfg.dsa_mode != "dense":
+        raise GenoctxError(
+            "model.indexer_stage=warmup needs model.dsa_mode=dense (DeepSeek-V3.2's warm-up attends densely "
+            "and trains only the indexer); set both, then switch to indexer_stage=sparse, dsa_mode=sparse"
+        )
+    trainable = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(".index_" in name)
+        trainable += p.numel() if p.requires_grad else 0
+    if trainable == 0:
+        raise GenoctxError("model.indexer_stage=warmup: the model has no DSA layer (layer_pattern has no 'D')")
+    return trainable
+
+
 def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
-    """AdamW (decoupled weight decay on matrices only) and its warm-up + cosine LambdaLR schedule."""
+    """AdamW (decoupled weight decay on matrices only) and its warm-up + cosine LambdaLR schedule.
+
+    Only parameters that require grad are optimised; during the indexer warm-up stage
+    (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone.
+    """
+    freeze_for_indexer_warmup(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -177,7 +209,8 @@ def train_step(
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    moe = model.update_router_biases()
+    # the indexer warm-up keeps the main model frozen, MoE routing biases included
+    moe = model.update_router_biases() if model.cfg.indexer_stage != "warmup" else []
     loss = float(loss_sum / max(int(count), 1))
     return {
         "loss": loss,

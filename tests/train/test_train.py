@@ -70,3 +70,25 @@ def test_schedule_warms_up_then_decays_to_min():
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
     assert f(55) == pytest.approx(0.55)
+
+
+def test_indexer_warmup_trains_only_the_indexer(prepared, tmp_path):
+    """DeepSeek-V3.2 stage 1: dense attention, everything but the lightning indexer frozen."""
+    import torch
+
+    from genoctx.model.model import HybridLM
+
+    over = ["train.steps=2", "train.seq_len=256", "train.warmup_steps=1"]
+    with pytest.raises(GenoctxError, match="dsa_mode=dense"):
+        train(prepared, load_recipe("recipes/tiny.yaml", [*over, "model.indexer_stage=warmup"]), tmp_path / "a")
+    rec = load_recipe("recipes/tiny.yaml", [*over, "model.indexer_stage=warmup", "model.dsa_mode=dense"])
+    train(prepared, rec, tmp_path / "b")
+    torch.manual_seed(rec.train.seed)
+    init = HybridLM(rec.model).state_dict()
+    trained, _, _ = load_model(tmp_path / "b")
+    changed = {k for k, v in trained.state_dict().items() if k in init and not torch.equal(v, init[k])}
+    assert changed and all(".index_" in k for k in changed), changed
+    assert any(".index_q_proj" in k for k in changed)
+    rows = _metrics(tmp_path / "b")
+    dsa = [s for s in rows[-1]["layers"] if s["mixer"] == "dsa"]
+    assert dsa and all(s["path"] == "dense" and s["indexer_loss"] > 0 for s in dsa)
