@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# Same names and values as tests/conftest.py: pytest may resolve ``from conftest import REPO, REALDNA`` (as in
-# tests/test_cli.py) to this module when both conftest files are loaded.
 REPO = Path(__file__).resolve().parents[2]
 REALDNA = REPO / "data" / "hg38"
 PERIOD = 1536  # the repeated unit of repeat_prepared's windows
