@@ -35,22 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
-
-
-def _rss_now_mib() -> float:
-    """Current resident set in MiB (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _make(side: str, topk: int, device: str):
@@ -93,6 +80,7 @@ def _sync(device: str) -> None:
 def worker(side: str, L: int, topk: int, device: str) -> dict:
     """Run one (side, L) measurement in this process and return its numbers."""
     import torch
+    from _memory import peak_rss_mib, rss_now_mib  # bench/_memory.py, beside this script
 
     from genoctx.model.dsa import indexer_topk
 
@@ -106,12 +94,12 @@ def worker(side: str, L: int, topk: int, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_now_mib()
+        base = rss_now_mib()
     t0 = time.perf_counter()
     step(x)
     _sync(device)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _peak_rss_mib()) - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()) - base
     out = {"seconds": round(seconds, 3), "peak_mib": round(peak, 1)}
     if side == "dsa":
         out["stats"] = layer.stats

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import tempfile
 import time
@@ -25,20 +24,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _memory import peak_rss_mib, rss_now_mib  # noqa: E402  (bench/_memory.py, beside this script)
+
 from genoctx.data.dataset import WindowDataset  # noqa: E402
 from genoctx.data.windows import parse_size, prepare  # noqa: E402
 from genoctx.eval.position import model_scorer, parse_bins, score_windows  # noqa: E402
 from genoctx.model.config import preset  # noqa: E402
 from genoctx.model.model import HybridLM  # noqa: E402
 from genoctx.train.checkpoint import load_model  # noqa: E402
-
-
-def _rss_gib() -> float:
-    """Current resident set size of this process (Linux /proc), GiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def main() -> None:
@@ -62,7 +55,7 @@ def main() -> None:
             torch.manual_seed(0)
             model = HybridLM(preset("cpu-small"))
         edges = parse_bins("log2", window)
-        rss_before = _rss_gib()
+        rss_before = rss_now_mib() / 1024
         t0 = time.perf_counter()
         res = score_windows(model_scorer(model, chunk), ds, edges, max_windows=1)["forward/all"]
         seconds = time.perf_counter() - t0
@@ -79,7 +72,7 @@ def main() -> None:
                 "seconds": round(seconds, 1),
                 "tokens_per_s": round(window / seconds, 1),
                 "rss_before_gib": round(rss_before, 3),
-                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+                "peak_rss_gib": round(peak_rss_mib() / 1024, 3),
                 "loss": overall["loss"],
                 "last_bin": res.bins()[-1],
                 "threads": torch.get_num_threads(),

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
@@ -34,15 +32,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _rss_now_mib() -> float:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _tokens(L: int):
@@ -62,6 +51,7 @@ def worker(L: int, preset_name: str, device: str) -> dict:
     """One forward+backward at length L in this process; returns its time and peak memory."""
     import torch
     import torch.nn.functional as F
+    from _memory import peak_rss_mib, rss_now_mib  # bench/_memory.py, beside this script
 
     from genoctx.model.config import preset
     from genoctx.model.model import HybridLM
@@ -83,13 +73,13 @@ def worker(L: int, preset_name: str, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_now_mib()
+        base = rss_now_mib()
     t0 = time.perf_counter()
     step(inputs, targets)
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _peak_rss_mib()) - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()) - base
     return {"seconds": round(seconds, 2), "peak_mib": round(peak, 1)}
 
 
