@@ -29,7 +29,6 @@ from safetensors.torch import load_file, save_file
 
 from .. import __version__
 from ..errors import GenoctxError
-from ..model.config import ModelConfig
 from ..model.model import HybridLM
 from ..recipes import Recipe, recipe_from_dict
 
@@ -156,7 +155,3 @@ def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> di
     if scheduler is not None and opt["scheduler"] is not None:
         scheduler.load_state_dict(opt["scheduler"])
     return json.loads((ckpt / "state.json").read_text())
-
-
-def model_config_of(ckpt: Path) -> ModelConfig:
-    return load_recipe_of(ckpt).model
