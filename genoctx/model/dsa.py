@@ -12,7 +12,9 @@ Design choices:
   token and ``w = proj(h) * H_I^-1/2 * d_I^-1/2`` (the ``d_I^-1/2`` softmax scale as in DeepSeek-V3.2's
   reference inference code). Scores are computed per query tile (rows x key columns within
   ``indexer_tile_tokens``) and reduced to top-k per tile at once: no ``[T, S+T]`` score tensor ever exists
-  (``indexer_topk``).
+  (``indexer_topk``). Each row keeps its k-th best score as a threshold, and key groups whose maximum is
+  below it skip the top-k merge: the cost per (query, key) pair is one fused matrix product over the index
+  heads plus a few elementwise passes (about 1 ns on a 2-core CPU, ``bench/eval_long.py``).
 - Sentinel: a query at absolute position ``p`` sees ``p + 1`` keys; when that is fewer than the top-k, the
   unused slots of its index row hold ``-1``. Every consumer masks ``-1`` (zero weight forward, no gradient,
   and nothing is scattered into any row for it).
@@ -45,6 +47,9 @@ SENTINEL = -1  # index-row slot with no key (query has fewer visible keys than t
 # top-k makes the selection a fixed function of (query, key): among equal scores the most recent keys win.
 TIE_BREAK = 2.0**-40
 ATTN_TILE_TOKENS = 1 << 16  # sparse attention: query-tile rows x selected keys held at once
+INDEX_ROW_TILE = 256  # indexer_topk: query rows per tile (fast path; bounded by indexer_tile_tokens)
+INDEX_COL_BLOCK = 4096  # indexer_topk: key columns per block (a multiple of INDEX_GROUP)
+INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima are compared to the threshold)
 
 
 @dataclass
@@ -76,6 +81,7 @@ def _index_scores_block(qi: Tensor, wi: Tensor, ki: Tensor) -> Tensor:
     """Indexer scores of a block: ``qi [B,R,H_I,d_I]``, ``wi [B,R,H_I]``, ``ki [B,C,d_I]`` -> ``[B,R,C]``.
 
     Loops over index heads so that only two ``[B,R,C]`` buffers exist at once (in place when grad is off).
+    Differentiable (the indexer warm-up KL uses it); ``indexer_topk`` uses the fused ``_index_scores_tile``.
     """
     acc = None
     kt = ki.transpose(1, 2)  # [B, d_I, C]
@@ -92,6 +98,43 @@ def _index_scores_block(qi: Tensor, wi: Tensor, ki: Tensor) -> Tensor:
     return acc
 
 
+def _index_scores_tile(q2: Tensor, w3: Tensor, kt: Tensor, buf: Tensor, out: Tensor) -> Tensor:
+    """Scores of one tile without autograd, in preallocated buffers (no allocation in the hot loop).
+
+    ``q2 [R * H_I, d_I]`` (rows of ``[R, H_I, d_I]`` flattened), ``w3 [R, 1, H_I]``, ``kt [d_I, C]``,
+    ``buf [>= R * H_I * C]`` and ``out [>= R * C]`` scratch -> ``[R, C]`` view of ``out`` holding
+    ``sum_j w[r, j] * ReLU(q[r, j] . k[c])``: one matrix product for all heads, one ReLU pass, one batched
+    product that sums the heads.
+    """
+    R, H = w3.shape[0], w3.shape[2]
+    C = kt.shape[1]
+    s = torch.mm(q2, kt, out=buf[: R * H * C].view(R * H, C)).relu_()
+    return torch.bmm(w3, s.view(R, H, C), out=out[: R * C].view(R, 1, C)).view(R, C)
+
+
+def _merge_topk(best_v: Tensor, best_i: Tensor, pend_v: list, pend_i: list) -> tuple[Tensor, Tensor]:
+    """Running top-k: ``best_v, best_i [R, K]`` and pending candidate pieces ``[R, w_j]`` -> new ``[R, K]``
+    (unsorted). Empties the pending lists."""
+    v = torch.cat([best_v, *pend_v], dim=-1)
+    ci = torch.cat([best_i, *pend_i], dim=-1)
+    pend_v.clear()
+    pend_i.clear()
+    best_v, j = v.topk(best_v.shape[1], dim=-1, sorted=False)
+    return best_v, ci.gather(-1, j)
+
+
+def _pad_rows(rows: Tensor, n_row: Tensor, most: int, vals: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
+    """Ragged candidates -> padded rows: ``vals, cols [n, w]`` of ``rows [n]`` (sorted; ``n_row [R]`` per row,
+    at most ``most``) -> ``([R, most * w]`` values, -inf padded, ``[R, most * w]`` int64 key positions)."""
+    R, w = n_row.shape[0], vals.shape[1]
+    slot = torch.arange(rows.numel(), device=rows.device) - (n_row.cumsum(0) - n_row)[rows]
+    cand_v = vals.new_full((R, most, w), float("-inf"))
+    cand_v[rows, slot] = vals
+    cand_i = cols.new_zeros((R, most, w))
+    cand_i[rows, slot] = cols
+    return cand_v.view(R, most * w), cand_i.view(R, most * w)
+
+
 def indexer_topk(
     index_q: Tensor,
     index_w: Tensor,
@@ -100,10 +143,12 @@ def indexer_topk(
     topk: int,
     tile_tokens: int,
     index_dtype: torch.dtype = torch.long,
+    prune: bool = True,
 ) -> Tensor:
     """Top-k keys per query by the lightning indexer (DeepSeek-V3.2), in query tiles, causal.
 
-    ``I[t, s] = sum_j index_w[t, j] * ReLU(index_q[t, j] . index_k[s])`` for ``s <= q_offset + t``.
+    ``I[t, s] = sum_j index_w[t, j] * ReLU(index_q[t, j] . index_k[s])`` for ``s <= q_offset + t``, plus
+    ``s * TIE_BREAK`` (among equal scores the most recent key wins, whatever the tiling).
 
     Args:
         index_q: ``[B, T, H_I, d_I]`` indexer queries (any float dtype; scored in at least fp32).
@@ -112,10 +157,17 @@ def indexer_topk(
         q_offset: absolute position of query row 0 (normally ``S``); query row ``t`` sees keys
             ``0 .. q_offset + t``.
         topk: keys kept per query (>= 1).
-        tile_tokens: score budget: ``B x rows x key columns`` held at once (at least one row by one column
-            block). Rows longer than the budget are split into column blocks merged by a running top-k.
+        tile_tokens: score budget: query rows x key columns of one tile (per batch row), at least one row by
+            ``INDEX_GROUP`` columns. The tile is at most ``INDEX_ROW_TILE x INDEX_COL_BLOCK`` (sized to stay in
+            a CPU core's cache); rows longer than a block are merged by a running top-k.
         index_dtype: dtype of the returned indices: int64 (default) or int32 (half the memory: at 1M tokens
             and top-2048 the index is 16 GiB in int64; ``DeepSeekSparseAttention`` uses int32).
+        prune: skip key groups that cannot enter a row's top-k. Each row keeps its current k-th best score as
+            a threshold; a block's columns are grouped by ``INDEX_GROUP`` and only groups whose maximum
+            exceeds the threshold are merged (the full top-k over a block costs ~4x the scores; most groups
+            of a long row fall below the threshold). Blocks are visited from the most recent keys backwards,
+            so the threshold rises early. The result equals ``prune=False`` (the plain running top-k)
+            exactly; tested.
 
     Returns:
         ``idx`` (``index_dtype``) ``[B, T, min(topk, S + T)]``: selected key positions in descending score order;
@@ -125,48 +177,91 @@ def indexer_topk(
         ValueError: ``topk < 1``, ``tile_tokens < 1``, or ``q_offset + T > S + T`` keys.
 
     Runs under ``torch.no_grad``. No ``[T, S + T]`` tensor is materialised: each tile is reduced to top-k
-    immediately.
+    immediately. Cost: ``2 H_I d_I`` FLOPs per visible (query, key) pair, quadratic in position as in
+    DeepSeek-V3.2; ``bench/eval_long.py`` measures it at 1M tokens.
     """
     if topk < 1 or tile_tokens < 1:
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
-    B, T, H_I, _ = index_q.shape
+    B, T, H_I, d_I = index_q.shape
     N = index_k.shape[1]
     if q_offset < 0 or q_offset + T > N:
         raise ValueError(f"indexer_topk: queries at {q_offset}..{q_offset + T - 1} but only {N} keys")
-    K = min(topk, N)
-    dt = _acc_dtype(index_q.dtype)
     if index_dtype not in (torch.long, torch.int32) or (index_dtype == torch.int32 and N >= 2**31):
         raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
-    out = torch.empty(B, T, K, dtype=index_dtype, device=index_q.device)
+    K = min(topk, N)
+    dt = _acc_dtype(index_q.dtype)
+    dev = index_q.device
+    g = INDEX_GROUP
+    n_keys = q_offset + T  # keys any query of the call may see
+    # column block: a multiple of the group, within the budget; row tile: the rest of the budget
+    C = max(g, min(INDEX_COL_BLOCK, tile_tokens) // g * g)
+    C = min(C, -(-n_keys // g) * g)
+    R = max(1, min(INDEX_ROW_TILE, T, tile_tokens // C))
+    out = torch.empty(B, T, K, dtype=index_dtype, device=dev)
+    buf = torch.empty(R * H_I * C, dtype=dt, device=dev)
+    sbuf = torch.empty(R * C, dtype=dt, device=dev)
+    cols_all = torch.arange(n_keys + C, device=dev)
+    tie_all = cols_all.to(dt) * TIE_BREAK
     with torch.no_grad():
-        qa, wa, ka = index_q.to(dt), index_w.to(dt), index_k.to(dt)
-        cols_max = q_offset + T  # keys any query of the chunk may see
-        col_block = max(1, min(cols_max, tile_tokens // B))
-        rows = max(1, tile_tokens // (B * col_block))
-        for r0 in range(0, T, rows):
-            r1 = min(T, r0 + rows)
-            n_vis = q_offset + r1  # keys visible to the tile's last row
-            pos = torch.arange(q_offset + r0, q_offset + r1, device=index_q.device)  # [R]
-            best_v = best_i = None
-            for c0 in range(0, n_vis, col_block):
-                c1 = min(n_vis, c0 + col_block)
-                s = _index_scores_block(qa[:, r0:r1], wa[:, r0:r1], ka[:, c0:c1])  # [B, R, C]
-                cols = torch.arange(c0, c1, device=index_q.device)
-                s.add_(cols.to(s.dtype) * TIE_BREAK)  # ties (ReLU zeros) go to the most recent key
-                s.masked_fill_((cols[None, :] > pos[:, None])[None], float("-inf"))
-                ci = cols.expand(B, r1 - r0, c1 - c0)
-                if best_v is not None:
-                    s = torch.cat([best_v, s], dim=-1)
-                    ci = torch.cat([best_i, ci], dim=-1)
-                kk = min(K, s.shape[-1])
-                best_v, j = s.topk(kk, dim=-1)
-                best_i = ci.gather(-1, j)
-            # a tile whose rows all see fewer than K keys: pad its index rows to K with sentinels
-            if best_i.shape[-1] < K:
-                pad = K - best_i.shape[-1]
-                best_v = F.pad(best_v, (0, pad), value=float("-inf"))
-                best_i = F.pad(best_i, (0, pad), value=SENTINEL)
-            out[:, r0:r1] = best_i.masked_fill(torch.isneginf(best_v), SENTINEL)
+        for b in range(B):
+            kt = index_k[b, :n_keys].to(dt).t().contiguous()  # [d_I, n_keys]
+            for r0 in range(0, T, R):
+                r1 = min(T, r0 + R)
+                Rt = r1 - r0
+                q2 = index_q[b, r0:r1].to(dt).reshape(Rt * H_I, d_I)
+                w3 = index_w[b, r0:r1].to(dt).reshape(Rt, 1, H_I)
+                pos = torch.arange(q_offset + r0, q_offset + r1, device=dev)  # [Rt] absolute query positions
+                n_vis = q_offset + r1  # keys visible to the tile's last row
+                best_v = torch.full((Rt, K), float("-inf"), dtype=dt, device=dev)
+                best_i = torch.full((Rt, K), SENTINEL, dtype=torch.long, device=dev)
+                pend_v, pend_i = [], []  # pruned candidates [Rt, w] waiting for one merged top-k
+                starts = list(range(0, n_vis, C))
+                for c0 in reversed(starts) if prune else starts:
+                    c1 = min(n_vis, c0 + C)
+                    s = _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf)  # [Rt, c1 - c0], no tie-break yet
+                    if c1 - 1 > q_offset + r0:  # the block reaches past some row's position: causal mask
+                        s.masked_fill_(cols_all[c0:c1][None, :] > pos[:, None], float("-inf"))
+                    thr = best_v.amin(-1, keepdim=True)  # [Rt, 1] k-th best so far (-inf: fewer than K)
+                    if prune and c1 - c0 == C and bool(torch.isfinite(thr).all()):
+                        # fl(s + tie) <= fl(max s + largest tie of the block): a group whose bound is not above
+                        # the threshold cannot enter the top-k (rounding is monotonic, so this is exact)
+                        tie_max = tie_all[c1 - 1]
+                        gmax = s.view(Rt, C // g, g).amax(-1).add_(tie_max)  # [Rt, C / g]
+                        keep = gmax > thr
+                        n_row = keep.sum(-1)  # [Rt] groups of each row that may enter its top-k
+                        most = int(n_row.max())
+                        if most == 0:
+                            continue
+                        if most * g * 4 < C:  # few groups survive: look only inside those
+                            rows, grp = keep.nonzero(as_tuple=True)
+                            cols = c0 + grp[:, None] * g + torch.arange(g, device=dev)  # [n, g]
+                            vals = s.view(Rt, C // g, g)[rows, grp].add_(tie_all[cols])
+                            ii, jj = (vals > thr[rows]).nonzero(as_tuple=True)
+                            rows, cols, vals = rows[ii], cols[ii, jj], vals[ii, jj]
+                        else:  # many groups: every key of the block
+                            rows, col = (s + tie_max > thr).nonzero(as_tuple=True)
+                            cols = c0 + col
+                            vals = s[rows, col].add_(tie_all[cols])
+                        # keys above the row's threshold (rows sorted): pad per row, merge once K are pending
+                        n_row = torch.bincount(rows, minlength=Rt)
+                        most = int(n_row.max()) if rows.numel() else 0
+                        if most * 4 < C:
+                            if most:
+                                cand_v, cand_i = _pad_rows(rows, n_row, most, vals[:, None], cols[:, None])
+                                pend_v.append(cand_v)
+                                pend_i.append(cand_i)
+                                if sum(p.shape[1] for p in pend_v) >= K:
+                                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                            continue
+                    s.add_(tie_all[c0:c1])  # ties (ReLU zeros) go to the most recent key
+                    pend_v.append(s)
+                    pend_i.append(cols_all[c0:c1].expand(Rt, c1 - c0))
+                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                if pend_v:
+                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                best_v, j = best_v.sort(dim=-1, descending=True, stable=True)
+                best_i = best_i.gather(-1, j)
+                out[b, r0:r1] = best_i.masked_fill(torch.isneginf(best_v), SENTINEL).to(index_dtype)
     return out
 
 

@@ -286,21 +286,46 @@ def test_indexer_tiles_stay_within_budget(monkeypatch):
     import genoctx.model.dsa as dsa
 
     seen = []
-    real = dsa._index_scores_block
+    real = dsa._index_scores_tile
 
-    def spy(qi, wi, ki):
-        out = real(qi, wi, ki)
+    def spy(*args):
+        out = real(*args)
         seen.append(out.numel())
         return out
 
-    monkeypatch.setattr(dsa, "_index_scores_block", spy)
+    monkeypatch.setattr(dsa, "_index_scores_tile", spy)
     B, S, T, tile = 2, 40, 100, 64
     iq, iw, ik = _indexer_inputs(B, T, S)
     idx = indexer_topk(iq, iw, ik, S, 5, tile)
-    assert len(seen) > 10 and max(seen) <= tile  # rows x columns (x B) never exceed the budget
+    assert len(seen) > 10 and max(seen) <= tile  # rows x columns never exceed the budget
     full = indexer_scores_reference(iq, iw, ik, q_offset=S)
     got = full.gather(-1, idx).sort(-1, descending=True).values
     torch.testing.assert_close(got, full.topk(5, -1).values, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("ties", [False, True])
+def test_indexer_pruning_equals_plain_running_topk(monkeypatch, dtype, ties):
+    """The pruned fast path (threshold per row, key groups skipped, blocks visited newest first) selects
+    exactly the keys of the plain running top-k, in the same order; with many exact ties (ReLU zeros) too."""
+    import genoctx.model.dsa as dsa
+
+    monkeypatch.setattr(dsa, "INDEX_COL_BLOCK", 128)  # many blocks and groups at test sizes
+    monkeypatch.setattr(dsa, "INDEX_ROW_TILE", 24)
+    monkeypatch.setattr(dsa, "INDEX_GROUP", 8)
+    torch.manual_seed(3)
+    B, S, T, topk = 2, 1500, 200, 16
+    iq, iw, ik = _indexer_inputs(B, T, S, H_I=2, d_I=8, dtype=dtype)
+    if ties:  # most scores exactly 0: ReLU of mostly negative dot products
+        iq = iq.abs().neg()
+        ik = ik.abs() + 0.0 * ik
+        ik[:, ::7] = -ik[:, ::7]
+    fast = indexer_topk(iq, iw, ik, S, topk, 1 << 12)
+    plain = indexer_topk(iq, iw, ik, S, topk, 1 << 12, prune=False)
+    assert torch.equal(fast, plain)
+    full = indexer_scores_reference(iq.double(), iw.double(), ik.double(), q_offset=S)
+    got = full.gather(-1, fast).sort(-1, descending=True).values
+    torch.testing.assert_close(got, full.topk(topk, -1).values, rtol=1e-5, atol=1e-6)
 
 
 def test_layer_saves_no_quadratic_tensor():
