@@ -192,7 +192,10 @@ def train(
     num_workers: Annotated[
         int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
     ] = None,
-    cp: Annotated[int, typer.Option(help="Context-parallel size: workers sharing one window.")] = 1,
+    cp: Annotated[
+        int,
+        typer.Option(help="Context-parallel size: workers sharing one window (train.cp_layout: contiguous|zigzag)."),
+    ] = 1,
     address: Annotated[
         str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
     ] = None,
@@ -204,7 +207,7 @@ def train(
     Example: genoctx train --data prepared --recipe recipes/cpu-small.yaml --out runs/demo --steps 200
 
     Example (Ray, 2 workers sharing each window): genoctx train --data prepared --recipe recipes/tiny.yaml
-    --out runs/cp2 --num-workers 2 --cp 2
+    --out runs/cp2 --num-workers 2 --cp 2 [--set train.cp_layout=zigzag]
     """
     _setup_logging(verbose)
     from .recipes import load_recipe

@@ -44,10 +44,15 @@ class TrainConfig:
     log_every: int = 10
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast; states and KDA decay stay fp32)
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    # how --cp splits a window over ranks: "contiguous" (slice r on rank r) or "zigzag" (2 x cp pieces, rank r
+    # holds pieces r and 2 cp - 1 - r: equal DSA work per rank); ignored by one-process training
+    cp_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp32", "bf16"):
             raise GenoctxError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.cp_layout not in ("contiguous", "zigzag"):
+            raise GenoctxError(f"train.cp_layout must be 'contiguous' or 'zigzag', got {self.cp_layout!r}")
         if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
             raise GenoctxError("train.steps must be >= 0, train.batch_size and train.checkpoint_every >= 1")
 

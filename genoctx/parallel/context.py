@@ -1,41 +1,61 @@
 """Context parallelism (CP) and data parallelism (DP) applied from outside the model (torchtitan style).
 
-One window of ``L`` tokens is split into ``cp`` contiguous slices of ``L / cp`` tokens; rank ``r`` of the CP
-group runs the unchanged ``HybridLM`` on slice ``r``. ``apply_cp(model, group)`` registers a forward
-pre-hook on every mixing layer that REPLACES the layer's incoming cache (None at the start of a slice) by
-the cache the earlier ranks' slices would have left (DESIGN.md, the chunk contract):
+Layouts. One window of ``L`` tokens is cut into equal pieces of ``c`` tokens and every rank of the CP group
+(size ``P``) holds some of them, concatenated in the order listed (``cp_pieces``, ``shard_sequence``):
+
+- ``contiguous`` (default): ``P`` pieces, rank ``r`` holds piece ``r``.
+- ``zigzag`` (the load-balanced ring-attention layout of Megatron CP): ``2P`` pieces, rank ``r`` holds pieces
+  ``r`` and ``2P - 1 - r`` (rank 0 of CP=2 holds pieces 0 and 3, rank 1 pieces 1 and 2). Turned on by
+  ``train.cp_layout: zigzag`` in a recipe or ``--set train.cp_layout=zigzag`` on the command line.
+
+Rank ``r`` runs the unchanged ``HybridLM`` on its pieces. Every position-wise part (embedding, MoE, MLP,
+hyper-connections, norms, the loss) needs nothing; ``apply_cp(model, group, layout)`` overrides ``forward`` on
+each mixing layer's instance so that it splits its local input into its pieces and gives each piece the
+cache that the pieces before it in natural order leave (DESIGN.md, the chunk contract):
 
 - KDA (Kimi Linear; fla ``fla/ops/cp``): the state is linear in the initial state,
-  ``S_end = M_r S_init + L_r`` per head (``M_r`` [K, K], ``L_r`` [K, V], fp32). Each rank runs
-  ``chunk_kda`` once with values ``[v | 0]`` (width V + K) and initial state ``[0 | I]``: the final state is
-  ``[L_r | M_r]``. The ``[L | M]`` of all ranks are all-gathered (autograd-aware collective, so gradients
-  reach the earlier ranks' inputs) and folded, ``S <- M_j S + L_j`` for ``j < r``. The short-convolution
-  tail (the last ``conv_size - 1`` pre-convolution q|k|v inputs) of rank ``r - 1`` is all-gathered first.
-- DSA (DeepSeek-V3.2; Megatron's CP for DSA is all-gather only): the keys, values and indexer keys of the
-  slice are all-gathered; the earlier ranks' part becomes the ``DSACache``; each rank scores only its own
-  queries, so the indexer work is split (unevenly: the last rank scores the most keys, recorded per rank in
-  ``mixer.stats["keys_scored"]``).
+  ``S_end = M_p S_init + L_p`` per head and piece (``M_p`` [K, K], ``L_p`` [K, V], fp32). Every rank runs
+  ``chunk_kda`` once over its pieces (batched along the batch dim) with values ``[v | 0]`` (width V + K)
+  and initial state ``[0 | I]``: the final state is ``[L_p | M_p]``. The short-convolution input of a
+  piece is the tail (the last ``conv_size - 1`` pre-convolution q|k|v inputs) of its natural-order
+  predecessor, all-gathered first. The ``[L | M]`` of all pieces are all-gathered (autograd-aware, so
+  gradients reach the ranks that own them), put in natural order and folded, ``S_0 = 0``,
+  ``S_{p+1} = M_p S_p + L_p``; the layer then runs on its pieces with ``KDACache(S_p, tail_{p-1})``.
+- DSA (DeepSeek-V3.2; Megatron's CP for DSA is all-gather only): the keys, values and indexer keys of
+  every piece are all-gathered and put in natural order; local piece ``p`` runs with the ``DSACache`` of
+  positions ``[0, p c)``. Each rank scores only its own queries, recorded per rank in
+  ``mixer.stats["keys_scored"]`` (summed over its pieces; ``aux_loss`` is the mean of the pieces' losses).
 - MoE / MLP: nothing (position-wise).
 
-Every rank uses every gathered tensor (unused parts are multiplied by 0), so every rank runs the same
-collectives in the same order in backward; a rank whose own use of the gathered data is empty (rank 0) still
-takes part in the gradient reduce-scatter. Cost: the KDA core runs twice per layer (once for ``[L | M]``,
-once in the layer) and the DSA k/v/indexer projections twice.
+Balance. Causal attention makes later positions cost more: piece ``p`` scores ``c^2 p + c (c + 1) / 2``
+keys. Contiguous, the last rank scores the most (busiest / mean 1.5 at CP=2). Zigzag pairs piece ``r``
+with piece ``2P - 1 - r``, so every rank scores ``c^2 (2P - 1) + c (c + 1)`` keys: equal on all ranks
+(``rank_imbalance.dsa_keys_scored_max_over_mean`` = 1.0 in the Ray run summary; up to the rounding of one
+piece for ``index_topk``-limited ``keys_attended``). Its cost is small: the KDA fold runs over ``2P``
+pieces instead of ``P`` (``2P - 1`` products of [K, K] by [K, V] per head: negligible) and each rank runs
+its two pieces' DSA calls one after the other. The window must split into ``2P`` pieces of at least
+``kda_conv_size - 1`` tokens (``genoctx train`` checks this before starting).
+
+Every rank runs the same collectives in the same order, forward and backward: each gathered tensor is
+stacked, reordered and also tied into the layer output with weight 0, so every rank's backward runs each
+gather's reduce-scatter even where its own pieces use nothing of it (rank 0, contiguous). Cost: the KDA
+core runs twice per layer (once for ``[L | M]``, once in the layer) and the DSA k/v/indexer projections twice.
 
 Loss and gradients (DESIGN.md): each rank back-propagates ``local loss sum / global scored count``
 (the count all-reduced over CP x DP first, clamped at 1), plus its auxiliary losses weighted by its share of
 the global queries; gradients are then summed over CP x DP. The sum of the ranks' objectives is exactly the
-one-process objective over the whole batch, so CP=2 equals CP=1 and DP=2 equals one process with both
-windows batched, to fp32 rounding. A rank whose slice is all N adds 0 to the sum and the count: no NaN.
-(The optional MoE sequence-wise balance loss, ``moe_aux_loss_coef > 0``, is a product of per-sequence means
-and is only approximated under CP.)
+one-process objective over the whole batch, so CP=2 equals CP=1 (either layout) and DP=2 equals one
+process with both windows batched, to fp32 rounding. A rank whose pieces are all N adds 0 to the sum and
+the count: no NaN. (The optional MoE sequence-wise balance loss, ``moe_aux_loss_coef > 0``, is a product of
+per-sequence means and is only approximated under CP.)
 
 Process groups come from Megatron-core (``initialize_model_parallel(context_parallel_size=cp)``), on gloo
-(CPU) or NCCL (CUDA); ``ParallelDims`` answers which dims are on.
+(CPU) or NCCL (CUDA); ``ParallelDims`` answers which dims are on and which layout CP uses.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -48,6 +68,8 @@ from ..model.dsa import DSACache
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
 
+LAYOUTS = ("contiguous", "zigzag")
+
 
 @dataclass
 class ParallelDims:
@@ -58,6 +80,7 @@ class ParallelDims:
         cp_rank, dp_rank: this process's rank inside its CP group and its DP group.
         cp_group: the CP group (None when ``cp == 1``).
         dp_cp_group: the group over which loss, gradients and MoE loads are reduced (all CP x DP ranks).
+        cp_layout: how a window is split over the CP ranks, ``"contiguous"`` or ``"zigzag"`` (``cp_pieces``).
     """
 
     cp: int = 1
@@ -66,6 +89,7 @@ class ParallelDims:
     dp_rank: int = 0
     cp_group: object | None = None
     dp_cp_group: object | None = None
+    cp_layout: str = "contiguous"
 
     @property
     def world(self) -> int:
@@ -76,18 +100,41 @@ class ParallelDims:
         return self.world > 1
 
 
-def init_parallel(cp: int) -> ParallelDims:
+def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
+    """For each CP rank, the natural-order indices of the window pieces it holds, in its local order.
+
+    Args:
+        cp: context-parallel size (>= 1).
+        layout: ``"contiguous"`` (``cp`` pieces: ``[[0], [1], ..., [cp - 1]]``) or ``"zigzag"`` (``2 cp``
+            pieces: ``[[0, 2cp - 1], [1, 2cp - 2], ..., [cp - 1, cp]]``).
+
+    Raises:
+        ValueError: ``cp < 1`` or an unknown layout.
+    """
+    if cp < 1:
+        raise ValueError(f"context parallelism: cp must be >= 1, got {cp}")
+    if layout == "contiguous":
+        return [[r] for r in range(cp)]
+    if layout == "zigzag":
+        return [[r, 2 * cp - 1 - r] for r in range(cp)]
+    raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+
+
+def init_parallel(cp: int, layout: str = "contiguous") -> ParallelDims:
     """Megatron-core process groups for ``cp`` x ``world / cp`` on an initialised default process group.
 
     Args:
         cp: context-parallel size; must divide the world size.
+        layout: the CP layout recorded in the returned dims (``cp_pieces``; ignored when ``cp == 1``).
 
     Returns:
         ``ParallelDims`` whose groups come from ``megatron.core.parallel_state``.
 
     Raises:
-        ValueError: torch.distributed is not initialised, or ``cp`` does not divide the world size.
+        ValueError: torch.distributed is not initialised, ``cp`` does not divide the world size, or an
+            unknown layout.
     """
+    cp_pieces(max(cp, 1), layout)  # validates the layout
     if not dist.is_initialized():
         raise ValueError("init_parallel needs torch.distributed initialised (gloo on CPU, nccl on CUDA)")
     world = dist.get_world_size()
@@ -107,6 +154,7 @@ def init_parallel(cp: int) -> ParallelDims:
         dp_rank=ps.get_data_parallel_rank(),
         cp_group=ps.get_context_parallel_group() if cp > 1 else None,
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        cp_layout=layout,
     )
 
 
@@ -118,17 +166,28 @@ def destroy_parallel() -> None:
         ps.destroy_model_parallel()
 
 
-def shard_sequence(x: Tensor, cp: int, cp_rank: int) -> Tensor:
-    """Rank ``cp_rank``'s contiguous slice of ``x`` ``[B, L, ...]`` along dim 1: ``[B, L / cp, ...]``.
+def shard_sequence(x: Tensor, cp: int, cp_rank: int, layout: str = "contiguous") -> Tensor:
+    """Rank ``cp_rank``'s pieces of ``x`` ``[B, L, ...]`` along dim 1, concatenated in local order.
+
+    Contiguous: ``[B, L / cp, ...]``, slice ``cp_rank``. Zigzag: ``[B, L / cp, ...]`` made of pieces
+    ``cp_rank`` and ``2 cp - 1 - cp_rank`` of ``L / (2 cp)`` tokens. Same dtype and device as ``x``.
 
     Raises:
-        ValueError: ``L`` is not a multiple of ``cp``.
+        ValueError: ``L`` is not a multiple of the number of pieces (``cp``, or ``2 cp`` for zigzag), a bad
+            ``cp_rank``, or an unknown layout.
     """
+    pieces = cp_pieces(cp, layout)
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"context parallelism: cp_rank {cp_rank} is not in [0, {cp})")
+    n = sum(len(p) for p in pieces)
     L = x.shape[1]
-    if L % cp:
-        raise ValueError(f"context parallelism: sequence length {L} is not a multiple of cp={cp}")
-    n = L // cp
-    return x[:, cp_rank * n : (cp_rank + 1) * n]
+    if L % n:
+        raise ValueError(
+            f"context parallelism: sequence length {L} is not a multiple of {n} pieces (cp={cp}, {layout} layout)"
+        )
+    c = L // n
+    parts = [x[:, p * c : (p + 1) * c] for p in pieces[cp_rank]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _all_gather(x: Tensor, group) -> list[Tensor]:
@@ -140,103 +199,222 @@ def _all_gather(x: Tensor, group) -> list[Tensor]:
         return list(all_gather(x.contiguous(), group=group))
 
 
-def kda_cp_cache(mixer, x: Tensor, group) -> KDACache:
-    """The ``KDACache`` that the slices of the earlier CP ranks leave for this rank's slice.
+class CPLayout:
+    """This rank's view of a CP layout (built by ``apply_cp``): its pieces (``mine``, natural indices in local
+    order) and the permutation from gathered (rank-major) to natural piece order.
+
+    Args:
+        group: the CP process group (this rank's rank and the group size come from it).
+        layout: ``"contiguous"`` or ``"zigzag"`` (``cp_pieces``).
+
+    Raises:
+        ValueError: an unknown layout.
+    """
+
+    def __init__(self, group, layout: str):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        pieces = cp_pieces(dist.get_world_size(group), layout)
+        self.mine = pieces[self.rank]  # natural indices of the local pieces, in local order
+        self.n_local = len(self.mine)
+        self.n_pieces = sum(len(p) for p in pieces)
+        flat = {p: r * self.n_local + j for r, ps in enumerate(pieces) for j, p in enumerate(ps)}
+        self._perm = [flat[p] for p in range(self.n_pieces)]
+
+    def gather_natural(self, x: Tensor) -> Tensor:
+        """``x`` ``[n_local, ...]`` (this rank's pieces) -> ``[n_pieces, ...]`` of all ranks, natural order.
+        Differentiable: backward returns each rank its pieces' gradient (the gather's reduce-scatter)."""
+        stacked = torch.cat(_all_gather(x, self.group), dim=0)  # rank-major, local order inside a rank
+        return stacked.index_select(0, torch.tensor(self._perm, device=x.device))
+
+    def local(self, x: Tensor) -> Tensor:
+        """Rows ``self.mine`` of ``x`` ``[n_pieces, ...]`` -> ``[n_local, ...]``."""
+        return x.index_select(0, torch.tensor(self.mine, device=x.device))
+
+    def split(self, x: Tensor) -> tuple[int, int]:
+        """``(B, c)`` for a local input ``x`` ``[B, n_local c, ...]``; ValueError when it does not split."""
+        B, T = x.shape[:2]
+        if T % self.n_local:
+            raise ValueError(f"context parallelism: {T} local tokens do not split into {self.n_local} pieces")
+        return B, T // self.n_local
+
+
+def _to_batch(x: Tensor, n: int) -> Tensor:
+    """``[B, n c, ...]`` -> ``[n B, c, ...]`` (piece-major: rows ``j B .. (j + 1) B`` are local piece ``j``)."""
+    B, T = x.shape[:2]
+    return x.reshape(B, n, T // n, *x.shape[2:]).transpose(0, 1).reshape(n * B, T // n, *x.shape[2:])
+
+
+def _from_batch(y: Tensor, n: int) -> Tensor:
+    """Inverse of ``_to_batch``: ``[n B, c, ...]`` -> ``[B, n c, ...]``."""
+    nB, c = y.shape[:2]
+    B = nB // n
+    return y.reshape(n, B, c, *y.shape[2:]).transpose(0, 1).reshape(B, n * c, *y.shape[2:])
+
+
+def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
+    """The ``KDACache`` each local piece needs: what the natural-order pieces before it leave.
 
     Args:
         mixer: a ``KimiDeltaAttention`` layer.
-        x: ``[B, T, d_model]`` this rank's layer input (T equal on all ranks, ``T >= conv_size - 1``).
-        group: the CP process group.
+        x: ``[B, n_local c, d_model]`` this rank's layer input, its pieces concatenated (``c`` equal on all
+            ranks, ``c >= conv_size - 1``).
+        layout: this rank's ``CPLayout``.
 
     Returns:
-        ``KDACache(state [B, H, K, V] fp32, conv_state [B, conv_size - 1, 3 H K])``, differentiable w.r.t. every
-        rank's ``x`` and the layer's parameters (through the autograd-aware all-gathers).
+        ``(KDACache(state [n_local B, H, K, V] fp32, conv_state [n_local B, conv_size - 1, 3 H K]), zero)``,
+        batched piece-major (``_to_batch``), differentiable w.r.t. every rank's ``x`` and the layer's
+        parameters (through the autograd-aware all-gathers); ``zero`` (a 0-dim tensor equal to 0) ties every
+        gathered value into the layer output.
 
     Raises:
-        ValueError: ``T < conv_size - 1``.
+        ValueError: ``c < conv_size - 1`` or a local length that does not split into the local pieces.
     """
-    r = dist.get_rank(group)
-    B, T, _ = x.shape
-    c = mixer.conv_size - 1
-    if T < c:
-        raise ValueError(f"context parallelism: slice of {T} tokens is shorter than the KDA conv tail ({c})")
-    xt = x[:, T - c :]
-    tail = torch.cat([mixer.q_proj(xt), mixer.k_proj(xt), mixer.v_proj(xt)], dim=-1)  # [B, c, 3 H K]
-    tails = _all_gather(tail, group)
-    conv_state = tails[r - 1] if r > 0 else tails[0] * 0.0
-    q, k, v, g, beta, _ = mixer.project(x, conv_state)
+    n = layout.n_local
+    B, c = layout.split(x)
+    w = mixer.conv_size - 1
+    if c < w:
+        raise ValueError(f"context parallelism: a piece of {c} tokens is shorter than the KDA conv tail ({w})")
+    xb = _to_batch(x, n)  # [n B, c, D]
+    xt = xb[:, c - w :]
+    tail = torch.cat([mixer.q_proj(xt), mixer.k_proj(xt), mixer.v_proj(xt)], dim=-1)  # [n B, w, 3 H K]
+    tails = layout.gather_natural(tail.reshape(n, B, w, -1))  # [N, B, w, 3 H K]
+    prev = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])  # prev[p]: tail of piece p - 1 (0 for p = 0)
+    conv_state = layout.local(prev).reshape(n * B, w, -1)
+    q, k, v, g, beta, _ = mixer.project(xb, conv_state)
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    v_ext = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
-    s0 = torch.cat([q.new_zeros(B, H, K, V, dtype=ct), torch.eye(K, dtype=ct, device=q.device).expand(B, H, K, K)], -1)
-    _, LM = chunk_kda(q, k, v_ext, g, beta, initial_state=s0, chunk_size=mixer.chunk_size)  # [B, H, K, V + K]
-    parts = _all_gather(LM, group)
-    S = LM.new_zeros(B, H, K, V)
-    for j, part in enumerate(parts):
-        L_j, M_j = part.split([V, K], dim=-1)
-        m = 1.0 if j < r else 0.0  # same ops on every rank; later ranks' parts enter with weight 0
-        S = m * (M_j @ S + L_j) + (1.0 - m) * S
-    return KDACache(state=S, conv_state=conv_state)
+    v_ext = torch.cat([v, v.new_zeros(n * B, c, H, K)], dim=-1)  # [v | 0]
+    eye = torch.eye(K, dtype=ct, device=q.device).expand(n * B, H, K, K)
+    s0 = torch.cat([q.new_zeros(n * B, H, K, V, dtype=ct), eye], -1)  # [0 | I]
+    _, LM = chunk_kda(q, k, v_ext, g, beta, initial_state=s0, chunk_size=mixer.chunk_size)  # [n B, H, K, V + K]
+    LMs = layout.gather_natural(LM.reshape(n, B, H, K, V + K))  # [N, B, H, K, V + K]
+    with torch.autocast(device_type=x.device.type, enabled=False):  # the state stays fp32
+        S = LMs.new_zeros(B, H, K, V)
+        states = [S]
+        for p in range(layout.n_pieces - 1):  # the same ops on every rank
+            L_p, M_p = LMs[p].split([V, K], dim=-1)
+            S = M_p @ S + L_p
+            states.append(S)
+        state = layout.local(torch.stack(states)).reshape(n * B, H, K, V)
+    zero = (tails.sum() + LMs.sum()) * 0.0
+    return KDACache(state=state, conv_state=conv_state), zero
 
 
-def dsa_cp_cache(mixer, x: Tensor, group) -> tuple[DSACache, Tensor]:
-    """The ``DSACache`` of the earlier CP ranks' positions, and a zero scalar that ties this rank to the gather.
+def dsa_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache], Tensor]:
+    """The ``DSACache`` of each local piece: keys of the natural positions before it, from every rank.
 
     Args:
         mixer: a ``DeepSeekSparseAttention`` layer.
-        x: ``[B, T, d_model]`` this rank's layer input (T equal on all ranks).
-        group: the CP process group.
+        x: ``[B, n_local c, d_model]`` this rank's layer input, its pieces concatenated (``c`` equal on all ranks).
+        layout: this rank's ``CPLayout``.
 
     Returns:
-        ``(DSACache(k [B, r T, KVH, Dh], v, index_k [B, r T, d_I]), zero)``: ``zero`` (a 0-dim tensor equal
-        to 0) must be added to the layer input so that every rank's backward runs the gather's collective.
+        ``(caches, zero)``: for local piece ``j`` (natural index ``p``) ``DSACache(k [B, p c, KVH, Dh], v,
+        index_k [B, p c, d_I])``; ``zero`` (a 0-dim tensor equal to 0) must be added to the layer output so
+        that every rank's backward runs the gather's collective.
+
+    Raises:
+        ValueError: a local length that does not split into the local pieces.
     """
-    r = dist.get_rank(group)
-    B, T, _ = x.shape
+    n = layout.n_local
+    B, c = layout.split(x)
     KVH, Dh = mixer.n_kv_heads, mixer.head_dim
     k = mixer.k_proj(x)
     v = mixer.v_proj(x)
     ik = mixer.indexer_inputs(x)[2]  # [B, T, d_I] (of x.detach(): the indexer learns only from its KL)
     dI = ik.shape[-1]
     packed = torch.cat([k, v, ik.to(k.dtype)], dim=-1)  # [B, T, 2 KVH Dh + d_I]
-    parts = _all_gather(packed, group)
-    earlier = torch.cat(parts[:r], dim=1) if r > 0 else packed[:, :0]
-    ke, ve, ie = earlier.split([KVH * Dh, KVH * Dh, dI], dim=-1)
-    zero = torch.stack(parts).sum() * 0.0
-    cache = DSACache(ke.reshape(B, -1, KVH, Dh), ve.reshape(B, -1, KVH, Dh), ie.to(ik.dtype))
-    return cache, zero
+    nat = layout.gather_natural(packed.reshape(B, n, c, -1).transpose(0, 1))  # [N, B, c, W]
+    seq = nat.transpose(0, 1).reshape(B, layout.n_pieces * c, -1)  # the whole window in natural order
+    ke, ve, ie = seq.split([KVH * Dh, KVH * Dh, dI], dim=-1)
+    ke, ve, ie = ke.reshape(B, -1, KVH, Dh), ve.reshape(B, -1, KVH, Dh), ie.to(ik.dtype)
+    caches = [DSACache(ke[:, : p * c], ve[:, : p * c], ie[:, : p * c]) for p in layout.mine]
+    return caches, nat.sum() * 0.0
 
 
-def _cp_pre_hook(group, layer_type):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        x = args[0] if args else kwargs["x"]
-        cache = args[1] if len(args) > 1 else kwargs.get("cache")
-        if cache is not None:
-            raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
-        if layer_type == DSA:
-            cache, zero = dsa_cp_cache(module, x, group)
-            x = x + zero.to(x.dtype)
-        else:
-            cache = kda_cp_cache(module, x, group)
-        return (x, cache), {}
-
-    return hook
+def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
+    """CP forward of a KDA layer: every local piece at once (batched), each from its predecessors' cache.
+    Returns ``(y [B, T, D], the cache of the last local piece)``; under CP the model ignores the cache."""
+    if cache is not None:
+        raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
+    n = layout.n_local
+    B = x.shape[0]
+    piece_cache, zero = kda_cp_cache(module, x, layout)
+    y, new = type(module).forward(module, _to_batch(x, n), piece_cache)
+    last = KDACache(state=new.state[(n - 1) * B :], conv_state=new.conv_state[(n - 1) * B :])
+    return _from_batch(y, n) + zero.to(y.dtype), last
 
 
-def apply_cp(model: nn.Module, cp_group) -> list:
-    """Make ``model`` (a ``HybridLM``) run one CP slice of a window per rank of ``cp_group``.
+def _dsa_forward(module, x: Tensor, cache, layout: CPLayout):
+    """CP forward of a DSA layer: one call per local piece with the keys of the positions before it.
+    ``stats`` keys_scored/keys_attended are summed over the pieces, ``indexer_loss`` and ``aux_loss``
+    averaged (pieces are equal). Returns ``(y [B, T, D], the cache the last local piece's call returned)``."""
+    if cache is not None:
+        raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
+    _, c = layout.split(x)
+    caches, zero = dsa_cp_cache(module, x, layout)
+    ys, stats, auxes = [], [], []
+    for j, piece_cache in enumerate(caches):
+        y, new = type(module).forward(module, x[:, j * c : (j + 1) * c], piece_cache)
+        ys.append(y)
+        stats.append(module.stats)
+        auxes.append(module.aux_loss)
+    merged = dict(stats[-1])
+    for key in ("keys_scored", "keys_attended"):
+        merged[key] = sum(int(s.get(key) or 0) for s in stats)
+    losses = [s.get("indexer_loss") for s in stats]
+    merged["indexer_loss"] = None if any(v is None for v in losses) else sum(losses) / len(losses)
+    module.stats = merged
+    module.aux_loss = None if any(a is None for a in auxes) else torch.stack(auxes).mean()
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+    return y + zero.to(y.dtype), new
 
-    Registers a forward pre-hook (``with_kwargs=True``) on each block's mixer that replaces its incoming
-    cache with the one built from the other ranks (``kda_cp_cache``, ``dsa_cp_cache``). The model's
-    forward is then called on this rank's slice only (``shard_sequence``), with no cache.
+
+class _ForwardOverride:
+    """Handle of one ``apply_cp`` override: ``remove()`` deletes the instance ``forward`` (the class's returns)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        if "forward" in vars(self.module):
+            del self.module.forward
+
+
+def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
+    """Make ``model`` (a ``HybridLM``) run this rank's pieces of a window (``cp_pieces``) per rank of ``cp_group``.
+
+    Overrides ``forward`` on each block's mixer instance (``mixer.forward = <bound wrapper>``): the wrapper
+    cuts its input ``[B, n_local c, D]`` into the local pieces, builds each piece's cache from the other
+    ranks (``kda_cp_cache``, ``dsa_cp_cache``) and runs the class ``forward`` on them. The model's forward is
+    then called on this rank's pieces only (``shard_sequence`` with the same layout), with no cache; the
+    mixers' returned caches are not those of a whole window (the model ignores them under CP).
+
+    Args:
+        model: a ``HybridLM`` (its ``blocks``).
+        cp_group: the CP process group (every rank of it must call ``apply_cp`` with the same layout).
+        layout: ``"contiguous"`` or ``"zigzag"``.
 
     Returns:
-        The hook handles (``h.remove()`` undoes ``apply_cp``).
+        The handles (``h.remove()`` on each undoes ``apply_cp``).
+
+    Raises:
+        ValueError: an unknown layout, or a mixer that already has a CP override.
     """
+    lay = CPLayout(cp_group, layout)
     handles = []
     for block in model.blocks:
-        hook = _cp_pre_hook(cp_group, block.layer_type)
-        handles.append(block.mixer.register_forward_pre_hook(hook, with_kwargs=True))
+        mixer = block.mixer
+        if "forward" in vars(mixer):
+            raise ValueError("apply_cp: the model already has a CP forward (remove its handles first)")
+        fn = _dsa_forward if block.layer_type == DSA else _kda_forward
+
+        def forward(self, x, cache=None, _fn=fn):
+            return _fn(self, x, cache, lay)
+
+        mixer.forward = types.MethodType(forward, mixer)
+        handles.append(_ForwardOverride(mixer))
     return handles
 
 

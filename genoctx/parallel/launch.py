@@ -7,7 +7,9 @@
   creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the CP x DP groups
   with Megatron-core (``init_parallel``) and applies context parallelism from outside (``apply_cp``).
 - Data: DP rank ``d`` takes samples ``(step * dp + d) * batch_size + b`` (``sample_batch``); the CP ranks of
-  a DP group take the same windows and each runs its contiguous slice.
+  a DP group take the same windows and each runs its pieces of them in the layout ``train.cp_layout``:
+  ``contiguous`` (slice ``r`` on CP rank ``r``) or ``zigzag`` (pieces ``r`` and ``2 cp - 1 - r`` of ``2 cp``:
+  the same DSA work on every rank; ``genoctx.parallel.context``).
 - Checkpoints: rank 0 writes the usual ``RUN/checkpoints/step_N`` (atomic; ``genoctx eval`` reads it) and
   reports it with ``ray.train.report``; Ray keeps its copy under ``RUN/ray``. ``--resume`` reruns the same
   ``RunConfig(name="ray", storage_path=RUN)``, and every worker restores from ``ray.train.get_checkpoint()``.
@@ -82,7 +84,7 @@ def _train_worker(config: dict) -> None:
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
-    dims = init_parallel(config["cp"])
+    dims = init_parallel(config["cp"], layout=cfg.cp_layout)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.num_threads or config["threads"])
     dev = ray.train.torch.get_device() if config["gpus_per_worker"] > 0 else torch.device("cpu")
@@ -90,7 +92,7 @@ def _train_worker(config: dict) -> None:
     model = HybridLM(recipe.model).to(dev)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if dims.cp > 1:
-        apply_cp(model, dims.cp_group)
+        apply_cp(model, dims.cp_group, dims.cp_layout)
     start = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -220,7 +222,9 @@ def train_distributed(
         recipe: the resolved recipe; ``train.batch_size`` is per DP rank.
         out: run directory (``checkpoints/``, ``metrics.jsonl``, ``ray/``).
         num_workers: Ray workers (processes), one rank each.
-        cp: context-parallel size; divides ``num_workers`` and the window (or ``train.seq_len``) in tokens.
+        cp: context-parallel size; divides ``num_workers``; the window (or ``train.seq_len``) in tokens must
+            split into ``cp`` pieces (``2 cp`` with ``train.cp_layout: zigzag``) of at least
+            ``kda_conv_size - 1`` tokens.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
         resume: continue the run in ``out`` from its latest checkpoint.
@@ -232,7 +236,7 @@ def train_distributed(
         scored and tokens over the mean, and the largest MoE max/mean expert load).
 
     Raises:
-        GenoctxError: bad worker counts, a window that does not split into ``cp`` slices, existing checkpoints
+        GenoctxError: bad worker counts, a window that does not split into the layout's pieces, existing checkpoints
             without ``resume``, or a training failure after ``max_failures`` restarts.
     """
     from ..data.dataset import WindowDataset
@@ -244,8 +248,14 @@ def train_distributed(
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
     L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
-    if L % cp or L // cp < recipe.model.kda_conv_size - 1:
-        raise GenoctxError(f"--cp {cp}: the {L}-token training window does not split into {cp} equal slices")
+    zigzag = cp > 1 and recipe.train.cp_layout == "zigzag"
+    pieces, tail = (2 * cp if zigzag else cp), recipe.model.kda_conv_size - 1
+    if L % pieces or L // pieces < tail:
+        how = " with train.cp_layout=zigzag" if zigzag else ""
+        raise GenoctxError(
+            f"--cp {cp}{how}: the {L}-token training window does not split into {pieces} equal slices "
+            f"of at least {tail} tokens"
+        )
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(

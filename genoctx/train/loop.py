@@ -139,14 +139,15 @@ def forward_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One forward and backward over a batch of windows.
 
-    tokens: [B, L] int64 window bases (this data-parallel rank's windows, whole; the CP slice is cut here).
+    tokens: [B, L] int64 window bases (this data-parallel rank's windows, whole; this rank's CP pieces are cut
+    here, in the layout ``dims.cp_layout``: ``shard_sequence``).
     Returns (sum of token losses in nats, scored-token count, aux loss), all over the global batch.
 
     Single process (``dims`` None or one rank): the backward pass uses loss = sum / max(count, 1) + aux.
     Distributed (``dims.world > 1``, ``apply_cp`` already applied when ``dims.cp > 1``):
 
         count_g  = all-reduce_{CP x DP}(count)                       scored tokens of the global batch
-        q_local  = B x (L / cp)                                      queries (positions) on this rank
+        q_local  = B x (L / cp)                                      queries (positions) on this rank, either layout
         q_g      = q_local x cp x dp
         objective_rank = loss_sum_rank / max(count_g, 1) + aux_rank x q_local / q_g
         grad     = all-reduce_{CP x DP}(grad objective_rank)        summed, never divided again
@@ -169,7 +170,9 @@ def forward_backward(
         total.backward()
         return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
     if dims.cp > 1:
-        inputs, tokens, scored = (shard_sequence(t, dims.cp, dims.cp_rank) for t in (inputs, tokens, scored))
+        inputs, tokens, scored = (
+            shard_sequence(t, dims.cp, dims.cp_rank, dims.cp_layout) for t in (inputs, tokens, scored)
+        )
     group = dims.dp_cp_group
     count = scored.sum()
     count_g = all_reduce_sum(count, group)

@@ -1,8 +1,10 @@
-"""Run by tests/parallel/test_context.py: two gloo processes check CP=2 and DP=2 against one process.
+"""Run by tests/parallel/test_context.py: gloo processes check CP (both layouts) and DP against one process.
 
-Usage: python tests/parallel/cp_worker.py OUT_DIR WINDOWS.pt
-WINDOWS.pt holds {"dna": [L] int64, "n_start": [L] int64, "pair": [2, L] int64} real-DNA windows; each rank
-writes OUT_DIR/rank{r}.pt with the loss sums, counts, aux losses, gradients and DSA/MoE stats of each case.
+Usage: python tests/parallel/cp_worker.py OUT_DIR WINDOWS.pt [WORLD]
+WINDOWS.pt holds {"dna": [L] int64, "n_start": [L] int64, "pair": [2, L] int64, "short": [L4] int64} real-DNA
+windows. WORLD 2 (default): CP=2 contiguous and zigzag on "dna" and "n_start", DP=2 on "pair". WORLD 4: CP=4
+contiguous and zigzag on "short" (the KDA fold over 4 and 8 pieces). Each rank writes OUT_DIR/rank{r}.pt with
+the loss sums, counts, aux losses, gradients and DSA stats of each case.
 """
 
 import sys
@@ -28,13 +30,30 @@ def tiny_model() -> HybridLM:
 def _case(model, tokens, dims):
     model.zero_grad(set_to_none=True)
     loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims)
+    stats = model.layer_stats()
     return {
         "loss_sum": float(loss_sum),
         "count": int(count),
         "aux": aux,
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-        "keys_scored": [s.get("keys_scored") for s in model.layer_stats()],
+        "keys_scored": [s.get("keys_scored") for s in stats],
+        "keys_attended": [s.get("keys_attended") for s in stats],
     }
+
+
+def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor]) -> None:
+    """``res[name]`` for each window, on a model with CP applied in ``layout`` (removed afterwards)."""
+    dims = init_parallel(cp=cp, layout=layout)
+    assert (dims.cp, dims.dp, dims.cp_layout) == (cp, 1, layout)
+    model = tiny_model()
+    handles = apply_cp(model, dims.cp_group, dims.cp_layout)
+    assert all("forward" in vars(b.mixer) for b in model.blocks)
+    for name, tokens in windows.items():
+        res[name] = _case(model, tokens[None], dims)
+    for h in handles:
+        h.remove()
+    assert not any("forward" in vars(b.mixer) for b in model.blocks)  # the class forward is back
+    destroy_parallel()
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str) -> None:
@@ -42,23 +61,21 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str) 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     w = torch.load(windows_path)
     res = {}
-    dims = init_parallel(cp=2)
-    assert (dims.cp, dims.dp) == (2, 1)
-    model = tiny_model()
-    handles = apply_cp(model, dims.cp_group)
-    res["cp2"] = _case(model, w["dna"][None], dims)
-    res["cp2_n"] = _case(model, w["n_start"][None], dims)
-    for h in handles:
-        h.remove()
-    destroy_parallel()
-    dims = init_parallel(cp=1)
-    assert (dims.cp, dims.dp) == (1, 2)
-    res["dp2"] = _case(tiny_model(), w["pair"][dims.dp_rank][None], dims)
-    destroy_parallel()
+    if world == 2:
+        _cp_cases(res, 2, "contiguous", {"cp2": w["dna"], "cp2_n": w["n_start"]})
+        _cp_cases(res, 2, "zigzag", {"cp2z": w["dna"], "cp2z_n": w["n_start"]})
+        dims = init_parallel(cp=1)
+        assert (dims.cp, dims.dp) == (1, 2)
+        res["dp2"] = _case(tiny_model(), w["pair"][dims.dp_rank][None], dims)
+        destroy_parallel()
+    else:
+        _cp_cases(res, world, "contiguous", {f"cp{world}": w["short"]})
+        _cp_cases(res, world, "zigzag", {f"cp{world}z": w["short"]})
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     init = tempfile.mktemp(prefix="genoctx-gloo-")
-    mp.spawn(run, args=(2, init, sys.argv[1], sys.argv[2]), nprocs=2)
+    mp.spawn(run, args=(world, init, sys.argv[1], sys.argv[2]), nprocs=world)

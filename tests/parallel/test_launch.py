@@ -1,6 +1,7 @@
-"""``genoctx train --num-workers N --cp C`` through Ray Train on CPU (gloo): resume and worker-failure restart.
+"""``genoctx train --num-workers N --cp C`` through Ray Train on CPU (gloo): resume and worker-failure restart,
+and the zigzag CP layout (``train.cp_layout=zigzag``).
 
-The Ray test starts Ray twice (~1 minute each on a small CPU); it is marked ``slow`` (deselect with
+The Ray tests start Ray (~30 s to 1 minute each on a small CPU); they are marked ``slow`` (deselect with
 ``-m "not slow"``).
 """
 
@@ -35,21 +36,37 @@ def _losses(run):
         (["--cp", "2"], "need --num-workers"),
         (["--num-workers", "3", "--cp", "2"], "divide --num-workers 3"),
         (["--num-workers", "2", "--cp", "2", "--set", "train.seq_len=255"], "does not split into 2"),
+        (
+            ["--num-workers", "2", "--cp", "2", "--set", "train.cp_layout=diagonal"],
+            "train.cp_layout must be 'contiguous' or 'zigzag', got 'diagonal'",
+        ),
+        (
+            ["--num-workers", "2", "--cp", "2", "--set", "train.cp_layout=zigzag", "--set", "train.seq_len=254"],
+            "--cp 2 with train.cp_layout=zigzag: the 254-token training window does not split into 4 equal slices",
+        ),
     ],
 )
 def test_bad_parallel_flags_are_one_line_errors(prepared, tmp_path, args, msg):
     r = _cli("--data", str(prepared), "--out", str(tmp_path / "r"), *args)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
 
 
+@pytest.fixture(scope="module")
+def one_process_run(prepared, tmp_path_factory):
+    """An uninterrupted 3-step one-process run of the same recipe (the reference of the Ray runs)."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", *SETS]), ref)
+    return ref
+
+
 @pytest.mark.slow
-def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, tmp_path):
+def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, one_process_run, tmp_path):
     """CP=2 on 2 Ray workers: stop after step 1, resume; during the resumed run worker 1 is killed before
     step 3, Ray restarts the group from checkpoint 2. Every step's loss equals an uninterrupted one-process
     run (CP=2 == CP=1, fp32)."""
-    ref = tmp_path / "ref"
-    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", *SETS]), ref)
+    ref = one_process_run
     run = tmp_path / "run"
     common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3"]
     first = _cli(*common, "--stop-after", "1")
@@ -70,3 +87,23 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, tm
     k0, k1 = (r["dsa_keys_scored"] for r in last["ranks"])
     assert (k0, k1) == (128 * 129 // 2, 128 * 128 + 128 * 129 // 2)
     assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == pytest.approx(2 * k1 / (k0 + k1))
+
+
+@pytest.mark.slow
+def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path):
+    """``--set train.cp_layout=zigzag``: rank 0 holds pieces 0 and 3 of the 256-token crop, rank 1 pieces 1
+    and 2 (64 tokens each). Losses equal the one-process run; both ranks score the same DSA keys."""
+    run = tmp_path / "zigzag"
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3"]
+    r = _cli(*common, "--stop-after", "2", "--set", "train.cp_layout=zigzag")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["step"] == 2 and summary["workers"] == 2
+    got, want = _losses(run), _losses(one_process_run)[:2]
+    assert [s for s, _ in got] == [1, 2]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    c = 256 // 4
+    for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+        assert [r["dsa_keys_scored"] for r in row["ranks"]] == [3 * c * c + c * (c + 1)] * 2
+    assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == 1.0
