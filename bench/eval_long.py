@@ -55,9 +55,18 @@ def main() -> None:
             torch.manual_seed(0)
             model = HybridLM(preset("cpu-small"))
         edges = parse_bins("log2", window)
+        model.eval()
         rss_before = rss_now_mib() / 1024
         t0 = time.perf_counter()
-        res = score_windows(model_scorer(model, chunk), ds, edges, max_windows=1)["forward/all"]
+        done = [0]
+
+        def forward(x, cache):  # the model, with a progress line per chunk on stderr
+            out = model(x, cache)
+            done[0] += x.shape[1]
+            print(f"{done[0]}/{window} tokens  {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            return out
+
+        res = score_windows(model_scorer(forward, chunk), ds, edges, max_windows=1)["forward/all"]
         seconds = time.perf_counter() - t0
     overall = res.overall()
     print(

@@ -76,8 +76,8 @@ def _train_worker(config: dict) -> None:
     from ..data.dataset import WindowDataset
     from ..model.model import HybridLM
     from ..recipes import recipe_from_dict
-    from ..train.checkpoint import load_training_state, save_checkpoint
-    from ..train.loop import _truncate_metrics, build_optimizer, sample_batch, train_step
+    from ..train.checkpoint import load_training_state
+    from ..train.loop import _truncate_metrics, build_optimizer, log_step, sample_batch, save_run_checkpoint, train_step
     from .context import apply_cp, init_parallel
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -133,30 +133,11 @@ def _train_worker(config: dict) -> None:
                 mf.write(json.dumps(row, default=str) + "\n")
                 mf.flush()
                 if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                    log.info(
-                        "step %d/%d  loss %.4f nats (%.4f bits/base)  lr %.2e  %.0f tok/s  %d workers (cp %d)",
-                        step + 1,
-                        cfg.steps,
-                        m["loss"],
-                        m["loss"] / math.log(2),
-                        m["lr"],
-                        row["tokens_per_s"],
-                        world,
-                        dims.cp,
-                    )
+                    log_step(step + 1, cfg.steps, m, row["tokens_per_s"], f"{world} workers (cp {dims.cp})")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                 report = {"step": step + 1, "loss": m["loss"]}
                 if rank == 0:
-                    path = save_checkpoint(
-                        out,
-                        step + 1,
-                        model,
-                        optimizer,
-                        scheduler,
-                        recipe,
-                        {"data": data_state, "seed": cfg.seed, "cp": dims.cp, "dp": dims.dp},
-                        keep=cfg.keep_checkpoints,
-                    )
+                    path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims)
                     ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
                 else:
                     ray.train.report(report, checkpoint=None)

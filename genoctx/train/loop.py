@@ -235,6 +235,31 @@ def _check_manifest(data_dir: Path) -> dict:
     return manifest
 
 
+def log_step(step: int, steps: int, m: dict, tokens_per_s: float, extra: str = "") -> None:
+    """One progress line on stderr (the log): step, loss in nats/token and bits/base, lr, tokens/s, ``extra``."""
+    log.info(
+        "step %d/%d  loss %.4f nats (%.4f bits/base)  lr %.2e  %.0f tok/s  %s",
+        step,
+        steps,
+        m["loss"],
+        m["loss"] / math.log(2),
+        m["lr"],
+        tokens_per_s,
+        extra,
+    )
+
+
+def save_run_checkpoint(
+    out: Path, step: int, model, optimizer, scheduler, recipe: Recipe, data_state: dict, dims=None
+) -> Path:
+    """``RUN/checkpoints/step_{step}`` with the data position and seed (and the CP x DP sizes of ``dims``), keeping
+    ``recipe.train.keep_checkpoints``; see ``genoctx.train.checkpoint.save_checkpoint``. Returns its directory."""
+    state = {"data": data_state, "seed": recipe.train.seed}
+    if dims is not None:
+        state.update(cp=dims.cp, dp=dims.dp)
+    return save_checkpoint(out, step, model, optimizer, scheduler, recipe, state, keep=recipe.train.keep_checkpoints)
+
+
 def train(
     data_dir: str | Path,
     recipe: Recipe,
@@ -318,38 +343,11 @@ def train(
             mf.flush()
             if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                 paths = ",".join(s.get("path", "?") for s in last["layers"])
-                log.info(
-                    "step %d/%d  loss %.4f nats (%.4f bits/base)  lr %.2e  %.0f tok/s  paths %s",
-                    step + 1,
-                    cfg.steps,
-                    m["loss"],
-                    m["loss"] / math.log(2),
-                    m["lr"],
-                    last["tokens_per_s"],
-                    paths,
-                )
+                log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                ckpt = save_checkpoint(
-                    out,
-                    step + 1,
-                    model,
-                    optimizer,
-                    scheduler,
-                    recipe,
-                    {"data": data_state, "seed": cfg.seed},
-                    keep=cfg.keep_checkpoints,
-                )
+                ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state)
     if ckpt is None:  # nothing trained and nothing on disk: write the initial model (steps == 0)
-        ckpt = save_checkpoint(
-            out,
-            start,
-            model,
-            optimizer,
-            scheduler,
-            recipe,
-            {"data": data_state, "seed": cfg.seed},
-            keep=cfg.keep_checkpoints,
-        )
+        ckpt = save_run_checkpoint(out, start, model, optimizer, scheduler, recipe, data_state)
     elapsed = time.perf_counter() - t_run
     return {
         "run": str(out),
