@@ -166,8 +166,9 @@ def indexer_topk(
             a threshold; a block's columns are grouped by ``INDEX_GROUP`` and only groups whose maximum
             exceeds the threshold are merged (the full top-k over a block costs ~4x the scores; most groups
             of a long row fall below the threshold). Blocks are visited from the most recent keys backwards,
-            so the threshold rises early. The result equals ``prune=False`` (the plain running top-k)
-            exactly; tested.
+            so the threshold rises early. The result equals ``prune=False`` (the plain running top-k),
+            tested, except where two keys have exactly equal scores at the k-th place (fp32 scores above
+            ~1 round ``TIE_BREAK`` away), where either may be kept.
 
     Returns:
         ``idx`` (``index_dtype``) ``[B, T, min(topk, S + T)]``: selected key positions in descending score order;
@@ -259,6 +260,9 @@ def indexer_topk(
                     best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
                 if pend_v:
                     best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                # descending score; equal scores (fp32 ties the tie-break cannot split) most recent key first
+                best_i, j = best_i.sort(dim=-1, descending=True)
+                best_v = best_v.gather(-1, j)
                 best_v, j = best_v.sort(dim=-1, descending=True, stable=True)
                 best_i = best_i.gather(-1, j)
                 out[b, r0:r1] = best_i.masked_fill(torch.isneginf(best_v), SENTINEL).to(index_dtype)
