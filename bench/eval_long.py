@@ -6,7 +6,7 @@ Prepares the embedded real hg38 chr2 piece (chr2:1-2,333,275) into windows of ``
 ``--chunk-tokens`` with the carried cache (the chunk contract). Reports wall time, tokens/s, the process's
 peak resident memory (``ru_maxrss``) and its resident memory before scoring, and the loss.
 
-    .venv/bin/python bench/eval_long.py                      # the README number (minutes on 2 CPU cores)
+    .venv/bin/python bench/eval_long.py                      # the README number (about 29 min on 2 idle CPU cores)
     .venv/bin/python bench/eval_long.py --window 64k         # a quick check
 """
 
