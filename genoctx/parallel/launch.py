@@ -80,7 +80,13 @@ def _train_worker(config: dict) -> None:
     from ..train.loop import _truncate_metrics, build_optimizer, log_step, sample_batch, save_run_checkpoint, train_step
     from .context import apply_cp, init_parallel
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
+    if not glog.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        glog.addHandler(handler)
+    glog.setLevel(logging.INFO)
+    glog.propagate = False
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
@@ -281,6 +287,9 @@ def _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gp
                 num_gpus=int(math.ceil(gpus_per_worker * num_workers)) or None,
                 object_store_memory=256 << 20,  # checkpoints travel as files, not through the object store
                 configure_logging=False,
+                # warnings only at ERROR: with no dashboard, Ray Train's placement-group cleaner cannot reach the
+                # state API and would warn once a second for the whole run
+                logging_config=ray.LoggingConfig(log_level="ERROR"),
             )
         started = True
     resources = {"CPU": 1}
