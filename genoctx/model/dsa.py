@@ -124,15 +124,14 @@ def _merge_topk(best_v: Tensor, best_i: Tensor, pend_v: list, pend_i: list) -> t
 
 
 def _pad_rows(rows: Tensor, n_row: Tensor, most: int, vals: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
-    """Ragged candidates -> padded rows: ``vals, cols [n, w]`` of ``rows [n]`` (sorted; ``n_row [R]`` per row,
-    at most ``most``) -> ``([R, most * w]`` values, -inf padded, ``[R, most * w]`` int64 key positions)."""
-    R, w = n_row.shape[0], vals.shape[1]
+    """Ragged candidates -> padded rows: ``vals, cols [n]`` of ``rows [n]`` (sorted; ``n_row [R]`` per row, at
+    most ``most``) -> ``([R, most]`` values, -inf padded, ``[R, most]`` int64 key positions)."""
     slot = torch.arange(rows.numel(), device=rows.device) - (n_row.cumsum(0) - n_row)[rows]
-    cand_v = vals.new_full((R, most, w), float("-inf"))
+    cand_v = vals.new_full((n_row.shape[0], most), float("-inf"))
     cand_v[rows, slot] = vals
-    cand_i = cols.new_zeros((R, most, w))
+    cand_i = cols.new_zeros((n_row.shape[0], most))
     cand_i[rows, slot] = cols
-    return cand_v.view(R, most * w), cand_i.view(R, most * w)
+    return cand_v, cand_i
 
 
 def indexer_topk(
@@ -229,11 +228,10 @@ def indexer_topk(
                         tie_max = tie_all[c1 - 1]
                         gmax = s.view(Rt, C // g, g).amax(-1).add_(tie_max)  # [Rt, C / g]
                         keep = gmax > thr
-                        n_row = keep.sum(-1)  # [Rt] groups of each row that may enter its top-k
-                        most = int(n_row.max())
-                        if most == 0:
+                        most_groups = int(keep.sum(-1).max())  # groups of a row that may enter its top-k
+                        if most_groups == 0:
                             continue
-                        if most * g * 4 < C:  # few groups survive: look only inside those
+                        if most_groups * g * 4 < C:  # few groups survive: look only inside those
                             rows, grp = keep.nonzero(as_tuple=True)
                             cols = c0 + grp[:, None] * g + torch.arange(g, device=dev)  # [n, g]
                             vals = s.view(Rt, C // g, g)[rows, grp].add_(tie_all[cols])
@@ -245,10 +243,10 @@ def indexer_topk(
                             vals = s[rows, col].add_(tie_all[cols])
                         # keys above the row's threshold (rows sorted): pad per row, merge once K are pending
                         n_row = torch.bincount(rows, minlength=Rt)
-                        most = int(n_row.max()) if rows.numel() else 0
+                        most = int(n_row.max())
                         if most * 4 < C:
                             if most:
-                                cand_v, cand_i = _pad_rows(rows, n_row, most, vals[:, None], cols[:, None])
+                                cand_v, cand_i = _pad_rows(rows, n_row, most, vals, cols)
                                 pend_v.append(cand_v)
                                 pend_i.append(cand_i)
                                 if sum(p.shape[1] for p in pend_v) >= K:
