@@ -229,16 +229,17 @@ def train_distributed(
     from ..data.dataset import WindowDataset
     from ..train.checkpoint import latest_checkpoint
     from ..train.loop import _check_manifest
+    from .context import cp_pieces
 
     if num_workers < 1 or cp < 1 or num_workers % cp:
         raise GenoctxError(f"--cp {cp} must be >= 1 and divide --num-workers {num_workers}")
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
     L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
-    zigzag = cp > 1 and recipe.train.cp_layout == "zigzag"
-    pieces, tail = (2 * cp if zigzag else cp), recipe.model.kda_conv_size - 1
+    layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
+    pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.kda_conv_size - 1
     if L % pieces or L // pieces < tail:
-        how = " with train.cp_layout=zigzag" if zigzag else ""
+        how = f" with train.cp_layout={layout}" if layout != "contiguous" else ""
         raise GenoctxError(
             f"--cp {cp}{how}: the {L}-token training window does not split into {pieces} equal slices "
             f"of at least {tail} tokens"
