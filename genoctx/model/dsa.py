@@ -1,33 +1,47 @@
-"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): a lightning indexer picks top-k keys per query, and
-attention runs over those keys only.
+"""DeepSeek Sparse Attention layer of GLM-5.3-Flash: NoPE MLA over the tokens a KPool lightning indexer selects.
 
-Design choices:
+The math is transformers ``glm5_next`` (``Glm5NextTextAttention``, ``Glm5NextTextIndexer``); DeepSeek-V3.2
+(arXiv:2512.02556) for the indexer and its training:
 
-- Positional encoding: none (NoPE), as the global-attention layers of Kimi Linear: order comes from the
-  KDA layers of the hybrid. Neither the attention nor the indexer uses RoPE.
-- Attention is multi-query by default (``dsa_kv_heads = 1``: one shared key/value head, the MQA form in which
-  DeepSeek-V3.2 runs MLA); grouped-query for ``dsa_kv_heads > 1``. The top-k set is chosen per token and
-  shared by all heads.
-- Lightning indexer: ``I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s])`` with one shared index key per
-  token and ``w = proj(h) * H_I^-1/2 * d_I^-1/2`` (the ``d_I^-1/2`` softmax scale as in DeepSeek-V3.2's
-  reference inference code). Scores are computed per query tile (rows x key columns within
-  ``indexer_tile_tokens``) and reduced to top-k per tile at once: no ``[T, S+T]`` score tensor ever exists
-  (``indexer_topk``). Each row keeps its k-th best score as a threshold, and key groups whose maximum is
-  below it skip the top-k merge: the cost per (query, key) pair is one fused matrix product over the index
-  heads plus a few elementwise passes (about 1 ns on a 2-core CPU, ``bench/eval_long.py``).
-- Sentinel: a query at absolute position ``p`` sees ``p + 1`` keys; when that is fewer than the top-k, the
-  unused slots of its index row hold ``-1``. Every consumer masks ``-1`` (zero weight forward, no gradient,
-  and nothing is scattered into any row for it).
-- Sparse attention is one autograd Function (``sparse_attention``) that works in query tiles, gathers the
-  selected keys/values per tile, saves only ``q, k, v, idx`` and the per-row logsumexp, and regathers in
-  backward: memory O(T x top-k), never O(T^2).
-- The indexer is trained by a KL loss (DeepSeek-V3.2) exposed as ``aux_loss`` (already multiplied by
-  ``indexer_loss_coef``; the model adds it to the LM loss). The indexer reads ``x.detach()``, and top-k is not
-  differentiable, so the indexer learns only from the KL and the rest of the model only from the LM loss.
-- Dense attention runs only when ``dsa_mode == "dense"`` is asked for. A configuration that cannot run sparse
-  raises ``ValueError``. The path that ran is recorded in ``stats["path"]``.
-- Chunk contract: ``forward(x, cache)`` takes the keys/values/index keys of all earlier positions
-  (``DSACache``) and returns them extended by this chunk's (not detached: gradients reach earlier chunks).
+- MLA, NoPE (``Glm5NextTextAttention.forward``): ``q = q_b_proj(RMSNorm(q_a_proj x))`` per head
+  (``qk_nope_head_dim``); the latent ``c = RMSNorm(kv_a_proj_with_mqa x)`` (``kv_lora_rank``); per head
+  ``k = W_UK c``, ``v = W_UV c`` with ``[W_UK; W_UV] = kv_b_proj``; softmax scale ``qk_head_dim^-1/2``;
+  ``o_proj``.
+- KPool indexer (``Glm5NextTextIndexer.forward``/``get_pooled_states``/``append_visible_tail``): token keys
+  ``k_I = LayerNorm(wk x)``; pools of ``index_kpool`` consecutive tokens from position 0 (the first valid
+  token: genoctx windows have no padding); pool key ``K_p = sum_i softmax_i(gate_i + ape_i) * k_I,i`` per
+  channel, ``gate = index_kpool_compress_gate x``, ``ape = index_kpool_compress_ape``; query ``t`` scores
+  every complete pool whose last token it sees: ``I[t, p] = sum_j w[t, j] ReLU(q_I[t, j] . K_p)`` with
+  ``q_I = wq_b(RMSNorm(q_a_proj x))`` (the q-LoRA residual), ``w = weights_proj(x) H_I^-1/2 d_I^-1/2``;
+  it attends to the tokens of its top ``index_topk / index_kpool`` pools plus, when
+  ``index_kpool_always_select_tail``, the visible tokens of its own incomplete pool. A query with nothing
+  selected (tail off, fewer than ``index_kpool`` tokens seen) gets a zero output, as the reference's SDPA path.
+- ``indexer_types`` "shared": the layer has no indexer and reuses the selection of the full DSA layer right
+  before it (``prev_topk_indices``).
+
+Design choices (why this is not the reference's code):
+
+- Absorbed MQA form: queries are mapped into the latent (``q_abs = q W_UK``, ``kv_lora_rank`` wide), every
+  head attends to the same gathered latents, and the output latent is mapped out by ``W_UV``. The cache is
+  the latent only (``kv_lora_rank`` per token) and one gathered ``[T, K, kv_lora_rank]`` tile serves keys
+  and values of all heads. Equal to the reference's expanded form up to rounding.
+- Selections are kept as pool indices ``[B, T, topk / kpool]`` (``DSASelection``, int32) and expanded to
+  tokens only inside an attention tile: ``index_kpool`` times less memory than token indices.
+- The indexer never builds a ``[T, pools]`` score matrix (``indexer_topk``: query tiles under
+  ``indexer_tile_tokens``, running top-k with exact threshold pruning, ties toward the most recent pool) and
+  attention never builds ``L x L`` (``sparse_mla``: one autograd Function over query tiles that saves only
+  q, the latents, the pool indices and the per-row logsumexp, and regathers in backward).
+- Sentinel ``-1`` marks empty slots; every consumer masks it (zero weight, no gradient, nothing scattered).
+- The indexer learns only from its KL loss (DeepSeek-V3.2): its inputs are detached and top-k is not
+  differentiable. Pooled, the KL's target is the main attention's probability mass summed over each pool's
+  tokens (heads summed, renormalised over the pools compared; tail tokens are not pools and are left out):
+  stage "sparse" over the selected pools, stage "warmup" over every visible complete pool against dense
+  attention. ``aux_loss`` holds it times ``indexer_loss_coef``.
+- Dense attention runs only when ``dsa_mode == "dense"`` is asked for; the path that ran is in
+  ``stats["path"]`` ("sparse" / "dense") with ``stats["indexer"]`` ("full" / "shared").
+- Chunk contract: ``forward(x, cache, selection)`` takes the latents and pooled indexer keys of all earlier
+  positions (``DSACache``: latents, complete pools' keys, and the raw keys/gates of the incomplete last pool)
+  and returns them extended by this chunk (not detached: gradients reach earlier chunks).
 """
 
 from __future__ import annotations
@@ -40,13 +54,14 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .norms import RMSNorm
 
-SENTINEL = -1  # index-row slot with no key (query has fewer visible keys than top-k)
+SENTINEL = -1  # index slot with no pool / token
 # Indexer scores tie often (ReLU makes many exactly 0). torch.topk breaks ties in an unspecified order, which
-# would make the selected set depend on how keys are tiled or chunked. Adding position * TIE_BREAK before the
-# top-k makes the selection a fixed function of (query, key): among equal scores the most recent keys win.
+# would make the selection depend on how pools are tiled or chunked. Adding pool * TIE_BREAK before the top-k
+# makes the selection a fixed function of (query, pool): among equal scores the most recent pools win.
 TIE_BREAK = 2.0**-40
-ATTN_TILE_TOKENS = 1 << 16  # sparse attention: query-tile rows x selected keys held at once
+ATTN_TILE_TOKENS = 1 << 16  # sparse attention: query-tile rows x selected tokens held at once
 INDEX_ROW_TILE = 256  # indexer_topk: query rows per tile (fast path; bounded by indexer_tile_tokens)
 INDEX_COL_BLOCK = 4096  # indexer_topk: key columns per block (a multiple of INDEX_GROUP)
 INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima are compared to the threshold)
@@ -54,22 +69,68 @@ INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima ar
 
 @dataclass
 class DSACache:
-    """Keys of all ``S`` earlier positions (``S`` may be 0), as the next chunk needs them.
+    """What a DSA layer carries from one chunk to the next: ``S`` earlier positions (``S`` may be 0).
 
     Attributes:
-        k: attention keys ``[B, S, KVH, Dh]``.
-        v: attention values ``[B, S, KVH, Dh]``.
-        index_k: indexer keys ``[B, S, d_I]``.
+        latent: ``[B, S, kv_lora_rank]`` normalised MLA latents (keys and values of every head).
+        pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools, or None (shared layer).
+        tail_k: ``[B, S % index_kpool, d_I]`` indexer keys of the incomplete last pool's tokens, or None.
+        tail_gate: ``[B, S % index_kpool, d_I]`` their compress-gate logits, or None.
     """
 
-    k: Tensor
-    v: Tensor
-    index_k: Tensor
+    latent: Tensor
+    pool_k: Tensor | None = None
+    tail_k: Tensor | None = None
+    tail_gate: Tensor | None = None
 
     @property
     def length(self) -> int:
         """Number of cached positions ``S``."""
-        return self.k.shape[1]
+        return self.latent.shape[1]
+
+
+@dataclass
+class DSASelection:
+    """What the indexer selected for a chunk's queries (shared with the next layer if it is "shared").
+
+    Attributes:
+        pools: ``[B, T, K]`` int32 selected pool indices (pool ``p`` = tokens ``p kpool .. p kpool + kpool - 1``),
+            descending score, ``-1`` in empty slots.
+        pos: ``[T]`` int64 absolute position of each query (its tail depends on it).
+        kpool: tokens per pool.
+        tail: whether each query also attends to the visible tokens of its incomplete pool.
+    """
+
+    pools: Tensor
+    pos: Tensor
+    kpool: int
+    tail: bool
+
+    @property
+    def width(self) -> int:
+        """Token slots per query: ``K * kpool`` plus ``kpool - 1`` tail slots when the tail is on."""
+        return self.pools.shape[-1] * self.kpool + (self.kpool - 1 if self.tail else 0)
+
+    def rows(self, r0: int, r1: int) -> DSASelection:
+        """The selection of query rows ``r0 .. r1 - 1``."""
+        return DSASelection(self.pools[:, r0:r1], self.pos[r0:r1], self.kpool, self.tail)
+
+    def tokens(self) -> Tensor:
+        """Token indices ``[B, T, width]`` int64 (``-1`` in empty slots): the pools expanded, then the tail
+        (``Glm5NextTextIndexer.append_visible_tail``)."""
+        B, T, K = self.pools.shape
+        kp = self.kpool
+        p = self.pools.long()
+        tok = (p[..., None] * kp + torch.arange(kp, device=p.device)).masked_fill_((p < 0)[..., None], SENTINEL)
+        tok = tok.reshape(B, T, K * kp)
+        if self.tail and kp > 1:
+            pos = self.pos.to(p.device)
+            count = (pos + 1) % kp  # visible tokens of the incomplete pool
+            off = torch.arange(kp - 1, device=p.device)
+            tail = (pos + 1 - count)[:, None] + off
+            tail = tail.masked_fill(off[None, :] >= count[:, None], SENTINEL)
+            tok = torch.cat([tok, tail.expand(B, T, kp - 1)], dim=-1)
+        return tok
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -138,70 +199,72 @@ def indexer_topk(
     index_q: Tensor,
     index_w: Tensor,
     index_k: Tensor,
-    q_offset: int,
+    visible: Tensor,
     topk: int,
     tile_tokens: int,
     index_dtype: torch.dtype = torch.long,
     prune: bool = True,
 ) -> Tensor:
-    """Top-k keys per query by the lightning indexer (DeepSeek-V3.2), in query tiles, causal.
+    """Top-k keys (pools) per query by the lightning indexer (DeepSeek-V3.2), in query tiles.
 
-    ``I[t, s] = sum_j index_w[t, j] * ReLU(index_q[t, j] . index_k[s])`` for ``s <= q_offset + t``, plus
-    ``s * TIE_BREAK`` (among equal scores the most recent key wins, whatever the tiling).
+    ``I[t, s] = sum_j index_w[t, j] * ReLU(index_q[t, j] . index_k[s])`` for ``s < visible[t]``, plus
+    ``s * TIE_BREAK`` (among equal scores the most recent key wins, whatever the tiling). The DSA layer passes
+    pooled keys (``visible[t] = (pos_t + 1) // index_kpool`` complete pools); with pools of one token this is
+    DeepSeek-V3.2's per-token indexer (``visible[t] = pos_t + 1``).
 
     Args:
         index_q: ``[B, T, H_I, d_I]`` indexer queries (any float dtype; scored in at least fp32).
         index_w: ``[B, T, H_I]`` per-head weights (already scaled).
-        index_k: ``[B, S + T, d_I]`` indexer keys of all positions (cache first).
-        q_offset: absolute position of query row 0 (normally ``S``); query row ``t`` sees keys
-            ``0 .. q_offset + t``.
+        index_k: ``[B, N, d_I]`` keys (cache first).
+        visible: ``[T]`` int64, keys visible to each query row (non-decreasing, in ``[0, N]``).
         topk: keys kept per query (>= 1).
         tile_tokens: score budget: query rows x key columns of one tile (per batch row), at least one row by
             ``INDEX_GROUP`` columns. The tile is at most ``INDEX_ROW_TILE x INDEX_COL_BLOCK`` (sized to stay in
             a CPU core's cache); rows longer than a block are merged by a running top-k.
-        index_dtype: dtype of the returned indices: int64 (default) or int32 (half the memory: at 1M tokens
-            and top-2048 the index is 16 GiB in int64; ``DeepSeekSparseAttention`` uses int32).
+        index_dtype: dtype of the returned indices: int64 (default) or int32 (half the memory).
         prune: skip key groups that cannot enter a row's top-k. Each row keeps its current k-th best score as
             a threshold; a block's columns are grouped by ``INDEX_GROUP`` and only groups whose maximum
-            exceeds the threshold are merged (the full top-k over a block costs ~4x the scores; most groups
-            of a long row fall below the threshold). Blocks are visited from the most recent keys backwards,
-            so the threshold rises early. The result equals ``prune=False`` (the plain running top-k),
-            tested, except where two keys have exactly equal scores at the k-th place (fp32 scores above
-            ~1 round ``TIE_BREAK`` away), where either may be kept.
+            exceeds the threshold are merged. Blocks are visited from the most recent keys backwards, so the
+            threshold rises early. The result equals ``prune=False`` (the plain running top-k), tested, except
+            where two keys have exactly equal scores at the k-th place (fp32 scores above ~1 round
+            ``TIE_BREAK`` away), where either may be kept.
 
     Returns:
-        ``idx`` (``index_dtype``) ``[B, T, min(topk, S + T)]``: selected key positions in descending score order;
+        ``idx`` (``index_dtype``) ``[B, T, min(topk, N)]``: selected key positions in descending score order;
         slots beyond a query's visible keys hold ``SENTINEL`` (-1).
 
     Raises:
-        ValueError: ``topk < 1``, ``tile_tokens < 1``, or ``q_offset + T > S + T`` keys.
+        ValueError: ``topk < 1``, ``tile_tokens < 1``, or ``visible`` of the wrong length, decreasing or out of
+            range.
 
-    Runs under ``torch.no_grad``. No ``[T, S + T]`` tensor is materialised: each tile is reduced to top-k
-    immediately. Cost: ``2 H_I d_I`` FLOPs per visible (query, key) pair, quadratic in position as in
-    DeepSeek-V3.2; ``bench/eval_long.py`` measures it at 1M tokens.
+    Runs under ``torch.no_grad``. No ``[T, N]`` tensor is materialised: each tile is reduced to top-k at once.
+    Cost: ``2 H_I d_I`` FLOPs per visible (query, key) pair, quadratic in position as in DeepSeek-V3.2 (divided
+    by ``index_kpool`` with pools); ``bench/eval_long.py`` measures it at 1M tokens.
     """
     if topk < 1 or tile_tokens < 1:
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
     B, T, H_I, d_I = index_q.shape
     N = index_k.shape[1]
-    if q_offset < 0 or q_offset + T > N:
-        raise ValueError(f"indexer_topk: queries at {q_offset}..{q_offset + T - 1} but only {N} keys")
+    vis = [int(v) for v in visible.tolist()]
+    if len(vis) != T or any(b < a for a, b in zip(vis, vis[1:], strict=False)) or (T and (vis[0] < 0 or vis[-1] > N)):
+        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
     if index_dtype not in (torch.long, torch.int32) or (index_dtype == torch.int32 and N >= 2**31):
         raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
     K = min(topk, N)
     dt = _acc_dtype(index_q.dtype)
     dev = index_q.device
     g = INDEX_GROUP
-    n_keys = q_offset + T  # keys any query of the call may see
+    n_keys = vis[-1] if T else 0  # keys any query of the call may see
     # column block: a multiple of the group, within the budget; row tile: the rest of the budget
     C = max(g, min(INDEX_COL_BLOCK, tile_tokens) // g * g)
-    C = min(C, -(-n_keys // g) * g)
+    C = max(g, min(C, -(-n_keys // g) * g))
     R = max(1, min(INDEX_ROW_TILE, T, tile_tokens // C))
     out = torch.empty(B, T, K, dtype=index_dtype, device=dev)
     buf = torch.empty(R * H_I * C, dtype=dt, device=dev)
     sbuf = torch.empty(R * C, dtype=dt, device=dev)
     cols_all = torch.arange(n_keys + C, device=dev)
     tie_all = cols_all.to(dt) * TIE_BREAK
+    vis_t_all = visible.to(device=dev, dtype=torch.long)
     with torch.no_grad():
         for b in range(B):
             kt = index_k[b, :n_keys].to(dt).t().contiguous()  # [d_I, n_keys]
@@ -210,8 +273,8 @@ def indexer_topk(
                 Rt = r1 - r0
                 q2 = index_q[b, r0:r1].to(dt).reshape(Rt * H_I, d_I)
                 w3 = index_w[b, r0:r1].to(dt).reshape(Rt, 1, H_I)
-                pos = torch.arange(q_offset + r0, q_offset + r1, device=dev)  # [Rt] absolute query positions
-                n_vis = q_offset + r1  # keys visible to the tile's last row
+                lim = vis_t_all[r0:r1]  # [Rt] keys visible to each row
+                n_vis = vis[r1 - 1]  # keys visible to the tile's last row
                 best_v = torch.full((Rt, K), float("-inf"), dtype=dt, device=dev)
                 best_i = torch.full((Rt, K), SENTINEL, dtype=torch.long, device=dev)
                 pend_v, pend_i = [], []  # pruned candidates [Rt, w] waiting for one merged top-k
@@ -219,8 +282,8 @@ def indexer_topk(
                 for c0 in reversed(starts) if prune else starts:
                     c1 = min(n_vis, c0 + C)
                     s = _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf)  # [Rt, c1 - c0], no tie-break yet
-                    if c1 - 1 > q_offset + r0:  # the block reaches past some row's position: causal mask
-                        s.masked_fill_(cols_all[c0:c1][None, :] > pos[:, None], float("-inf"))
+                    if c1 > vis[r0]:  # the block reaches past some row's visible keys: causal mask
+                        s.masked_fill_(cols_all[c0:c1][None, :] >= lim[:, None], float("-inf"))
                     thr = best_v.amin(-1, keepdim=True)  # [Rt, 1] k-th best so far (-inf: fewer than K)
                     if prune and c1 - c0 == C and bool(torch.isfinite(thr).all()):
                         # fl(s + tie) <= fl(max s + largest tie of the block): a group whose bound is not above
@@ -294,309 +357,399 @@ def _scatter_rows_(acc: Tensor, idx: Tensor, src: Tensor) -> None:
     acc.view(B * N, -1).index_add_(0, (idx + off).reshape(-1), src.reshape(idx.numel(), -1))
 
 
-class _SparseAttention(torch.autograd.Function):
-    """Softmax attention of each query over its selected keys; query tiles; gathers recomputed in backward."""
+def _kl_rows(p: Tensor, logits: Tensor, valid: Tensor) -> Tensor:
+    """Sum over rows of ``KL(p || softmax(logits))`` restricted to ``valid``; ``p`` is 0 where invalid."""
+    # a row with no valid entry gets finite logits (then weight 0): no NaN in forward or backward
+    logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
+    logq = torch.log_softmax(logits, dim=-1)
+    logq = logq.masked_fill(~valid, 0.0)
+    return (torch.xlogy(p, p) - p * logq).sum()
+
+
+class _SparseMLA(torch.autograd.Function):
+    """Softmax attention of every head over its query's selected latents; query tiles; gathers recomputed in
+    backward. Keys and values are the same latent (MLA's absorbed MQA form)."""
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, q, k, v, idx, scale, tile_tokens):
-        B, T, H, Dh = q.shape
-        KVH = k.shape[2]
-        G = H // KVH
-        Ksel = idx.shape[-1]
+    def forward(ctx, q, kv, pools, pos, kpool, tail, scale, tile_tokens):
+        B, T, H, R = q.shape
+        sel = DSASelection(pools, pos, kpool, tail)
         dt = _acc_dtype(q.dtype)
-        rows = max(1, tile_tokens // max(1, Ksel))
+        rows = max(1, tile_tokens // max(1, sel.width))
         o = torch.empty_like(q)
-        lse = torch.empty(B, T, KVH, G, dtype=dt, device=q.device)
+        lse = torch.empty(B, T, H, dtype=dt, device=q.device)
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
-            it = idx[:, r0:r1]
-            valid = it >= 0  # [B, R, K]
-            ic = it.clamp_min(0)
-            qt = q[:, r0:r1].to(dt).view(B, r1 - r0, KVH, G, Dh)
-            ks = _gather_rows(k, ic).to(dt)  # [B, R, K, KVH, Dh]
-            s = torch.einsum("brhgd,brkhd->brhgk", qt, ks).mul_(scale)
-            del ks  # one gathered [R, K] block alive at a time
-            s.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-            m = torch.logsumexp(s, dim=-1)  # [B, R, KVH, G]
+            it = sel.rows(r0, r1).tokens()  # [B, r, K]
+            valid = it >= 0
+            ks = _gather_rows(kv, it.clamp_min(0)).to(dt)  # [B, r, K, R]
+            s = torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(dt), ks).mul_(scale)
+            s.masked_fill_(~valid[:, :, None, :], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)  # [B, r, H]; -inf for a row with nothing selected
+            m = m.masked_fill(torch.isneginf(m), 0.0)  # such a row gets p = 0: zero output (SDPA's convention)
             p = s.sub_(m[..., None]).exp_()
-            ot = torch.einsum("brhgk,brkhd->brhgd", p, _gather_rows(v, ic).to(dt))
-            o[:, r0:r1] = ot.reshape(B, r1 - r0, H, Dh).to(q.dtype)
+            o[:, r0:r1] = torch.einsum("brhk,brkd->brhd", p, ks).to(q.dtype)
             lse[:, r0:r1] = m
-        ctx.save_for_backward(q, k, v, idx, lse)
-        ctx.scale = scale
-        ctx.rows = rows
+        ctx.save_for_backward(q, kv, pools, pos, lse)
+        ctx.args = (kpool, tail, scale, rows)
         return o
 
     @staticmethod
     @_no_autocast
     def backward(ctx, do):
-        q, k, v, idx, lse = ctx.saved_tensors
-        scale, rows = ctx.scale, ctx.rows
-        B, T, H, Dh = q.shape
-        KVH = k.shape[2]
-        G = H // KVH
+        q, kv, pools, pos, lse = ctx.saved_tensors
+        kpool, tail, scale, rows = ctx.args
+        sel = DSASelection(pools, pos, kpool, tail)
+        B, T, H, R = q.shape
         dt = _acc_dtype(q.dtype)
         dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+        dkv = torch.zeros(kv.shape, dtype=dt, device=kv.device)
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
-            R = r1 - r0
-            it = idx[:, r0:r1]
+            it = sel.rows(r0, r1).tokens()
             valid = it >= 0
             ic = it.clamp_min(0)
-            qt = q[:, r0:r1].to(dt).view(B, R, KVH, G, Dh)
-            dot = do[:, r0:r1].to(dt).view(B, R, KVH, G, Dh)
-            # Sentinel slots hold exact zeros (p = 0 there); they are zeroed explicitly again before the
-            # scatter and go to row 0, so no index -1 is ever scattered and no host sync is needed.
-            inval = ~valid[..., None, None]
-            # At most two gathered/gradient [R, K, KVH, Dh] blocks are alive at a time.
-            vs = _gather_rows(v, ic).to(dt)
-            dp = torch.einsum("brhgd,brkhd->brhgk", dot, vs)
-            del vs
-            ks = _gather_rows(k, ic).to(dt)
-            p = torch.einsum("brhgd,brkhd->brhgk", qt, ks).mul_(scale).sub_(lse[:, r0:r1, ..., None]).exp_()
-            p.masked_fill_(~valid[:, :, None, None, :], 0.0)
-            dvs = torch.einsum("brhgk,brhgd->brkhd", p, dot)
-            _scatter_rows_(dv, ic, dvs.masked_fill_(inval, 0.0))
-            del dvs
-            delta = (p * dp).sum(-1, keepdim=True)
-            ds = dp.sub_(delta).mul_(p).mul_(scale)  # [B, R, KVH, G, K]
-            del p
-            dq[:, r0:r1] = torch.einsum("brhgk,brkhd->brhgd", ds, ks).reshape(B, R, H, Dh).to(q.dtype)
+            qt = q[:, r0:r1].to(dt)
+            dot = do[:, r0:r1].to(dt)
+            ks = _gather_rows(kv, ic).to(dt)  # [B, r, K, R]
+            p = torch.einsum("brhd,brkd->brhk", qt, ks).mul_(scale).sub_(lse[:, r0:r1, :, None]).exp_()
+            p.masked_fill_(~valid[:, :, None, :], 0.0)
+            dp = torch.einsum("brhd,brkd->brhk", dot, ks)
+            ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(scale)  # [B, r, H, K]
+            dq[:, r0:r1] = torch.einsum("brhk,brkd->brhd", ds, ks).to(q.dtype)
             del ks
-            dks = torch.einsum("brhgk,brhgd->brkhd", ds, qt)  # [B, R, K, KVH, Dh]
-            _scatter_rows_(dk, ic, dks.masked_fill_(inval, 0.0))
-            del dks
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            # d latent = (value part) p^T do + (key part) ds^T q; sentinel slots are exact zeros, sent to row 0
+            dks = torch.einsum("brhk,brhd->brkd", p, dot).add_(torch.einsum("brhk,brhd->brkd", ds, qt))
+            _scatter_rows_(dkv, ic, dks.masked_fill_(~valid[..., None], 0.0))
+        return dq, dkv.to(kv.dtype), None, None, None, None, None, None
 
 
-def sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, scale: float, tile_tokens: int = ATTN_TILE_TOKENS
-) -> Tensor:
-    """Attention of each query over its selected keys only (DeepSeek-V3.2 sparse attention, MQA/GQA).
+def sparse_mla(q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_tokens: int = ATTN_TILE_TOKENS) -> Tensor:
+    """Attention of each query over its selected tokens only, MLA in absorbed MQA form (DeepSeek-V3.2 sparse MLA).
 
-    ``o[t, h] = sum_{s in idx[t]} softmax_s(scale * q[t, h] . k[s, h // G]) v[s, h // G]``, ``G = H / KVH``.
+    ``o[t, h] = sum_{s in sel(t)} softmax_s(scale * q[t, h] . kv[s]) kv[s]``; a query with nothing selected
+    gets ``o = 0`` (the reference's SDPA behaviour for a fully masked row).
 
     Args:
-        q: ``[B, T, H, Dh]`` queries.
-        k: ``[B, N, KVH, Dh]`` keys of all positions (``N = S + T``: cache first).
-        v: ``[B, N, KVH, Dh]`` values.
-        idx: int64 or int32 ``[B, T, K]`` selected key positions; ``SENTINEL`` (-1) slots are ignored (every row needs
-            at least one valid entry).
-        scale: logit scale, e.g. ``Dh ** -0.5``.
-        tile_tokens: query-tile rows x ``K`` handled at once (memory knob).
+        q: ``[B, T, H, R]`` queries mapped into the latent (``q W_UK``).
+        kv: ``[B, N, R]`` latents of all positions (cache first).
+        sel: the selection of the ``T`` queries (``DSASelection``; token indices < N).
+        scale: logit scale (``qk_head_dim ** -0.5``).
+        tile_tokens: query-tile rows x selected tokens handled at once (memory knob).
 
     Returns:
-        ``o [B, T, H, Dh]`` in ``q``'s dtype (computed in at least fp32).
+        ``o [B, T, H, R]`` in ``q``'s dtype (computed in at least fp32).
 
-    Differentiable w.r.t. ``q``, ``k``, ``v`` (including cached keys/values). Saves ``q, k, v, idx`` and the
-    per-row logsumexp; gathered keys/values are recomputed per tile in backward and gradients are
-    accumulated with ``index_add_`` skipping sentinels. Memory O(T x K), never O(T^2).
+    Differentiable w.r.t. ``q`` and ``kv`` (including cached latents). Saves q, kv, the pool indices and the
+    per-row logsumexp; gathered latents are recomputed per tile in backward and gradients accumulated with
+    ``index_add_`` skipping sentinels. Memory O(T x top-k), never O(T^2).
 
     Raises:
-        ValueError: shapes that do not fit (``H`` not a multiple of ``KVH``, ``idx`` rows != ``T``).
+        ValueError: shapes that do not fit.
     """
-    B, T, H, _ = q.shape
-    if H % k.shape[2] or idx.shape[:2] != (B, T) or k.shape != v.shape:
+    B, T, H, R = q.shape
+    if kv.dim() != 3 or kv.shape[0] != B or kv.shape[2] != R or sel.pools.shape[:2] != (B, T):
         raise ValueError(
-            f"sparse_attention: bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
-            f"idx {tuple(idx.shape)}"
+            f"sparse_mla: bad shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, pools {tuple(sel.pools.shape)}"
         )
-    return _SparseAttention.apply(q, k, v, idx, float(scale), int(tile_tokens))
+    return _SparseMLA.apply(q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, float(scale), int(tile_tokens))
 
 
-def _kl_rows(p: Tensor, logits: Tensor, valid: Tensor) -> Tensor:
-    """Sum over rows of ``KL(p || softmax(logits))`` restricted to ``valid``; ``p`` is 0 where invalid."""
-    logq = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-    logq = logq.masked_fill(~valid, 0.0)
-    return (torch.xlogy(p, p) - p * logq).sum()
+def _pool_target(p_tok: Tensor, n_pools: int, kpool: int) -> Tensor:
+    """Attention mass per pool: ``p_tok [..., >= n_pools * kpool]`` (first ``n_pools * kpool`` slots are the pools'
+    tokens in order) -> ``[..., n_pools]``."""
+    return p_tok[..., : n_pools * kpool].unflatten(-1, (n_pools, kpool)).sum(-1)
 
 
 class _IndexerKLSparse(torch.autograd.Function):
-    """Indexer KL of the sparse stage, summed over queries, with its gradients computed in the same pass.
+    """Indexer KL of the sparse stage over the selected pools, summed over queries, with its gradients computed
+    in the same pass.
 
-    Per query tile: target ``p`` = L1-normalised head-sum of the main attention on the selected keys (no grad);
-    ``l = sum_j w_j ReLU(q_I_j . k_I)`` on the selected keys; ``KL(p || softmax(l))``, whose gradient w.r.t.
-    ``l`` is ``softmax(l) - p``; this is pushed through the ReLU scores to ``index_q``, ``index_w`` and
-    ``index_k`` (scattered with ``index_add_``) at once. Backward only scales the stored gradients (all O(T)),
-    so nothing of size T x top-k is kept or recomputed.
+    Per query tile: target ``p`` = the main attention (heads summed) over the attended tokens, summed per
+    selected pool and renormalised over them (no grad); ``l = sum_j w_j ReLU(q_I_j . K_pool)``;
+    ``KL(p || softmax(l))``, whose gradient w.r.t. ``l`` is ``softmax(l) - p``, pushed through the ReLU scores
+    to ``index_q``, ``index_w`` and the pooled keys (scattered with ``index_add_``). Rows with no selected pool
+    contribute nothing. Backward only scales the stored gradients.
     """
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, iq, iw, ik, q, k, idx, scale, rows):
-        B, T, H, Dh = q.shape
-        KVH = k.shape[2]
+    def forward(ctx, iq, iw, pk, q, kv, pools, pos, kpool, tail, scale, rows):
+        B, T, H, R = q.shape
+        sel = DSASelection(pools, pos, kpool, tail)
+        Kp = pools.shape[-1]
         dt = _acc_dtype(iq.dtype)
         diq = torch.zeros(iq.shape, dtype=dt, device=iq.device)
         diw = torch.zeros(iw.shape, dtype=dt, device=iw.device)
-        dik = torch.zeros(ik.shape, dtype=dt, device=ik.device)
+        dpk = torch.zeros(pk.shape, dtype=dt, device=pk.device)
         total = torch.zeros((), dtype=dt, device=iq.device)
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
-            R = r1 - r0
-            it = idx[:, r0:r1]
-            valid = it >= 0
-            ic = it.clamp_min(0)
-            ks = _gather_rows(k, ic).to(_acc_dtype(q.dtype))
-            qt = q[:, r0:r1].to(ks.dtype).view(B, R, KVH, H // KVH, Dh)
-            sa = torch.einsum("brhgd,brkhd->brhgk", qt, ks).mul_(scale)
+            st = sel.rows(r0, r1)
+            it = st.tokens()
+            tv = it >= 0
+            ks = _gather_rows(kv, it.clamp_min(0)).to(_acc_dtype(q.dtype))
+            sa = torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(ks.dtype), ks).mul_(scale)
             del ks
-            sa.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-            pt = torch.softmax(sa, dim=-1).sum(dim=(2, 3))
+            sa.masked_fill_(~tv[:, :, None, :], float("-inf"))
+            pt = torch.nan_to_num(torch.softmax(sa, dim=-1)).sum(2)  # [B, r, K_tok]
             del sa
-            pt = (pt / pt.sum(-1, keepdim=True)).to(dt)  # [B, R, K]
-            iks = _gather_rows(ik, ic).to(dt)  # [B, R, K, d_I]
+            pt = _pool_target(pt, Kp, kpool).to(dt)  # [B, r, Kp]
+            pv = st.pools >= 0
+            z = pt.sum(-1, keepdim=True)
+            ok = pv.any(-1, keepdim=True) & (z > 0)  # rows with a target
+            pt = torch.where(ok, pt / z.clamp_min(torch.finfo(dt).tiny), 0.0)
+            valid = pv & ok
+            pc = st.pools.long().clamp_min(0)
+            pks = _gather_rows(pk, pc).to(dt)  # [B, r, Kp, d_I]
             qi, wi = iq[:, r0:r1].to(dt), iw[:, r0:r1].to(dt)
-            a = torch.einsum("brjd,brkd->brjk", qi, iks)  # [B, R, H_I, K]
+            a = torch.einsum("brjd,brkd->brjk", qi, pks)  # [B, r, H_I, Kp]
             rl = torch.relu(a)
             logits = (rl * wi[..., None]).sum(2).masked_fill_(~valid, float("-inf"))
             logq = torch.log_softmax(logits, dim=-1).masked_fill_(~valid, 0.0)
             total += (torch.xlogy(pt, pt) - pt * logq).sum()
             g = (logq.exp_() - pt).masked_fill_(~valid, 0.0)  # dKL/dlogits
             diw[:, r0:r1] = torch.einsum("brk,brjk->brj", g, rl)
-            da = (a > 0).to(dt).mul_(g[:, :, None, :]).mul_(wi[..., None])  # [B, R, H_I, K]
-            diq[:, r0:r1] = torch.einsum("brjk,brkd->brjd", da, iks)
-            _scatter_rows_(dik, ic, torch.einsum("brjk,brjd->brkd", da, qi))  # sentinel rows carry zeros
-        ctx.save_for_backward(diq, diw, dik)
-        ctx.dtypes = (iq.dtype, iw.dtype, ik.dtype)
+            da = (a > 0).to(dt).mul_(g[:, :, None, :]).mul_(wi[..., None])  # [B, r, H_I, Kp]
+            diq[:, r0:r1] = torch.einsum("brjk,brkd->brjd", da, pks)
+            _scatter_rows_(dpk, pc, torch.einsum("brjk,brjd->brkd", da, qi))  # empty slots carry zeros
+        ctx.save_for_backward(diq, diw, dpk)
+        ctx.dtypes = (iq.dtype, iw.dtype, pk.dtype)
         return total
 
     @staticmethod
     def backward(ctx, gout):
-        diq, diw, dik = ctx.saved_tensors
+        diq, diw, dpk = ctx.saved_tensors
         tq, tw, tk = ctx.dtypes
-        return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dik).to(tk), None, None, None, None, None
+        return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dpk).to(tk), *([None] * 8)
 
 
-def _kl_warmup_tile(qt, kall, q_pos0, iq, iw, ik, scale):
-    """KL of one query tile, warm-up stage: target = head-summed dense attention over all visible keys."""
-    B, R, H, Dh = qt.shape
-    KVH = kall.shape[2]
-    n = q_pos0 + R
-    pos = torch.arange(q_pos0, n, device=qt.device)
-    valid = (torch.arange(n, device=qt.device)[None, :] <= pos[:, None])[None].expand(B, R, n)
+def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale):
+    """Indexer KL of one query tile, warm-up stage: target = dense attention (heads summed) over all visible
+    tokens, summed per visible complete pool and renormalised; model = softmax over those pools."""
+    B, R, H, _ = q.shape
+    n = int(pos[-1]) + 1  # tokens visible to the tile's last row
+    P = n // kpool
+    dev = q.device
     dt = _acc_dtype(iq.dtype)
+    vis_pool = torch.arange(P, device=dev)[None, :] < ((pos + 1) // kpool)[:, None]  # [R, P]
     with torch.no_grad():
-        kd = kall[:, :n].to(_acc_dtype(qt.dtype))
-        s = torch.einsum("brhgd,bkhd->brhgk", qt.to(kd.dtype).view(B, R, KVH, H // KVH, Dh), kd) * scale
-        s.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1).sum(dim=(2, 3))
-        p = (p / p.sum(-1, keepdim=True)).to(dt)
-    logits = _index_scores_block(iq.to(dt), iw.to(dt), ik[:, :n].to(dt))
+        kd = kv[:, :n].to(_acc_dtype(q.dtype))
+        s = torch.einsum("brhd,bnd->brhn", q.to(kd.dtype), kd) * scale
+        causal = torch.arange(n, device=dev)[None, :] <= pos[:, None]  # [R, n]
+        s.masked_fill_(~causal[None, :, None, :], float("-inf"))
+        p = _pool_target(torch.softmax(s, dim=-1).sum(2), P, kpool).to(dt)  # [B, R, P]
+        p = p.masked_fill(~vis_pool[None], 0.0)
+        z = p.sum(-1, keepdim=True)
+        ok = vis_pool.any(-1)[None, :, None] & (z > 0)
+        p = torch.where(ok, p / z.clamp_min(torch.finfo(dt).tiny), 0.0)
+    valid = vis_pool[None].expand(B, R, P) & ok
+    logits = _index_scores_block(iq.to(dt), iw.to(dt), pk[:, :P].to(dt))
     return _kl_rows(p, logits, valid)
 
 
-class DeepSeekSparseAttention(nn.Module):
-    """DSA mixing layer: q/k/v/o projections (MQA/GQA, NoPE) plus the lightning indexer.
+class Indexer(nn.Module):
+    """The KPool lightning indexer (``Glm5NextTextIndexer``): parameter names and shapes as the reference.
 
-    Config fields read: ``d_model, dsa_heads, dsa_kv_heads, dsa_head_dim, index_heads, index_head_dim,
-    index_topk, indexer_tile_tokens, dsa_mode, indexer_stage, indexer_loss_coef, init_std``.
-
-    After each ``forward``: ``self.stats = {"path", "keys_scored", "keys_attended", "indexer_loss"}`` and
-    ``self.aux_loss`` (indexer KL x ``indexer_loss_coef``, a scalar tensor; ``None`` for stage "off" or when
-    grad is disabled).
-
-    Raises:
-        ValueError: a configuration that cannot run (``index_topk < 1`` in sparse mode, non-positive widths or
-            tile budget, unknown mode or stage).
+    ``wq_b`` [H_I d_I, q_lora_rank], ``wk`` [d_I, D], ``k_norm`` (LayerNorm, eps 1e-6, weight and bias),
+    ``weights_proj`` [H_I, D], ``index_kpool_compress_ape`` [kpool, d_I], ``index_kpool_compress_gate``
+    [d_I, D].
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.d_model = cfg.d_model
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.dsa_heads, cfg.dsa_kv_heads, cfg.dsa_head_dim
-        self.index_heads, self.index_head_dim = cfg.index_heads, cfg.index_head_dim
+        D, HI, dI, kp = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+        self.n_heads, self.head_dim, self.kpool = HI, dI, kp
+        self.wq_b = nn.Linear(cfg.q_lora_rank, HI * dI, bias=False)
+        self.wk = nn.Linear(D, dI, bias=False)
+        self.k_norm = nn.LayerNorm(dI, eps=1e-6)
+        self.weights_proj = nn.Linear(D, HI, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(kp, dI))
+        # The reference initialises the gate to ones (sharp pooling by sum(x)); from scratch genoctx draws it
+        # N(0, init_std): pooling starts near the mean of the pool's keys. Loaded checkpoints bring their own.
+        self.index_kpool_compress_gate = nn.Parameter(torch.randn(dI, D) * cfg.initializer_range)
+        for lin in (self.wq_b, self.wk, self.weights_proj):
+            nn.init.normal_(lin.weight, std=cfg.initializer_range)
+
+    def keys(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Token keys ``LayerNorm(wk x)`` and compress-gate logits ``x gate^T``: x ``[B, T, D]`` -> two
+        ``[B, T, d_I]``."""
+        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+
+    def queries(self, x: Tensor, q_resid: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries ``wq_b(q_resid)`` ``[B, T, H_I, d_I]`` and head weights ``weights_proj(x) H_I^-1/2 d_I^-1/2``
+        ``[B, T, H_I]`` (the reference's softmax scale ``d_I^-1/2`` moved out of the ReLU: it is positive)."""
+        B, T, _ = x.shape
+        q = self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim)
+        w = self.weights_proj(x) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return q, w
+
+    def pool(self, k: Tensor, gate: Tensor) -> Tensor:
+        """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``,
+        ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, the softmax in fp32."""
+        B, n, dI = k.shape
+        P = n // self.kpool
+        logits = gate.view(B, P, self.kpool, dI).float() + self.index_kpool_compress_ape.float()
+        prob = torch.softmax(logits, dim=2).to(k.dtype)
+        return (prob * k.view(B, P, self.kpool, dI)).sum(2)
+
+    def extend(self, cache: DSACache | None, k: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pooled keys of every complete pool up to the end of this chunk, and the new incomplete tail.
+
+        Args:
+            cache: the previous chunk's cache (its ``pool_k``, ``tail_k``, ``tail_gate``), or None.
+            k, gate: this chunk's token keys and gate logits ``[B, T, d_I]``.
+
+        Returns:
+            ``(pool_k [B, (S + T) // kpool, d_I], tail_k, tail_gate [B, (S + T) % kpool, d_I])``.
+        """
+        if cache is not None and cache.pool_k is not None:
+            k = torch.cat([cache.tail_k, k], dim=1)
+            gate = torch.cat([cache.tail_gate, gate], dim=1)
+        n = k.shape[1] // self.kpool * self.kpool
+        new = self.pool(k[:, :n], gate[:, :n])
+        pool_k = new if cache is None or cache.pool_k is None else torch.cat([cache.pool_k, new], dim=1)
+        return pool_k, k[:, n:], gate[:, n:]
+
+
+class DeepSeekSparseAttention(nn.Module):
+    """DSA mixing layer (``Glm5NextTextAttention``): NoPE MLA plus, on "full" layers, the KPool indexer.
+
+    Parameters (reference names): ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
+    ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` and ``indexer`` (None on "shared" layers).
+
+    Args:
+        cfg: the architecture (MLA widths, indexer fields) and ``indexer_tile_tokens``, ``dsa_mode``,
+            ``indexer_stage``, ``indexer_loss_coef``.
+        layer_idx: the layer's index (its ``indexer_types`` entry).
+
+    After each ``forward``: ``self.stats = {"path", "indexer", "keys_scored", "keys_attended", "indexer_loss"}``
+    (``keys_scored`` = (query, pool) pairs the indexer scored; ``keys_attended`` = (query, token) pairs attended)
+    and ``self.aux_loss`` (indexer KL x ``indexer_loss_coef``; None for stage "off", shared layers or no grad).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads, self.qk_head_dim, self.v_head_dim = H, cfg.qk_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.kpool, self.tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
         self.topk, self.tile_tokens = cfg.index_topk, cfg.indexer_tile_tokens
         self.mode, self.stage, self.loss_coef = cfg.dsa_mode, cfg.indexer_stage, cfg.indexer_loss_coef
-        self.attn_tile_tokens = getattr(cfg, "attn_tile_tokens", ATTN_TILE_TOKENS)
-        if self.mode not in ("sparse", "dense"):
-            raise ValueError(f"dsa_mode must be 'sparse' or 'dense', got {self.mode!r}")
-        if self.stage not in ("sparse", "warmup", "off"):
-            raise ValueError(f"indexer_stage must be 'sparse', 'warmup' or 'off', got {self.stage!r}")
-        if min(self.n_heads, self.n_kv_heads, self.head_dim, self.index_heads, self.index_head_dim) < 1:
-            raise ValueError("DSA widths (heads, head dims, index heads/dims) must be >= 1")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"dsa_heads {self.n_heads} is not a multiple of dsa_kv_heads {self.n_kv_heads}")
-        if self.mode == "sparse" and self.topk < 1:
-            raise ValueError(
-                f"DSA cannot run sparse with index_topk={self.topk} (needs >= 1); "
-                "set dsa_mode='dense' to ask for dense attention"
-            )
-        if self.tile_tokens < 1 or self.attn_tile_tokens < 1:
-            raise ValueError(f"indexer_tile_tokens must be >= 1, got {self.tile_tokens}")
-        D, H, KVH, Dh = cfg.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        self.q_proj = nn.Linear(D, H * Dh, bias=False)
-        self.k_proj = nn.Linear(D, KVH * Dh, bias=False)
-        self.v_proj = nn.Linear(D, KVH * Dh, bias=False)
-        self.o_proj = nn.Linear(H * Dh, D, bias=False)
-        self.index_q_proj = nn.Linear(D, self.index_heads * self.index_head_dim, bias=False)
-        self.index_k_proj = nn.Linear(D, self.index_head_dim, bias=False)
-        self.index_w_proj = nn.Linear(D, self.index_heads, bias=False)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=cfg.init_std)
+        self.attn_tile_tokens = ATTN_TILE_TOKENS
+        self.scale = self.qk_head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=bias)
+        for lin in (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):
+            nn.init.normal_(lin.weight, std=cfg.initializer_range)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+        self.shared = cfg.indexer_types[layer_idx] == "shared"
+        self.indexer = None if self.shared else Indexer(cfg)
         self.stats: dict = {}
         self.aux_loss: Tensor | None = None
 
-    def indexer_inputs(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Indexer queries ``[B,T,H_I,d_I]``, weights ``[B,T,H_I]``, keys ``[B,T,d_I]`` of ``x.detach()``."""
-        h = x.detach()
-        B, T, _ = h.shape
-        iq = self.index_q_proj(h).view(B, T, self.index_heads, self.index_head_dim)
-        iw = self.index_w_proj(h) * (self.index_heads**-0.5 * self.index_head_dim**-0.5)
-        return iq, iw, self.index_k_proj(h)
+    def absorbed(self) -> tuple[Tensor, Tensor]:
+        """``(W_UK [H, qk_head_dim, R], W_UV [H, v_head_dim, R])``, views of ``kv_b_proj.weight``."""
+        W = self.kv_b_proj.weight.view(self.n_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return W[:, : self.qk_head_dim], W[:, self.qk_head_dim :]
 
-    def forward(self, x: Tensor, cache: DSACache | None = None) -> tuple[Tensor, DSACache]:
-        """One chunk: ``x [B, T, D]`` and the cache of the ``S`` earlier positions -> ``([B, T, D], cache)``.
+    def latent(self, x: Tensor) -> Tensor:
+        """The normalised MLA latent ``kv_a_layernorm(kv_a_proj_with_mqa x)``: ``[B, T, D]`` -> ``[B, T, R]``."""
+        return self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
 
-        The returned cache holds ``S + T`` positions and is not detached.
+    def cache_of(self, latent: Tensor, index_k: Tensor | None, index_gate: Tensor | None) -> DSACache:
+        """The cache after the tokens whose latents and (for a full layer) indexer token keys/gates are given,
+        ``[B, S, .]`` each (context parallelism builds the caches of earlier pieces with it)."""
+        if self.indexer is None:
+            return DSACache(latent)
+        pool_k, tail_k, tail_gate = self.indexer.extend(None, index_k, index_gate)
+        return DSACache(latent, pool_k, tail_k, tail_gate)
+
+    def forward(
+        self, x: Tensor, cache: DSACache | None = None, selection: DSASelection | None = None
+    ) -> tuple[Tensor, DSACache, DSASelection | None]:
+        """One chunk: ``x [B, T, D]``, the cache of the ``S`` earlier positions and, on a "shared" layer, the
+        selection of the full layer before it -> ``(y [B, T, D], cache of S + T positions, this chunk's
+        selection (None in dense mode))``.
+
+        Raises:
+            ValueError: a shared layer in sparse mode without a selection, or a selection of the wrong shape.
         """
         B, T, _ = x.shape
-        H, KVH, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, KVH, Dh)
-        v = self.v_proj(x).view(B, T, KVH, Dh)
-        iq, iw, ik = self.indexer_inputs(x)
-        if cache is not None and cache.length > 0:
-            S = cache.length
-            k_all, v_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
-            ik_all = torch.cat([cache.index_k, ik], 1)
-        else:
-            S, k_all, v_all, ik_all = 0, k, v, ik
-        scale = Dh**-0.5
-        visible = B * (T * S + T * (T + 1) // 2)  # causal query-key pairs of the chunk
+        H = self.n_heads
+        S = cache.length if cache is not None else 0
+        pos = torch.arange(S, S + T, device=x.device)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(B, T, H, self.qk_head_dim)
+        c = self.latent(x)
+        latent = c if cache is None or S == 0 else torch.cat([cache.latent, c], dim=1)
+        W_UK, W_UV = self.absorbed()
+        q_abs = torch.einsum("bthd,hdr->bthr", q, W_UK)
+        iq = iw = pool_k = None
+        new_cache = DSACache(latent)
+        if self.indexer is not None:  # indexer inputs detached: it learns only from its KL
+            xd = x.detach()
+            ik, ig = self.indexer.keys(xd)
+            pool_k, tail_k, tail_gate = self.indexer.extend(cache if S else None, ik, ig)
+            new_cache = DSACache(latent, pool_k, tail_k, tail_gate)
+            iq, iw = self.indexer.queries(xd, q_resid.detach())
+        kp = self.kpool
+        n_vis_pools = (pos + 1) // kp
+        scored = B * int(n_vis_pools.sum()) if self.indexer is not None else 0
+        sel = None
+        need_sel = self.mode == "sparse" or (self.stage == "sparse" and torch.is_grad_enabled())
+        if self.indexer is not None and need_sel:
+            K = min(self.topk // kp, pool_k.shape[1])
+            if K > 0:
+                pools = indexer_topk(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32)
+            else:
+                pools = torch.full((B, T, 0), SENTINEL, dtype=torch.int32, device=x.device)
+            sel = DSASelection(pools, pos, kp, self.tail)
+        elif self.indexer is None and self.mode == "sparse":
+            if selection is None:
+                raise ValueError("a shared DSA layer needs the selection of the full DSA layer right before it")
+            if selection.pools.shape[:2] != (B, T):
+                raise ValueError(f"shared DSA layer: selection of {tuple(selection.pools.shape[:2])} rows for {(B, T)}")
+            sel = selection
         if self.mode == "sparse":
-            idx = indexer_topk(iq, iw, ik_all, S, self.topk, self.tile_tokens, index_dtype=torch.int32)
-            o = sparse_attention(q, k_all, v_all, idx, scale, self.attn_tile_tokens)
-            n_vis = torch.arange(S + 1, S + T + 1).clamp_(max=idx.shape[-1])  # keys each query attends
-            stats = {"path": "sparse", "keys_scored": visible, "keys_attended": B * int(n_vis.sum())}
+            o_lat = sparse_mla(q_abs, latent, sel, self.scale, self.attn_tile_tokens)
+            attended = int((sel.pools >= 0).sum()) * kp
+            if sel.tail:
+                attended += B * int(((sel.pos + 1) % kp).sum())
+            stats = {"path": "sparse", "keys_scored": scored, "keys_attended": attended}
         else:
-            idx = None
-            o = self._dense(q, k_all, v_all, S, scale)
-            stats = {"path": "dense", "keys_scored": 0, "keys_attended": visible}
+            o_lat = self._dense(q_abs, latent, S)
+            stats = {"path": "dense", "keys_scored": 0, "keys_attended": B * (T * S + T * (T + 1) // 2)}
+        stats["indexer"] = "shared" if self.indexer is None else "full"
         self.aux_loss = None
         stats["indexer_loss"] = None
-        if self.stage != "off" and torch.is_grad_enabled():
-            loss = self._indexer_loss(q.detach(), k_all.detach(), idx, S, iq, iw, ik_all, scale)
+        if self.indexer is not None and self.stage != "off" and torch.is_grad_enabled():
+            loss = self._indexer_loss(q_abs.detach(), latent.detach(), sel, pos, iq, iw, pool_k)
             stats["indexer_loss"] = float(loss.detach())
             self.aux_loss = loss * self.loss_coef
         self.stats = stats
-        y = self.o_proj(o.reshape(B, T, H * Dh))
-        return y, DSACache(k_all, v_all, ik_all)
+        o = torch.einsum("bthr,hvr->bthv", o_lat.to(q_abs.dtype), W_UV)
+        y = self.o_proj(o.reshape(B, T, H * self.v_head_dim))
+        return y, new_cache, (sel if self.mode == "sparse" else None)
 
-    def _dense(self, q: Tensor, k: Tensor, v: Tensor, S: int, scale: float) -> Tensor:
-        """Exact causal attention (``dsa_mode="dense"``) with torch SDPA in query tiles of
-        ``rows x (S + rows_end) <= indexer_tile_tokens``; the one-tile, no-cache case uses ``is_causal``."""
-        B, T, H, Dh = q.shape
-        N = k.shape[1]
-        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = self.n_kv_heads != H
+    def _dense(self, q: Tensor, kv: Tensor, S: int) -> Tensor:
+        """Exact causal attention (``dsa_mode="dense"``) in the absorbed form with torch SDPA, in query tiles of
+        ``rows x (S + rows_end) <= indexer_tile_tokens``: q ``[B, T, H, R]``, kv ``[B, N, R]`` -> ``[B, T, H, R]``."""
+        B, T, H, R = q.shape
+        N = kv.shape[1]
+        qh = q.transpose(1, 2)
+        kh = kv.unsqueeze(1).to(q.dtype)  # [B, 1, N, R]: one latent shared by all heads
         rows = max(1, self.tile_tokens // N)
         if S == 0 and rows >= T:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qh, kh, kh, is_causal=True, scale=self.scale, enable_gqa=H > 1)
             return o.transpose(1, 2)
         outs = []
         for r0 in range(0, T, rows):
@@ -605,46 +758,32 @@ class DeepSeekSparseAttention(nn.Module):
             mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(S + r0, n, device=q.device)[:, None]
             outs.append(
                 F.scaled_dot_product_attention(
-                    qh[:, :, r0:r1], kh[:, :, :n], vh[:, :, :n], attn_mask=mask, scale=scale, enable_gqa=gqa
+                    qh[:, :, r0:r1], kh[:, :, :n], kh[:, :, :n], attn_mask=mask, scale=self.scale, enable_gqa=H > 1
                 )
             )
         return torch.cat(outs, dim=2).transpose(1, 2)
 
-    def _indexer_loss(self, q, k_all, idx, S, iq, iw, ik_all, scale) -> Tensor:
-        """Mean over the chunk's ``B x T`` queries of the indexer KL (DeepSeek-V3.2), per query tile with
-        bounded memory: only one tile's gathered keys live at a time.
-
-        Stage "sparse": target = L1-normalised head-sum of the main attention on the selected keys (detached),
-        model = softmax of the indexer scores restricted to the same keys. With ``dsa_mode="dense"`` the
-        selection is computed here (``indexer_topk``) only for this loss.
-        Computed by ``_IndexerKLSparse`` (loss and gradients in one pass).
-        Stage "warmup": target = the dense attention over all visible keys (tiles recomputed in backward by
-        ``torch.utils.checkpoint``); the indexer softmax runs over all visible keys too. Tiles hold
-        ``H x rows x (S + rows_end)`` probabilities: practical for short sequences (the warm-up stage of
-        DeepSeek-V3.2 is short), not for 1M tokens.
-        """
+    def _indexer_loss(self, q, kv, sel, pos, iq, iw, pool_k) -> Tensor:
+        """Mean over the chunk's ``B x T`` queries of the pooled indexer KL (module docstring), per query tile
+        with bounded memory. Stage "sparse": ``_IndexerKLSparse`` over the selection. Stage "warmup": dense
+        attention tiles (recomputed in backward by ``torch.utils.checkpoint``) holding ``H x rows x (S + rows_end)``
+        probabilities: practical for the short warm-up stage, not for 1M tokens."""
         B, T = q.shape[:2]
-        total = None
         if self.stage == "sparse":
-            if idx is None:
-                idx = indexer_topk(iq, iw, ik_all, S, max(1, self.topk), self.tile_tokens, index_dtype=torch.int32)
-            rows = max(1, self.attn_tile_tokens // idx.shape[-1])
-            total = _IndexerKLSparse.apply(iq, iw, ik_all, q, k_all, idx, scale, rows)
+            rows = max(1, self.attn_tile_tokens // max(1, sel.width))
+            total = _IndexerKLSparse.apply(
+                iq, iw, pool_k, q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, self.scale, rows
+            )
         else:
-            N = k_all.shape[1]
+            N = kv.shape[1]
             rows = max(1, self.tile_tokens // (N * self.n_heads))
+            total = None
             for r0 in range(0, T, rows):
                 r1 = min(T, r0 + rows)
                 part = checkpoint(
                     _kl_warmup_tile,
-                    q[:, r0:r1],
-                    k_all,
-                    S + r0,
-                    iq[:, r0:r1],
-                    iw[:, r0:r1],
-                    ik_all,
-                    scale,
+                    q[:, r0:r1], kv, pos[r0:r1], iq[:, r0:r1], iw[:, r0:r1], pool_k, self.kpool, self.scale,
                     use_reentrant=False,
-                )
+                )  # fmt: skip
                 total = part if total is None else total + part
         return total / (B * T)

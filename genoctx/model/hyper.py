@@ -1,161 +1,147 @@
-"""Manifold-constrained hyper-connections (mHC, DeepSeek 2025, arXiv:2512.24880).
+"""Manifold-constrained hyper-connections (mHC, DeepSeek 2025, arXiv:2512.24880) as GLM-5.3-Flash runs them.
 
-The residual stream is widened to ``n`` parallel streams ``x_l ∈ R^{n×D}`` per token. Around each sub-layer F:
+The residual stream is ``n = hc_mult`` streams ``x ∈ R^{n×D}`` per token. Around each sub-layer F
+(transformers ``Glm5NextTextHyperConnection.forward`` and ``Glm5NextTextDecoderLayer.forward``):
 
-    x̃       = RMSNorm(flatten(x_l))                                  [B, T, n·D]   (no weight: absorbed in φ)
-    H_pre   = sigmoid(α_pre · (x̃ φ_pre) + b_pre)                     [B, T, n]
-    H_post  = 2 · sigmoid(α_post · (x̃ φ_post) + b_post)              [B, T, n]
-    H_res   = SinkhornKnopp(α_res · mat(x̃ φ_res) + b_res)            [B, T, n, n]  (doubly stochastic)
-    x_{l+1} = H_res x_l + H_postᵀ F(H_pre x_l)
+    x̃     = x_flat * rsqrt(mean(x_flat²) + rms_norm_eps)                 [B, T, n·D]  (no weight)
+    a     = x̃ fnᵀ                                                         [B, T, (2+n)·n]
+    pre   = sigmoid(scale[0] · a_pre  + base_pre) + hc_eps                [B, T, n]
+    post  = 2 · sigmoid(scale[1] · a_post + base_post)                    [B, T, n]
+    comb  = Sinkhorn(softmax_row(scale[2] · a_comb + base_comb) + hc_eps)  [B, T, n, n]
+    out_i = post_i · F(Σ_j pre_j x_j) + Σ_j comb[j, i] x_j                (out = post ⊗ F + combᵀ x)
+
+Sinkhorn (the reference's order): divide by column sums, then ``hc_sinkhorn_iters - 1`` times rows then
+columns, each sum ``+ hc_eps``. The model starts with the embedding copied into the ``n`` streams
+(``expand_streams``) and ends with their mean (``Glm5NextTextHyperHead``, ``reduce_streams``).
 
 Design choices:
 
 - ``pre`` / ``post`` instead of wrapping a callable: the block calls mixers that take and return a cache.
-- The three projections are one matrix ``phi`` [n(n+2), n·D] (one read of the wide residual); the RMS
-  normalisation is applied after the matmul (``(x φ) · rsqrt(mean x²)``, the same math, cheaper).
-- Coefficients are computed in fp32 (fp64 when the input is fp64) with autocast disabled; the stream
-  mixing runs in the residual's dtype, also outside autocast (the residual is never silently downcast).
-- Init (the paper gives α = 0.01 and leaves b to the implementer): b_pre = −log(n−1) so H_pre = 1/n (the mean
-  of the streams, which are copies after ``expand_streams``); b_post = 0 so H_post = 1; b_res puts 0.95 on
-  the diagonal of H_res. With equal streams the layer is then a plain residual up to the α-scaled dynamic
-  term, whose random φ (std 0.02, as in DeepSeek-V4) breaks the symmetry between streams.
-- Sinkhorn-Knopp is recomputed in backward (``torch.utils.checkpoint``): its ``2 x iters`` intermediate
+- Coefficients are computed in fp32 (fp64 for an fp64 residual) with autocast disabled; ``base`` and
+  ``scale`` are fp32 islands (kept fp32 when the model is cast to bf16, as the reference's
+  ``_keep_in_fp32_modules_strict``). The collapse is summed in fp32 and returned in the residual's dtype.
+- Sinkhorn is recomputed in backward (``torch.utils.checkpoint``): its ``2 x iters`` intermediate
   ``[B, T, n, n]`` tensors would otherwise be the largest activation of the layer.
-- ``n_streams == 1`` has no parameters and is exactly ``x + F(x)`` (bit for bit).
+- Init as the reference's ``_init_weights``: ``fn ~ N(0, 0.02)``, ``base = 0``, ``scale = 1``.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-ALPHA_INIT = 0.01  # gate scales α_pre, α_post, α_res (mHC paper)
-RES_INIT_DIAG = 0.95  # diagonal of H_res at init (identity-favouring)
-PHI_INIT_STD = 0.02
 
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp normalisation of a positive ``[..., n, n]`` matrix, as ``Glm5NextTextHyperConnection``.
 
-def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """Project ``exp(logits)`` towards the doubly stochastic matrices (Birkhoff polytope), in log space.
-
-    Alternates row and column normalisation ``iters`` times (Sinkhorn & Knopp 1967; used by mHC,
-    arXiv:2512.24880, with ~20 iterations). The last step normalises columns, so columns sum to 1 up to
-    rounding; rows reach 1 within 1e-3 after 20 iterations for logits of order 1, more slowly when the
-    matrix is close to a permutation (e.g. ~2e-3 for the identity-favouring init of H_res plus noise 0.1).
-
-    Args:
-        logits: [..., n, n] float tensor (any float dtype; computed in that dtype).
-        iters: number of (row, column) normalisation rounds, >= 1.
-
-    Returns:
-        [..., n, n] non-negative matrix, same dtype as ``logits``.
+    Divides by the column sums (``+ eps``), then ``iters - 1`` rounds of rows then columns. Same dtype as
+    ``comb``; after 20 iterations rows and columns sum to 1 within ~1e-3 for softmax inputs.
 
     Raises:
-        ValueError: ``iters < 1`` or the last two dimensions are not square.
+        ValueError: ``iters < 1`` or non-square trailing dimensions.
     """
     if iters < 1:
-        raise ValueError(f"sinkhorn iters must be >= 1, got {iters}")
-    if logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(f"sinkhorn_knopp needs square [..., n, n] logits, got {tuple(logits.shape)}")
-    log_p = logits
-    for _ in range(iters):
-        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # rows sum to 1
-        log_p = log_p - torch.logsumexp(log_p, dim=-2, keepdim=True)  # columns sum to 1
-    return log_p.exp()
+        raise ValueError(f"hc_sinkhorn_iters must be >= 1, got {iters}")
+    if comb.shape[-1] != comb.shape[-2]:
+        raise ValueError(f"sinkhorn needs square [..., n, n] input, got {tuple(comb.shape)}")
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def _comb(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
-    """Copy the hidden state into each of ``n`` residual streams: [B, T, D] -> [B, T, n, D] (same dtype)."""
+    """Copy the embedding into each of ``n`` residual streams: [B, T, D] -> [B, T, n, D] (same dtype)."""
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
 
 
 def reduce_streams(x: torch.Tensor) -> torch.Tensor:
-    """Sum the residual streams: [B, T, n, D] -> [B, T, D] (same dtype)."""
-    return x.sum(dim=-2)
+    """Final collapse, the mean over streams (``Glm5NextTextHyperHead``): [B, T, n, D] -> [B, T, D]."""
+    return x.mean(dim=-2)
 
 
 class HyperConnection(nn.Module):
     """mHC around one sub-layer: ``h, c = hc.pre(x); x = hc.post(x, F(h), c)``.
 
-    Args:
-        d_model: D, channels per stream.
-        n_streams: n, the number of residual streams (the expansion rate). 1 = plain residual, no parameters.
-        sinkhorn_iters: Sinkhorn-Knopp iterations for H_res.
-        eps: RMS normalisation epsilon.
+    Parameters (names of ``Glm5NextTextHyperConnection``): ``fn`` [(2+n)·n, n·D], ``base`` [(2+n)·n],
+    ``scale`` [3].
 
-    Raises:
-        ValueError: ``n_streams < 1``.
+    Args:
+        hidden_size: D.
+        n_streams: n (``hc_mult``).
+        sinkhorn_iters: ``hc_sinkhorn_iters``.
+        hc_eps: ``hc_eps`` (pre offset, comb offset, Sinkhorn denominators).
+        norm_eps: ``rms_norm_eps`` of the unweighted RMSNorm of the flattened streams.
+        init_std: std of ``fn``.
     """
 
-    def __init__(self, d_model: int, n_streams: int, sinkhorn_iters: int = 20, eps: float = 1e-6):
+    def __init__(
+        self,
+        hidden_size: int,
+        n_streams: int,
+        sinkhorn_iters: int = 20,
+        hc_eps: float = 1e-6,
+        norm_eps: float = 1e-5,
+        init_std: float = 0.02,
+    ):
         super().__init__()
-        if n_streams < 1:
-            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
-        self.d_model = d_model
-        self.n_streams = n = n_streams
-        self.sinkhorn_iters = sinkhorn_iters
-        self.eps = eps
-        if n == 1:
-            return
-        self.phi = nn.Parameter(torch.randn(n * (n + 2), n * d_model) * PHI_INIT_STD)  # [pre | post | res]
-        self.alpha_pre = nn.Parameter(torch.tensor(ALPHA_INIT))
-        self.alpha_post = nn.Parameter(torch.tensor(ALPHA_INIT))
-        self.alpha_res = nn.Parameter(torch.tensor(ALPHA_INIT))
-        self.b_pre = nn.Parameter(torch.full((n,), -math.log(n - 1)))
-        self.b_post = nn.Parameter(torch.zeros(n))
-        off = math.log((1 - RES_INIT_DIAG) / (n - 1) / RES_INIT_DIAG)  # exp-ratio of off-diagonal to diagonal
-        self.b_res = nn.Parameter(torch.full((n, n), off).fill_diagonal_(0.0))
+        n = n_streams
+        self.hidden_size, self.n_streams = hidden_size, n
+        self.sinkhorn_iters, self.hc_eps, self.norm_eps = sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.randn((2 + n) * n, n * hidden_size) * init_std)
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}"
+        return f"hidden_size={self.hidden_size}, n_streams={self.n_streams}, sinkhorn_iters={self.sinkhorn_iters}"
 
     def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The dynamic mHC mappings of the residual ``x`` [B, T, n, D] (n > 1).
+        """The dynamic mappings of the residual ``x`` [B, T, n, D].
 
         Returns:
-            (H_pre [B, T, n], H_post [B, T, n], H_res [B, T, n, n]) in fp32 (fp64 for fp64 input),
-            computed with autocast disabled.
+            (pre [B, T, n], post [B, T, n], comb [B, T, n, n]) in fp32 (fp64 for fp64 input), autocast off.
         """
         n = self.n_streams
-        cdtype = torch.promote_types(x.dtype, torch.float32)
+        cdt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xf = x.flatten(-2).to(cdtype)  # [B, T, n*D]
-            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            proj = (xf @ self.phi.to(cdtype).t()) * rstd  # == RMSNorm(xf) @ phiᵀ
-            p_pre, p_post, p_res = proj.split([n, n, n * n], dim=-1)
-            h_pre = torch.sigmoid(self.alpha_pre.to(cdtype) * p_pre + self.b_pre.to(cdtype))
-            h_post = 2.0 * torch.sigmoid(self.alpha_post.to(cdtype) * p_post + self.b_post.to(cdtype))
-            res_logits = self.alpha_res.to(cdtype) * p_res.unflatten(-1, (n, n)) + self.b_res.to(cdtype)
-            if torch.is_grad_enabled() and res_logits.requires_grad:
-                # recomputed in backward: autograd would otherwise keep 2 x iters [B, T, n, n] tensors
-                h_res = checkpoint(sinkhorn_knopp, res_logits, self.sinkhorn_iters, use_reentrant=False)
+            xf = x.flatten(-2).to(cdt)
+            xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.norm_eps)
+            a = F.linear(xf, self.fn.to(cdt))
+            pre_w, post_w, comb_w = a.split([n, n, n * n], dim=-1)
+            base, scale = self.base.to(cdt), self.scale.to(cdt)
+            pre_b, post_b, comb_b = base.split([n, n, n * n])
+            pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.hc_eps
+            post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+            logits = (comb_w * scale[2] + comb_b).unflatten(-1, (n, n))
+            if torch.is_grad_enabled() and logits.requires_grad:
+                comb = checkpoint(_comb, logits, self.sinkhorn_iters, self.hc_eps, use_reentrant=False)
             else:
-                h_res = sinkhorn_knopp(res_logits, self.sinkhorn_iters)
-        return h_pre, h_post, h_res
+                comb = _comb(logits, self.sinkhorn_iters, self.hc_eps)
+        return pre, post, comb
 
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Sub-layer input from the streams.
 
         Args:
             x: [B, T, n, D] residual streams.
 
         Returns:
-            (h [B, T, D] = Σ_i H_pre[i] x_i in x's dtype, coeffs = (H_post, H_res) fp32, or None when n == 1,
-            where h is ``x[:, :, 0]``).
+            (h [B, T, D] = Σ_j pre_j x_j, summed in fp32 and returned in x's dtype; (post, comb) fp32).
         """
-        if self.n_streams == 1:
-            return x[..., 0, :], None
-        h_pre, h_post, h_res = self.coefficients(x)
+        pre, post, comb = self.coefficients(x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            h = torch.einsum("...n,...nd->...d", h_pre.to(x.dtype), x)
-        return h, (h_post, h_res)
+            h = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+        return h, (post, comb)
 
-    def post(
-        self, x: torch.Tensor, f_out: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
-        """Next residual streams ``H_res x + H_postᵀ f_out``.
+    def post(self, x: torch.Tensor, f_out: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Next residual streams ``post ⊗ f_out + combᵀ x`` (``Glm5NextTextDecoderLayer.forward``).
 
         Args:
             x: [B, T, n, D] residual streams (the input of ``pre``).
@@ -163,12 +149,10 @@ class HyperConnection(nn.Module):
             coeffs: what ``pre`` returned for this ``x``.
 
         Returns:
-            [B, T, n, D] in the promoted dtype of x and f_out; ``x + f_out[:, :, None]`` when n == 1.
+            [B, T, n, D] in x's dtype (the coefficients are cast to it first, as the reference does).
         """
-        if self.n_streams == 1:
-            return x + f_out.unsqueeze(-2)
-        h_post, h_res = coeffs
-        dt = torch.promote_types(x.dtype, f_out.dtype)
+        post, comb = coeffs
+        dt = x.dtype
         with torch.autocast(device_type=x.device.type, enabled=False):
-            mixed = torch.einsum("...ij,...jd->...id", h_res.to(dt), x.to(dt))
-            return mixed + h_post.to(dt).unsqueeze(-1) * f_out.to(dt).unsqueeze(-2)
+            mixed = torch.matmul(comb.to(dt).transpose(-1, -2), x)
+            return post.to(dt).unsqueeze(-1) * f_out.to(dt).unsqueeze(-2) + mixed

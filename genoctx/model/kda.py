@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): the linear-attention mixer of the hybrid model.
+"""Kimi Delta Attention (KDA): the linear-attention mixer of GLM-5.3-Flash (34 of its 45 layers).
 
 Kimi Linear (Moonshot AI, 2025, arXiv:2510.26692) extends the gated delta rule with a decay per key channel.
 Per head, a state S in R^{dk x dv} (fp32) evolves as
@@ -250,22 +250,88 @@ class KDACache:
     conv_state: Tensor  # [B, conv_size - 1, 3 * H * K]: last pre-convolution inputs of q, k, v
 
 
-def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (transformers ``glm5_next.l2norm``, fla's l2norm)."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class ForgetGate(nn.Module):
+    """Per-channel log decay of KDA (``Glm5NextTextForgetGate``), fp32.
+
+    ``f = f_b_proj(f_a_proj(x)) + dt_bias``; with ``linear_lower_bound`` (the safe gate)
+    ``g = lower_bound * sigmoid(exp(A_log) * f)``, else ``g = -exp(A_log) * softplus(f)``. ``dt_bias`` and
+    ``A_log`` are fp32 islands.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, Dh = cfg.linear_num_heads, cfg.linear_head_dim
+        self.n_heads, self.head_dim = H, Dh
+        self.lower_bound = cfg.linear_lower_bound
+        self.f_a_proj = nn.Linear(cfg.hidden_size, Dh, bias=False)
+        self.f_b_proj = nn.Linear(Dh, H * Dh, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(H * Dh))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float) -> None:
+        """As the reference's ``_init_weights``: A_log = 0 with the safe gate (else log U(1, 16)); dt_bias =
+        softplus^-1(dt), dt log-uniform in [1e-3, 0.1]; projections N(0, init_std)."""
+        for lin in (self.f_a_proj, self.f_b_proj):
+            nn.init.normal_(lin.weight, std=init_std)
+        if self.lower_bound is not None:
+            self.A_log.zero_()
+        else:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))).clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x ``[B, T, D]`` -> g ``[B, T, H, K]`` fp32 (fp64 for fp64 input), every entry <= 0."""
+        B, T, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x))
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+            f = (f.to(ct) + self.dt_bias.to(ct)).view(B, T, self.n_heads, self.head_dim)
+            rate = self.A_log.to(ct).exp().view(1, 1, self.n_heads, 1)
+            if self.lower_bound is not None:
+                return self.lower_bound * torch.sigmoid(rate * f)
+            return -rate * F.softplus(f, threshold=20.0)
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(o) * weight * sigmoid(gate)`` over the last dim, strictly in fp32 (``Glm5NextTextRMSNormGated``).
+
+    o, gate ``[..., K]`` -> ``[..., K]`` fp32 (fp64 for fp64 input).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o: Tensor, gate: Tensor) -> Tensor:
+        with torch.autocast(device_type=o.device.type, enabled=False):
+            ct = torch.float64 if o.dtype == torch.float64 else torch.float32
+            o = o.to(ct)
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(ct)
+            return o * torch.sigmoid(gate.to(ct))
 
 
 class KimiDeltaAttention(nn.Module):
-    """The Kimi Linear KDA layer (Kimi Linear, 2025; fla ``layers/kda.py``).
+    """The KDA layer of GLM-5.3-Flash (``Glm5NextTextLinearAttention``; Kimi Linear, 2025).
 
-    q, k, v: linear projections, short causal depthwise conv (kernel ``kda_conv_size``) + SiLU, q and k
-    L2-normalised per head. Decay ``g = -exp(A_log) * softplus(f(x) + dt_bias)`` with f low-rank
-    (d_model -> head_dim -> H * head_dim); ``beta = sigmoid(b_proj x)``; core = ``chunk_kda``; output
-    ``RMSNorm(o) * sigmoid(g_proj x)`` per head (g_proj low-rank), then ``o_proj``. Gate, decay, beta,
-    norm and the core run in fp32 even under bf16 autocast.
+    ``[q|k|v] = silu(conv1d([q_proj x | k_proj x | v_proj x]))`` (one depthwise causal conv of
+    ``linear_conv_kernel_dim`` over the ``3 H K`` channels, fp32 weight); q, k L2-normalised per head
+    (``l2norm``, eps 1e-6); ``g = forget_gate(x)``; ``beta = sigmoid(b_proj x)``; core ``chunk_kda`` with scale
+    ``K^-1/2``; output ``o_proj(RMSNorm(o) * sigmoid(g_b_proj(g_a_proj x)))`` per head (``o_norm``, fp32,
+    eps ``rms_norm_eps``). Gate, decay, beta, norms and the core run in fp32 even under bf16 autocast.
 
     Args:
-        cfg: uses ``d_model``, ``kda_heads``, ``kda_head_dim``, ``kda_conv_size``, ``kda_chunk_size``,
-            ``norm_eps``, ``init_std``.
+        cfg: uses ``hidden_size``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``,
+            ``linear_lower_bound``, ``kda_chunk_size``, ``rms_norm_eps``, ``initializer_range``.
         use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``).
         recompute: with grad enabled, save only the core's inputs and rerun ``chunk_kda`` in backward
             (``torch.utils.checkpoint``): about 6x less activation memory for the core, one extra core forward.
@@ -273,60 +339,53 @@ class KimiDeltaAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, use_fla: bool = False, recompute: bool = True) -> None:
         super().__init__()
-        d, H, Dh = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
+        d, H, Dh = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
         self.n_heads, self.head_dim, self.key_dim = H, Dh, H * Dh
-        self.conv_size = cfg.kda_conv_size
+        self.conv_size = cfg.linear_conv_kernel_dim
         self.chunk_size = cfg.kda_chunk_size
-        self.norm_eps = cfg.norm_eps
-        self.init_std = cfg.init_std
+        self.norm_eps = cfg.rms_norm_eps
+        self.init_std = cfg.initializer_range
         self.use_fla = use_fla
         self.recompute = recompute
         hk = self.key_dim
         self.q_proj = nn.Linear(d, hk, bias=False)
         self.k_proj = nn.Linear(d, hk, bias=False)
         self.v_proj = nn.Linear(d, hk, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(3 * hk, 1, self.conv_size))  # depthwise, q|k|v channels
-        self.f_proj = nn.Sequential(nn.Linear(d, Dh, bias=False), nn.Linear(Dh, hk, bias=False))
-        self.A_log = nn.Parameter(torch.empty(H))
-        self.dt_bias = nn.Parameter(torch.empty(hk))
+        self.conv1d = nn.Conv1d(3 * hk, 3 * hk, self.conv_size, groups=3 * hk, bias=False, padding=self.conv_size - 1)
+        self.forget_gate = ForgetGate(cfg)
         self.b_proj = nn.Linear(d, H, bias=False)
-        self.g_proj = nn.Sequential(nn.Linear(d, Dh, bias=False), nn.Linear(Dh, hk, bias=True))
-        self.o_norm_weight = nn.Parameter(torch.ones(Dh))
+        self.g_a_proj = nn.Linear(d, Dh, bias=False)
+        self.g_b_proj = nn.Linear(Dh, hk, bias=False)
+        self.o_norm = GatedRMSNorm(Dh, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(hk, d, bias=False)
-        self.A_log._no_weight_decay = True
-        self.dt_bias._no_weight_decay = True
         self.stats: dict = {"path": "chunk"}
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Linear weights N(0, init_std), biases 0; conv U(+-1/sqrt(kernel)); A_log = log U(1, 16);
-        dt_bias = softplus^-1(dt) with dt log-uniform in [1e-3, 0.1] (Mamba/Kimi Linear init)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=self.init_std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        """Linear weights N(0, initializer_range); conv U(+-1/sqrt(kernel)) (torch's default: a from-scratch
+        choice; the reference's generic init would give near-zero q, k, v); gate as ``ForgetGate``."""
+        for m in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.g_a_proj, self.g_b_proj, self.o_proj):
+            nn.init.normal_(m.weight, std=self.init_std)
         bound = 1.0 / math.sqrt(self.conv_size)
-        nn.init.uniform_(self.conv_weight, -bound, bound)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        self.o_norm_weight.fill_(1.0)
+        nn.init.uniform_(self.conv1d.weight, -bound, bound)
+        self.forget_gate.reset_parameters(self.init_std)
+        self.o_norm.weight.fill_(1.0)
 
     def project(
         self, x: Tensor, conv_state: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Inputs of the KDA core from the residual stream.
+        """Inputs of the KDA core from the layer input.
 
         Args:
-            x: ``[B, T, d_model]``.
+            x: ``[B, T, hidden_size]``.
             conv_state: ``[B, conv_size - 1, 3 * H * K]`` pre-convolution q|k|v inputs of the previous tokens,
                 or None (zeros: start of the sequence).
 
         Returns:
-            ``(q, k, v, g, beta, conv_state)``: q, k, v ``[B, T, H, K]`` (x's compute dtype; q, k unit norm),
-            g ``[B, T, H, K]`` fp32 log decay (<= 0), beta ``[B, T, H]`` fp32, and the new conv state.
+            ``(q, k, v, g, beta, conv_state)``: q, k, v ``[B, T, H, K]`` (q, k unit norm in fp32; v in x's
+            compute dtype), g ``[B, T, H, K]`` fp32 log decay (<= 0), beta ``[B, T, H]`` fp32, and the new conv
+            state (x's compute dtype).
         """
         B, T, _ = x.shape
         H, Dh, hk = self.n_heads, self.head_dim, self.key_dim
@@ -335,32 +394,30 @@ class KimiDeltaAttention(nn.Module):
             conv_state = qkv.new_zeros(B, self.conv_size - 1, 3 * hk)
         xs = torch.cat([conv_state.to(qkv.dtype), qkv], dim=1)  # [B, conv_size - 1 + T, 3 hk]
         new_conv_state = xs[:, xs.shape[1] - (self.conv_size - 1) :]
-        y = F.silu(F.conv1d(xs.transpose(1, 2), self.conv_weight.to(xs.dtype), groups=3 * hk)).transpose(1, 2)
+        w = self.conv1d.weight
+        with torch.autocast(device_type=x.device.type, enabled=False):  # the conv is an fp32 island
+            wt = torch.promote_types(w.dtype, xs.dtype)
+            y = F.silu(F.conv1d(xs.transpose(1, 2).to(wt), w.to(wt), groups=3 * hk)).transpose(1, 2).to(qkv.dtype)
         q, k, v = (t.reshape(B, T, H, Dh) for t in y.split(hk, dim=-1))
-        f = self.f_proj(x)
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x))
         with torch.autocast(device_type=x.device.type, enabled=False):
             ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            q, k = _l2norm(q.to(ct)).to(q.dtype), _l2norm(k.to(ct)).to(k.dtype)
-            decay_rate = self.A_log.to(ct).exp()[:, None]  # [H, 1]
-            g = -decay_rate * F.softplus(f.to(ct).reshape(B, T, H, Dh) + self.dt_bias.to(ct).reshape(H, Dh))
-            beta = torch.sigmoid(self.b_proj(x).to(ct))
+            q, k, beta = l2norm(q.to(ct)), l2norm(k.to(ct)), beta.to(ct)
         return q, k, v, g, beta, new_conv_state
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:
-        """``o_proj(RMSNorm(o) * sigmoid(g_proj x))``: o ``[B, T, H, K]`` core output, x ``[B, T, d_model]``;
-        returns ``[B, T, d_model]``. The norm and the gate run in fp32."""
+        """``o_proj(RMSNorm(o) * sigmoid(g_b_proj(g_a_proj x)))`` (``Glm5NextTextRMSNormGated``): o
+        ``[B, T, H, K]`` core output, x ``[B, T, hidden_size]``; returns ``[B, T, hidden_size]``. The norm and
+        the gate run in fp32."""
         B, T, _ = x.shape
-        gate = self.g_proj(x)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            o = o.to(ct)
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight.to(ct)
-            o = o * torch.sigmoid(gate.to(ct).reshape(B, T, self.n_heads, self.head_dim))
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, self.n_heads, self.head_dim)
+        o = self.o_norm(o, gate)
         return self.o_proj(o.reshape(B, T, self.key_dim).to(x.dtype))
 
     def forward(self, x: Tensor, cache: KDACache | None = None) -> tuple[Tensor, KDACache]:
-        """One chunk of the sequence: ``x`` ``[B, T, d_model]`` and the cache of the previous chunk (None at
-        the start) -> ``(y [B, T, d_model], cache for the next chunk)``. Sets ``self.stats["path"]``.
+        """One chunk of the sequence: ``x`` ``[B, T, hidden_size]`` and the cache of the previous chunk (None at
+        the start) -> ``(y [B, T, hidden_size], cache for the next chunk)``. Sets ``self.stats["path"]``.
 
         Raises:
             GenoctxError: ``use_fla=True`` on CUDA but fla is not installed.

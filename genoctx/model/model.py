@@ -1,20 +1,23 @@
-"""HybridLM: the hybrid long-context language model genoctx post-trains.
+"""HybridLM: GLM-5.3-Flash's text model (transformers ``glm5_next``), fast and memory-bounded.
 
 Design choices (read top to bottom, nanoGPT style):
 
-- Tokens are single nucleotides (vocabulary in ``genoctx.data.tokenizer``); every window starts with a
-  ``<bos>`` token so that the base at window position p is predicted from exactly p bases of context.
-- A block is one mixing layer (Kimi Delta Attention, linear attention with a recurrent state, or DeepSeek
-  Sparse Attention, a lightning indexer plus top-k attention) followed by a feed-forward layer (MoE with a
-  shared expert, or a dense SwiGLU MLP). The mixers alternate by ``ModelConfig.layer_pattern`` (3 KDA : 1 DSA).
-- Every sub-layer is pre-norm (RMSNorm) and wrapped by a manifold-constrained hyper-connection (mHC) over
-  ``hc_streams`` residual streams: the residual stream is ``hc_streams`` times wider than ``d_model``.
-- No positional embedding: KDA layers carry order; DSA layers are NoPE (as Kimi Linear's global layers).
+- The function is the reference's (``Glm5NextTextModel`` + ``lm_head``): embedding copied into ``hc_mult``
+  residual streams; per layer a mixer (Kimi Delta Attention for ``"linear_attention"``, NoPE MLA with
+  DeepSeek Sparse Attention for ``"indexed_attention"``) and a feed-forward (dense SwiGLU MLP or MoE), each
+  pre-norm (``input_layernorm`` / ``post_attention_layernorm``) and wrapped by an mHC hyper-connection
+  (``attn_hc`` / ``ffn_hc``); then the mean over streams, the final RMSNorm and ``lm_head``. No positional
+  encoding anywhere (KDA layers carry order; the DSA layers are NoPE).
+- Module and parameter names are the reference's with the ``model.language_model.`` prefix removed, so an HF
+  checkpoint maps one to one (``genoctx.model.hf``).
 - The chunk contract (DESIGN.md): ``forward(tokens, cache) -> (logits, cache)``. A long sequence may be fed
   as consecutive chunks, each taking the cache the previous one returned; the result equals one pass.
   This one mechanism serves streaming evaluation, context parallelism and the equivalence tests.
+- A "full" DSA layer hands its selection to the next layer; a "shared" DSA layer uses it (``indexer_types``).
 - Auxiliary losses (indexer KL, optional MoE balance loss) are collected from the layers after each
   forward (``aux_loss()``); what each layer ran (KDA core, DSA path) is recorded in ``layer_stats()``.
+- fp32 islands (the reference's ``_keep_in_fp32_modules_strict``): ``FP32_PARAMETERS`` stay fp32 when the
+  model is cast (``cast_model``); their computations run in fp32 under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -25,26 +28,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DSA, ModelConfig
+from .config import DSA, KDA, ModelConfig
 from .dsa import DeepSeekSparseAttention
 from .hyper import HyperConnection, expand_streams, reduce_streams
 from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
+from .norms import RMSNorm
+
+# Parameter/buffer name suffixes kept in fp32 whatever the model dtype (transformers glm5_next
+# ``_keep_in_fp32_modules_strict``).
+FP32_PARAMETERS = (
+    "e_score_correction_bias",
+    "conv1d.weight",
+    "dt_bias",
+    "A_log",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension (Zhang & Sennrich, 2019); computed in at least fp32, returned in input dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(dt)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(dt)).to(x.dtype)
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters and buffers to ``dtype`` in place, except ``FP32_PARAMETERS`` (kept fp32).
+    Returns ``model``."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point():
+            continue
+        want = torch.float32 if name.endswith(FP32_PARAMETERS) else dtype
+        if t.dtype != want:
+            t.data = t.data.to(want)
+    return model
 
 
 @dataclass
@@ -66,31 +80,46 @@ class ModelCache:
         return ModelCache([_d(c) for c in self.layers], self.position)
 
 
-class Block(nn.Module):
-    """One mixing layer and one feed-forward layer, each pre-norm and wrapped by a hyper-connection."""
+class DecoderLayer(nn.Module):
+    """One mixer and one feed-forward, each pre-norm and wrapped by mHC (``Glm5NextTextDecoderLayer``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_type = layer_type
-        self.mix_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = DeepSeekSparseAttention(cfg) if layer_type == DSA else KimiDeltaAttention(cfg)
-        self.mix_hc = HyperConnection(cfg.d_model, cfg.hc_streams, cfg.hc_sinkhorn_iters, cfg.norm_eps)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoE(cfg) if cfg.n_experts > 0 else MLP(cfg.d_model, cfg.mlp_hidden, cfg.init_std)
-        self.ffn_hc = HyperConnection(cfg.d_model, cfg.hc_streams, cfg.hc_sinkhorn_iters, cfg.norm_eps)
+        self.layer_type = cfg.layer_types[layer_idx]
+        D = cfg.hidden_size
+        self.self_attn = DeepSeekSparseAttention(cfg, layer_idx) if self.layer_type == DSA else KimiDeltaAttention(cfg)
+        if cfg.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, cfg.swiglu_limit, cfg.initializer_range)
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        hc = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                  init_std=cfg.initializer_range)  # fmt: skip
+        self.attn_hc = HyperConnection(D, cfg.hc_mult, **hc)
+        self.ffn_hc = HyperConnection(D, cfg.hc_mult, **hc)
 
-    def forward(self, x: torch.Tensor, cache=None):
-        """x: [B, T, n, D] residual streams -> ([B, T, n, D], this layer's new cache)."""
-        h, coeffs = self.mix_hc.pre(x)
-        y, cache = self.mixer(self.mix_norm(h), cache)
-        x = self.mix_hc.post(x, y, coeffs)
+    def forward(self, x: torch.Tensor, cache=None, selection=None):
+        """x: [B, T, n, D] residual streams -> ([B, T, n, D], this layer's new cache, the selection for the next
+        layer (a DSA layer's own; a KDA layer passes None, as the reference's ``prev_topk_indices``))."""
+        h, coeffs = self.attn_hc.pre(x)
+        h = self.input_layernorm(h)
+        if self.layer_type == DSA:
+            y, cache, selection = self.self_attn(h, cache, selection)
+        else:
+            y, cache = self.self_attn(h, cache)
+            selection = None
+        x = self.attn_hc.post(x, y, coeffs)
         h, coeffs = self.ffn_hc.pre(x)
-        x = self.ffn_hc.post(x, self.ffn(self.ffn_norm(h)), coeffs)
-        return x, cache
+        x = self.ffn_hc.post(x, self.mlp(self.post_attention_layernorm(h)), coeffs)
+        return x, cache, selection
 
 
 class HybridLM(nn.Module):
-    """Hybrid KDA/DSA language model over nucleotide tokens.
+    """GLM-5.3-Flash text model with its language-model head.
+
+    Parameters: ``embed_tokens``, ``layers.{i}.*``, ``norm``, ``lm_head`` (reference names without the
+    ``model.language_model.`` prefix).
 
     Args:
         cfg: the architecture (``ModelConfig``).
@@ -99,14 +128,15 @@ class HybridLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, t) for t in cfg.layer_types)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        nn.init.normal_(self.embed.weight, std=1.0)
-        nn.init.normal_(self.head.weight, std=cfg.init_std)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # From scratch: a unit-scale embedding (every layer input is RMS-normalised) and a small head.
+        nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=cfg.initializer_range)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache]:
         """Run one chunk.
@@ -118,14 +148,14 @@ class HybridLM(nn.Module):
         Returns:
             (logits [B, T, vocab_size] fp32 (fp64 for an fp64 model), the cache for the next chunk).
         """
-        layer_caches = cache.layers if cache is not None else [None] * len(self.blocks)
+        layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         position = cache.position if cache is not None else 0
-        x = expand_streams(self.embed(tokens), self.cfg.hc_streams)
-        new_caches = []
-        for block, c in zip(self.blocks, layer_caches, strict=True):
-            x, c = block(x, c)
+        x = expand_streams(self.embed_tokens(tokens), self.cfg.hc_mult)
+        new_caches, selection = [], None
+        for layer, c in zip(self.layers, layer_caches, strict=True):
+            x, c, selection = layer(x, c, selection)
             new_caches.append(c)
-        logits = self.head(self.norm(reduce_streams(x)))
+        logits = self.lm_head(self.norm(reduce_streams(x)))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return logits, ModelCache(new_caches, position + tokens.shape[1])
 
@@ -140,15 +170,15 @@ class HybridLM(nn.Module):
 
     def layer_stats(self) -> list[dict]:
         """Per layer, what ran in the last forward: ``layer``, ``mixer`` ("kda"/"dsa"), the mixer's ``stats``
-        (KDA ``path``; DSA ``path``, ``keys_scored``, ``keys_attended``, ``indexer_loss``) and, for MoE layers,
-        ``moe_tokens_per_expert`` (list of E ints: token-slots routed to each expert in that forward) and
-        ``moe_load_max_over_mean`` (max / mean of that list; 1.0 = perfectly balanced)."""
+        (KDA ``path``; DSA ``path``, ``indexer``, ``keys_scored``, ``keys_attended``, ``indexer_loss``) and, for
+        MoE layers, ``moe_tokens_per_expert`` (list of E ints: token-slots routed to each expert in that forward)
+        and ``moe_load_max_over_mean`` (max / mean of that list; 1.0 = perfectly balanced)."""
         out = []
-        for i, b in enumerate(self.blocks):
-            s = {"layer": i, "mixer": "dsa" if b.layer_type == DSA else "kda"}
-            for k, v in (getattr(b.mixer, "stats", None) or {}).items():
+        for i, layer in enumerate(self.layers):
+            s = {"layer": i, "mixer": "dsa" if layer.layer_type == DSA else "kda"}
+            for k, v in (getattr(layer.self_attn, "stats", None) or {}).items():
                 s[k] = v
-            fs = getattr(b.ffn, "stats", None)
+            fs = getattr(layer.mlp, "stats", None)
             if fs:
                 s["moe_load_max_over_mean"] = fs.get("load_max_over_mean")
                 tpe = fs.get("tokens_per_expert")
@@ -159,18 +189,17 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def update_router_biases(self) -> list[dict]:
         """Aux-loss-free MoE balancing step (DeepSeek-V3), called after each optimizer step."""
-        return [b.ffn.update_bias() for b in self.blocks if isinstance(b.ffn, MoE)]
+        return [layer.mlp.update_bias() for layer in self.layers if isinstance(layer.mlp, MoE)]
 
     def num_parameters(self) -> dict:
-        """Parameter counts: ``total`` and ``active`` per token (total minus the ``n_experts -
-        experts_per_token`` routed experts a token does not use, in every MoE layer). Works on the meta
+        """Parameter counts: ``total`` and ``active`` per token (total minus, in every MoE layer, the
+        ``n_routed_experts - num_experts_per_tok`` routed experts a token does not use). Works on the meta
         device (no memory) for large presets."""
         total = sum(p.numel() for p in self.parameters())
-        active = total
         cfg = self.cfg
-        if cfg.n_experts > 0:
-            per_expert = 3 * cfg.d_model * cfg.expert_hidden
-            active -= len(self.blocks) * (cfg.n_experts - cfg.experts_per_token) * per_expert
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        n_moe = sum(isinstance(layer.mlp, MoE) for layer in self.layers)
+        active = total - n_moe * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
         return {"total": total, "active": active}
 
 
@@ -178,19 +207,22 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> dict:
     """Model FLOPs per token of one sequence of ``seq_len`` tokens, training (forward + backward) and forward.
 
     Counts matmul FLOPs (2 per multiply-add); elementwise work (norms, gates, softmax, Sinkhorn, mHC stream
-    mixing of ``n^2 D`` per token) and recomputation are not counted. Backward = 2x forward for everything
-    trained by gradient; the indexer's top-k scoring runs without gradient (forward only).
+    mixing of ``n^2 D`` per token, indexer pooling) and recomputation are not counted. Backward = 2x forward for
+    everything trained by gradient; the indexer's top-k scoring runs without gradient (forward only).
 
-    - ``dense`` = 2 x (active parameters, minus the embedding table unless tied: a lookup) per token
-      forward, i.e. the usual ``6 N_active`` for training. Includes the mHC projections and the router.
+    - ``dense`` = 2 x (active parameters, minus the embedding table unless tied: a lookup) per token forward,
+      i.e. the usual ``6 N_active`` for training. Includes the mHC projections, the router and the MLA
+      projections (in the absorbed form ``kv_b_proj`` maps queries and outputs: the same multiply-adds).
     - ``kda`` per KDA layer and head, chunk ``C``, head dim ``d`` (chunked WY form, independent of L):
       ``A_kk``, ``A_qk`` ``2 C d``, triangular solve for W and U ``C d``, ``A_qk V'`` ``C d``, ``W S``, ``Q S``
       and the state update ``3 d^2`` multiply-adds: ``4 C d + 3 d^2``.
-    - ``dsa_attention`` per DSA layer: ``2 H Dh k_eff`` multiply-adds (QK and PV), ``k_eff`` = mean over the
-      sequence of ``min(top-k, t)`` keys attended (mean visible keys ``(L + 1) / 2`` when dense).
-    - ``dsa_indexer`` per DSA layer: ``H_I d_I (L + 1) / 2`` multiply-adds (every visible key scored, forward
-      only; the L-dependent term) plus, for the indexer KL of the sparse stage, ``3 H_I d_I k_eff`` (scores
-      forward and backward) and ``H Dh k_eff`` (the target attention); the warm-up KL uses all visible keys.
+    - ``dsa_attention`` per DSA layer: ``2 H R k_eff`` multiply-adds (QK and PV on the ``R = kv_lora_rank``
+      latent), ``k_eff`` = mean over the sequence of the tokens a query attends (``min(top-k, t)`` plus half a
+      pool of tail; the mean visible keys ``(L + 1) / 2`` when dense).
+    - ``dsa_indexer`` per full DSA layer: ``H_I d_I (L + 1) / (2 kpool)`` multiply-adds (every visible complete
+      pool scored, forward only; the L-dependent term) plus, for the KL of the sparse stage,
+      ``3 H_I d_I k_eff / kpool`` (pool scores forward and backward) and ``H R k_eff`` (the target attention);
+      the warm-up KL uses all visible tokens.
 
     Args:
         cfg: the architecture.
@@ -208,19 +240,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> dict:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     L = seq_len
     types = cfg.layer_types
-    n_kda, n_dsa = types.count("K"), types.count(DSA)
-    matmul_params = active_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    C, d = cfg.kda_chunk_size, cfg.kda_head_dim
-    kda_macs = n_kda * cfg.kda_heads * (4 * C * d + 3 * d * d)
+    n_kda = types.count(KDA)
+    n_dsa = types.count(DSA)
+    n_full = sum(t == DSA and i == "full" for t, i in zip(types, cfg.indexer_types, strict=True))
+    matmul_params = active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    C, d = cfg.kda_chunk_size, cfg.linear_head_dim
+    kda_macs = n_kda * cfg.linear_num_heads * (4 * C * d + 3 * d * d)
     kk = min(cfg.index_topk, L) if cfg.dsa_mode == "sparse" else L
     k_eff = (kk * (kk + 1) / 2 + (L - kk) * kk) / L  # mean of min(top-k, t) over t = 1..L
+    if cfg.dsa_mode == "sparse" and cfg.index_kpool_always_select_tail:
+        k_eff += (cfg.index_kpool - 1) / 2
     mean_visible = (L + 1) / 2
     keys = mean_visible if cfg.dsa_mode == "dense" else k_eff
-    HI, dI, H, Dh = cfg.index_heads, cfg.index_head_dim, cfg.dsa_heads, cfg.dsa_head_dim
-    attn_macs = n_dsa * 2 * H * Dh * keys
-    topk_macs = n_dsa * HI * dI * mean_visible if (cfg.dsa_mode == "sparse" or cfg.indexer_stage == "sparse") else 0
+    HI, dI, H, R, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.index_kpool
+    attn_macs = n_dsa * 2 * H * R * keys
+    scoring = cfg.dsa_mode == "sparse" or cfg.indexer_stage == "sparse"
+    topk_macs = n_full * HI * dI * mean_visible / kp if scoring else 0
     kl_keys = {"sparse": k_eff, "warmup": mean_visible, "off": 0.0}[cfg.indexer_stage]
-    kl_macs = n_dsa * (3 * HI * dI + H * Dh) * kl_keys
+    kl_macs = n_full * (3 * HI * dI / kp + H * R) * kl_keys
     train = {
         "dense": 6.0 * matmul_params,
         "kda": 6.0 * kda_macs,

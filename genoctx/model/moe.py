@@ -1,25 +1,29 @@
-"""Feed-forward layers: a dense SwiGLU MLP and a DeepSeek-V3 style mixture of experts (pure PyTorch).
+"""Feed-forward layers of GLM-5.3-Flash: a dense SwiGLU MLP and the DeepSeek-V3 style mixture of experts.
 
-MoE (DeepSeek-V3, arXiv:2412.19437, section 2.1.2):
+As transformers ``glm5_next`` (``Glm5NextTextMLP``, ``Glm5NextTextTopkRouter``, ``Glm5NextTextExperts``,
+``Glm5NextTextMoE``), with DeepSeek-V3's routing (arXiv:2412.19437, section 2.1.2):
 
-    s_{t,e}  = sigmoid(x_t · w_e)                                  router affinity, fp32
-    TopK_t   = top-k over e of (s_{t,e} + b_e)                     b = expert bias, used for selection only
-    g_{t,e}  = s_{t,e} / Σ_{j ∈ TopK_t} s_{t,j}   for e ∈ TopK_t     gate values (no bias)
-    y_t      = Σ_{e ∈ TopK_t} g_{t,e} · Expert_e(x_t) + Shared(x_t)
+    SwiGLU(x) = down(silu(min(gate x, limit)) * clamp(up x, -limit, limit))        limit = swiglu_limit
+    s_{t,e}   = sigmoid(x_t · w_e)                                   router affinity, fp32
+    c_{t,e}   = s_{t,e} + b_e                                        b = e_score_correction_bias (selection only)
+    groups    = the topk_group of n_group groups with the largest sum of their top-2 c
+    TopK_t    = top num_experts_per_tok of c over the experts of those groups
+    g_{t,e}   = s_{t,e} / (Σ_{j ∈ TopK_t} s_{t,j} + 1e-20) · routed_scaling_factor   (without the division
+                when norm_topk_prob is false)
+    y_t       = Σ_{e ∈ TopK_t} g_{t,e} · Expert_e(x_t) + Shared(x_t)
 
 Design choices:
 
-- Experts are stacked weights (``w1``, ``w3`` [E, D, H], ``w2`` [E, H, D]). Dispatch sorts the (token, slot)
-  pairs by expert, runs each expert once on its contiguous slice and scatters back with ``index_add_``;
-  the only python loop is over experts, never over tokens.
-- ``shared_experts`` SwiGLU experts of width ``expert_hidden`` are one MLP of width
-  ``shared_experts · expert_hidden`` (the sum of S SwiGLUs is a SwiGLU of the concatenated hidden).
-- Sequence-chunked dispatch: the [B·T] tokens are processed in chunks of ``moe_chunk_tokens``; with grad
-  enabled and ``recompute=True`` each chunk is checkpointed (non-reentrant), so only one chunk's expert
-  activations are alive at a time. Chunked == unchunked to fp32 rounding.
-- Auxiliary-loss-free balancing (DeepSeek-V3): expert loads are counted into ``load_counts`` in training
-  mode; ``update_bias()`` (called by the trainer after each optimizer step, after it all-reduces
-  ``load_counts`` across data/context-parallel ranks) moves b_e by ``router_bias_rate · sign(mean − load_e)``.
+- Weights as the reference stores them: ``experts.gate_up_proj`` [E, 2I, D] (gate rows first),
+  ``experts.down_proj`` [E, D, I], router ``gate.weight`` [E, D] and buffer ``gate.e_score_correction_bias``
+  [E] (fp32 island), ``shared_experts`` a SwiGLU MLP of width ``moe_intermediate_size * n_shared_experts``.
+- Dispatch sorts the (token, slot) pairs by expert, runs each expert once on its contiguous slice and
+  scatters back with ``index_add_``; the only python loop is over experts, never over tokens.
+- Sequence-chunked dispatch: the [B·T] tokens go through in chunks of ``moe_chunk_tokens``; with grad enabled
+  and ``recompute=True`` each chunk is checkpointed, so only one chunk's expert activations are alive.
+- Auxiliary-loss-free balancing (DeepSeek-V3): loads are counted into ``load_counts`` in training mode;
+  ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
+  ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
 - Optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) when ``moe_aux_loss_coef > 0``.
 """
 
@@ -33,133 +37,166 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``Glm5NextTextExperts._apply_gate``); same dtype."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``.
+    """Clamped SwiGLU feed-forward (``Glm5NextTextMLP``): ``down_proj(swiglu(gate_proj x, up_proj x))``.
 
     Args:
-        d_model: D, input and output channels.
-        hidden: H, hidden channels.
-        init_std: std of the normal init of all three weights.
+        hidden_size: D, input and output channels.
+        intermediate_size: I, hidden channels.
+        swiglu_limit: clamp limit of the gate (above) and up (both sides) projections.
+        init_std: std of the normal init of the three weights.
     """
 
-    def __init__(self, d_model: int, hidden: int, init_std: float = 0.02):
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float = 10.0, init_std: float = 0.02):
         super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(d_model, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, d_model, bias=False)  # down
-        for lin in (self.w1, self.w2, self.w3):
+        self.swiglu_limit = swiglu_limit
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(lin.weight, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D] (same dtype, or autocast's)."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
-class MoE(nn.Module):
-    """Mixture of experts with a sigmoid router, top-k by biased score and shared expert(s) (DeepSeek-V3).
+class TopkRouter(nn.Module):
+    """Sigmoid router with group-limited top-k and a selection-only bias (``Glm5NextTextTopkRouter``).
 
-    Args:
-        cfg: uses ``d_model``, ``n_experts`` (E), ``experts_per_token`` (k), ``expert_hidden`` (H),
-            ``shared_experts``, ``moe_chunk_tokens``, ``router_bias_rate``, ``moe_aux_loss_coef``,
-            ``init_std``.
-        recompute: checkpoint each token chunk when grad is enabled (bounded activation memory).
-
-    Attributes set by ``forward``:
-        stats: {"tokens_per_expert": LongTensor [E] (this forward), "load_max_over_mean": float}.
-        aux_loss: the sequence-wise balance loss × ``moe_aux_loss_coef`` (scalar fp32), or None when the
-            coefficient is 0.
-
-    Buffers:
-        expert_bias: [E] fp32, selection-only bias (saved in checkpoints, not learnable).
-        load_counts: [E] int64, tokens routed to each expert since the last ``update_bias()`` (training
-            mode only; not saved).
-
-    Raises:
-        ValueError: ``n_experts < 1``, ``experts_per_token`` not in [1, n_experts], or
-            ``moe_chunk_tokens < 1``.
+    Parameters: ``weight`` [E, D]; buffer ``e_score_correction_bias`` [E] fp32 (persistent).
     """
 
-    def __init__(self, cfg: ModelConfig, recompute: bool = True):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        E, k, D, H = cfg.n_experts, cfg.experts_per_token, cfg.d_model, cfg.expert_hidden
-        if E < 1:
-            raise ValueError(f"MoE needs n_experts >= 1, got {E} (use MLP for a dense layer)")
-        if not 1 <= k <= E:
-            raise ValueError(f"experts_per_token must be in [1, n_experts={E}], got {k}")
-        if cfg.moe_chunk_tokens < 1:
-            raise ValueError(f"moe_chunk_tokens must be >= 1, got {cfg.moe_chunk_tokens}")
-        self.n_experts, self.top_k, self.d_model, self.hidden = E, k, D, H
-        self.chunk_tokens = cfg.moe_chunk_tokens
-        self.bias_rate = cfg.router_bias_rate
-        self.aux_coef = cfg.moe_aux_loss_coef
-        self.recompute = recompute
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.n_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.randn(E, D) * cfg.initializer_range)
+        self.register_buffer("e_score_correction_bias", torch.zeros(E), persistent=True)
 
-        self.router = nn.Parameter(torch.randn(E, D) * cfg.init_std)  # w_e, one row per expert
-        self.w1 = nn.Parameter(torch.randn(E, D, H) * cfg.init_std)  # gate
-        self.w3 = nn.Parameter(torch.randn(E, D, H) * cfg.init_std)  # up
-        self.w2 = nn.Parameter(torch.randn(E, H, D) * cfg.init_std)  # down
-        self.shared = MLP(D, cfg.shared_experts * H, cfg.init_std) if cfg.shared_experts > 0 else None
-        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
-        self.register_buffer("load_counts", torch.zeros(E, dtype=torch.long), persistent=False)
-        self.stats: dict = {}
-        self.aux_loss: torch.Tensor | None = None
-
-    def extra_repr(self) -> str:
-        return (
-            f"n_experts={self.n_experts}, top_k={self.top_k}, d_model={self.d_model}, hidden={self.hidden}, "
-            f"chunk_tokens={self.chunk_tokens}, recompute={self.recompute}"
-        )
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router of DeepSeek-V3: sigmoid affinities, top-k by (affinity + bias), gates normalised to 1.
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route tokens.
 
         Args:
             x: [N, D] tokens.
 
         Returns:
-            (experts [N, k] int64, gates [N, k] fp32 summing to 1 per token, scores [N, E] fp32 = s).
-            Gradients reach the router weights through ``gates`` and ``scores``, never the bias.
+            (experts [N, k] int64, weights [N, k] fp32 (fp64 for fp64 input) = normalised affinities times
+            ``routed_scaling_factor``, scores [N, E] = sigmoid affinities). Gradients reach ``weight`` through
+            ``weights`` and ``scores``, never the bias; selection runs without grad.
         """
         with torch.autocast(device_type=x.device.type, enabled=False):
             rdt = torch.promote_types(x.dtype, torch.float32)
-            scores = torch.sigmoid(x.to(rdt) @ self.router.to(rdt).t())  # [N, E]
-            experts = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
-            gates = scores.gather(-1, experts)
-            gates = gates / gates.sum(-1, keepdim=True)
-        return experts, gates, scores
+            scores = torch.sigmoid(F.linear(x.to(rdt), self.weight.to(rdt)))  # [N, E]
+            with torch.no_grad():
+                choice = scores + self.e_score_correction_bias.to(rdt)
+                if self.n_group > 1:
+                    N, E, G = choice.shape[0], self.n_experts, self.n_group
+                    grouped = choice.view(N, G, E // G)
+                    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+                    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+                    keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
+                    choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+                experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(-1, experts)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights * self.routed_scaling_factor
+        return experts, weights, scores
 
-    def _experts(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """Σ_slots gate · Expert(x) for [N, D] tokens routed to ``experts`` [N, k] -> [N, D]."""
+
+class Experts(nn.Module):
+    """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_experts, self.hidden_size, self.intermediate_size = E, D, I
+        self.swiglu_limit = cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * cfg.initializer_range)
+        self.down_proj = nn.Parameter(torch.randn(E, D, I) * cfg.initializer_range)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
+        (or autocast's); slots are combined in the weights' dtype (fp32)."""
         N, k = experts.shape
         flat = experts.reshape(-1)  # [N*k]: slot j of token t is at t*k + j
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         token_of = order // k
         xs = x[token_of]  # [N*k, D], grouped by expert
+        I = self.intermediate_size
         outs = []
         for e, xe in enumerate(torch.split(xs, counts)):
             if xe.shape[0] == 0:
                 continue
-            outs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
-        ys = torch.cat(outs) if outs else xs.new_zeros(0, self.d_model)
-        # Combine the k slots of each token in fp32 (gates are fp32), then return in the experts' dtype.
-        weighted = ys * gates.reshape(-1)[order].unsqueeze(-1)
-        out = weighted.new_zeros(N, self.d_model).index_add_(0, token_of, weighted)
+            gu = F.linear(xe, self.gate_up_proj[e])
+            outs.append(F.linear(swiglu(gu[:, :I], gu[:, I:], self.swiglu_limit), self.down_proj[e]))
+        ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
+        weighted = ys * weights.reshape(-1)[order].unsqueeze(-1)
+        out = weighted.new_zeros(N, self.hidden_size).index_add_(0, token_of, weighted)
         return out.to(ys.dtype)
+
+
+class MoE(nn.Module):
+    """Mixture of experts with a shared expert (``Glm5NextTextMoE``): ``gate``, ``experts``, ``shared_experts``.
+
+    Args:
+        cfg: uses ``hidden_size``, ``n_routed_experts`` (E), ``num_experts_per_tok`` (k),
+            ``moe_intermediate_size``, ``n_shared_experts``, ``n_group``, ``topk_group``, ``norm_topk_prob``,
+            ``routed_scaling_factor``, ``swiglu_limit``, ``moe_chunk_tokens``, ``router_bias_rate``,
+            ``moe_aux_loss_coef``, ``initializer_range``.
+        recompute: checkpoint each token chunk when grad is enabled (bounded activation memory).
+
+    Attributes set by ``forward``:
+        stats: {"tokens_per_expert": LongTensor [E] (this forward), "load_max_over_mean": float}.
+        aux_loss: the sequence-wise balance loss x ``moe_aux_loss_coef`` (scalar fp32), or None.
+
+    Buffers:
+        load_counts: [E] int64, tokens routed to each expert since the last ``update_bias()`` (training mode
+            only; not saved).
+    """
+
+    def __init__(self, cfg: ModelConfig, recompute: bool = True):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.chunk_tokens = cfg.moe_chunk_tokens
+        self.bias_rate = cfg.router_bias_rate
+        self.aux_coef = cfg.moe_aux_loss_coef
+        self.recompute = recompute
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = (
+            MLP(cfg.hidden_size, shared, cfg.swiglu_limit, cfg.initializer_range) if shared > 0 else None
+        )
+        self.register_buffer("load_counts", torch.zeros(self.n_experts, dtype=torch.long), persistent=False)
+        self.stats: dict = {}
+        self.aux_loss: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, chunk_tokens={self.chunk_tokens}"
 
     def _chunk(self, x: torch.Tensor, seq: torch.Tensor, n_seq: int):
         """One chunk of tokens: x [N, D], seq [N] sequence index of each token.
 
-        Returns (y [N, D], counts [E] int64, per-sequence selection counts [n_seq, E] fp32 and
-        normalised-affinity sums [n_seq, E] fp32 (the last two only when the aux loss is on, else None)).
+        Returns (y [N, D], counts [E] int64, per-sequence selection counts [n_seq, E] and normalised-affinity
+        sums [n_seq, E] (the last two only when the aux loss is on, else None)).
         """
-        experts, gates, scores = self.route(x)
-        y = self._experts(x, experts, gates)
-        if self.shared is not None:
-            y = y + self.shared(x).to(y.dtype)
+        experts, weights, scores = self.gate(x)
+        y = self.experts(x, experts, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).to(y.dtype)
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
         if self.aux_coef > 0:
-            picked = F.one_hot(experts.reshape(-1), self.n_experts).float()  # [N*k, E]
+            picked = F.one_hot(experts.reshape(-1), self.n_experts).to(scores.dtype)  # [N*k, E]
             sel = picked.new_zeros(n_seq, self.n_experts).index_add_(0, seq.repeat_interleave(self.top_k), picked)
             p = scores / scores.sum(-1, keepdim=True)
             psum = p.new_zeros(n_seq, self.n_experts).index_add_(0, seq, p)
@@ -170,7 +207,6 @@ class MoE(nn.Module):
         """Route and run the experts: x [B, T, D] -> [B, T, D].
 
         Sets ``stats`` and ``aux_loss``; in training mode adds this forward's loads to ``load_counts``.
-        The output dtype follows the expert matmuls (x's dtype, or autocast's).
         """
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
@@ -180,10 +216,7 @@ class MoE(nn.Module):
         use_ckpt = self.recompute and torch.is_grad_enabled()
         for start in range(0, B * T, self.chunk_tokens):
             xc, sc = flat[start : start + self.chunk_tokens], seq[start : start + self.chunk_tokens]
-            if use_ckpt:
-                out = checkpoint(self._chunk, xc, sc, B, use_reentrant=False)
-            else:
-                out = self._chunk(xc, sc, B)
+            out = checkpoint(self._chunk, xc, sc, B, use_reentrant=False) if use_ckpt else self._chunk(xc, sc, B)
             ys.append(out[0])
             tokens_per_expert += out[1]
             sels.append(out[2])
@@ -207,17 +240,17 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def update_bias(self) -> dict:
-        """Auxiliary-loss-free balancing step (DeepSeek-V3): b_e += u · sign(mean_e' load − load_e).
-
-        Uses ``load_counts`` (all-reduce it across data/context-parallel ranks before calling), then
-        resets it to zero. A step with no recorded tokens leaves the bias unchanged.
+        """Auxiliary-loss-free balancing step (DeepSeek-V3) on ``gate.e_score_correction_bias``:
+        b_e += u · sign(mean load − load_e), from ``load_counts`` (all-reduce it across ranks first), which is
+        then reset. A step with no recorded tokens leaves the bias unchanged.
 
         Returns:
             {"load_max_over_mean": float (0.0 when no tokens), "tokens_per_expert": list[int]}.
         """
         load = self.load_counts.float()
         mean = load.mean()
-        self.expert_bias += self.bias_rate * torch.sign(mean - load)
+        bias = self.gate.e_score_correction_bias
+        bias += (self.bias_rate * torch.sign(mean - load)).to(bias.dtype)
         out = {
             "load_max_over_mean": float(load.max() / mean) if mean > 0 else 0.0,
             "tokens_per_expert": self.load_counts.tolist(),
