@@ -27,7 +27,28 @@ def test_set_overrides_typed_values():
     assert r.train.seq_len is None
 
 
-@pytest.mark.parametrize("bad", ["train.nope=1", "lr=1", "optim.lr=1", "model.layer_pattern=KXD"])
+def test_layer_types_as_letters():
+    """``--set model.layer_types=KDKD`` (K = KDA, D = DSA) gives the glm5_next list; it round-trips."""
+    from genoctx.model.config import DSA, KDA
+    from genoctx.recipes import recipe_from_dict
+
+    r = load_recipe(RECIPES[0], ["model.layer_types=KDKD", "model.mlp_layer_types=DSSS"])
+    assert r.preset == "cpu-small"
+    assert r.model.layer_types == [KDA, DSA, KDA, DSA]
+    assert r.model.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+    assert recipe_from_dict(r.to_dict()) == r
+
+
+def test_big_recipes_are_glm_5_3_flash():
+    for name in ("hg38-512k.yaml", "hg38-1m.yaml"):
+        r = load_recipe(RECIPES[0].parent / name)
+        assert r.preset == "glm-5.3-flash" and r.model == PRESETS["glm-5.3-flash"]
+        assert r.model.num_hidden_layers == 45 and r.model.n_routed_experts == 288
+
+
+@pytest.mark.parametrize(
+    "bad", ["train.nope=1", "lr=1", "optim.lr=1", "model.layer_types=KXD", "model.layer_types=KKD", "model.d_model=64"]
+)
 def test_bad_overrides_are_user_errors(bad):
     with pytest.raises(GenoctxError):
         load_recipe(RECIPES[0], [bad])

@@ -76,11 +76,20 @@ def freeze_for_indexer_warmup(model: HybridLM) -> int:
         )
     trainable = 0
     for name, p in model.named_parameters():
-        p.requires_grad_(".index_" in name)
+        p.requires_grad_(is_indexer_parameter(name))
         trainable += p.numel() if p.requires_grad else 0
     if trainable == 0:
-        raise GenoctxError("model.indexer_stage=warmup: the model has no DSA layer (layer_pattern has no 'D')")
+        raise GenoctxError(
+            "model.indexer_stage=warmup: the model has no DSA layer with a 'full' indexer "
+            "(model.layer_types has no indexed_attention / 'D')"
+        )
     return trainable
+
+
+def is_indexer_parameter(name: str) -> bool:
+    """True for a parameter of a DSA layer's lightning indexer (``layers.{i}.self_attn.indexer.*``, the
+    ``HybridLM.named_parameters`` names): what the indexer warm-up trains."""
+    return ".self_attn.indexer." in f".{name}"
 
 
 def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
