@@ -23,7 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-model_app = typer.Typer(help="Inspect model presets.", no_args_is_help=True)
+model_app = typer.Typer(help="Inspect model presets, recipes and HF checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
 
@@ -255,7 +255,10 @@ def eval_(
     data: Annotated[Path, typer.Option(help="Prepared data directory.")],
     checkpoint: Annotated[
         list[Path] | None,
-        typer.Option(help="Checkpoint or run directory (its latest); repeatable, the first is the baseline."),
+        typer.Option(
+            help="Checkpoint, run directory (its latest) or HF model directory (config.json + safetensors); "
+            "repeatable, the first is the baseline."
+        ),
     ] = None,
     by_position: Annotated[
         bool, typer.Option("--by-position", help="Bin the loss by context length.")
@@ -338,9 +341,15 @@ def eval_(
 @model_app.command("info")
 @_user_errors
 def model_info(
-    preset: Annotated[str, typer.Option(help="Preset name: tiny, cpu-small, glm-flash-like.")] = "cpu-small",
+    preset: Annotated[
+        str | None, typer.Option(help="Preset name: tiny, cpu-small, glm-5.3-flash (default cpu-small).")
+    ] = None,
     recipe: Annotated[
         Path | None, typer.Option(help="Use the model of a recipe instead of a preset.")
+    ] = None,
+    hf: Annotated[
+        Path | None,
+        typer.Option("--hf", help="Use the config.json of an HF glm5_next model directory (no weights needed)."),
     ] = None,
     seq_len: Annotated[
         str, typer.Option("--seq-len", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
@@ -348,21 +357,40 @@ def model_info(
 ) -> None:
     """Print the architecture, parameter counts (total and active per token) and FLOPs per token as JSON.
 
-    FLOPs per token at --seq-len L (genoctx.model.model.flops_per_token): training = 6 x active matmul
-    parameters + KDA chunk cost (6 H (4 C d + 3 d^2) per KDA layer) + DSA attention over top-k keys
-    (6 x 2 H Dh k_eff) + the indexer (2 H_I d_I (L+1)/2 scoring, forward only, plus its KL). Example:
+    Parameters are counted on the meta device (no memory): ``total``, ``active`` (total minus the routed experts
+    a token does not use) and the same in billions rounded to 0.1 (``total_b``, ``active_b``). FLOPs per token at
+    --seq-len L (genoctx.model.model.flops_per_token): training = 6 x active matmul parameters + KDA chunk cost
+    + DSA attention over the selected keys + the indexer (pool scoring, forward only, plus its KL). Examples:
 
-        genoctx model info --preset glm-flash-like --seq-len 1M
+        genoctx model info --preset glm-5.3-flash --seq-len 1M
+
+        genoctx model info --hf path/to/GLM-5.3-Flash
     """
     from .data.windows import parse_size
+    from .model.config import DSA, KDA
     from .model.config import preset as get_preset
     from .model.model import flops_per_token
-    from .recipes import load_recipe
 
-    try:
-        cfg = load_recipe(recipe).model if recipe else get_preset(preset)
-    except KeyError as e:
-        raise GenoctxError(e.args[0]) from None
+    if sum(x is not None for x in (preset, recipe, hf)) > 1:
+        raise GenoctxError("give one of --preset, --recipe and --hf")
+    if hf is not None:
+        from .model.hf import read_config
+
+        cfg, _ = read_config(hf)
+        source = {"preset": None, "recipe": None, "hf": str(hf)}
+    elif recipe is not None:
+        from .recipes import load_recipe
+
+        rec = load_recipe(recipe)
+        cfg = rec.model
+        source = {"preset": rec.preset, "recipe": str(recipe), "hf": None}
+    else:
+        preset = preset or "cpu-small"
+        try:
+            cfg = get_preset(preset)
+        except KeyError as e:
+            raise GenoctxError(f"--preset: {e.args[0]}") from None
+        source = {"preset": preset, "recipe": None, "hf": None}
     try:
         L = parse_size(seq_len)
     except (ValueError, GenoctxError) as e:
@@ -370,13 +398,16 @@ def model_info(
     if L < 1:
         raise GenoctxError(f"--seq-len must be >= 1, got {seq_len!r}")
     counts = _count_params_meta(cfg)  # meta device: no memory, any size
+    counts.update(total_b=round(counts["total"] / 1e9, 1), active_b=round(counts["active"] / 1e9, 1))
     flops = flops_per_token(cfg, L, counts["active"])
     _emit_json(
         {
-            "preset": preset if recipe is None else None,
-            "layers": "".join(cfg.layer_types),
-            "kda_layers": cfg.layer_types.count("K"),
-            "dsa_layers": cfg.layer_types.count("D"),
+            **source,
+            "layers": "".join("D" if t == DSA else "K" for t in cfg.layer_types),
+            "kda_layers": cfg.layer_types.count(KDA),
+            "dsa_layers": cfg.layer_types.count(DSA),
+            "moe_layers": cfg.mlp_layer_types.count("sparse"),
+            "dense_mlp_layers": cfg.mlp_layer_types.count("dense"),
             "parameters": counts,
             "seq_len": L,
             "flops_per_token": flops,

@@ -146,6 +146,104 @@ def test_user_errors_are_one_line_with_exit_2(pipeline, tmp_path, args, needle):
     assert not (tmp_path / "new").exists() or not any((tmp_path / "new").iterdir())
 
 
+def _glm5_reference():
+    """tests/model/glm5_reference.py: tiny random models built with transformers' own glm5_next."""
+    sys.path.insert(0, str(REPO / "tests" / "model"))
+    try:
+        import glm5_reference
+    finally:
+        sys.path.pop(0)
+    return glm5_reference
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """(an HF glm5_next model directory with the 8-token nucleotide vocabulary, the transformers model)."""
+    ref = _glm5_reference()
+    model = ref.build(ref.text_config(vocab_size=8))
+    path = tmp_path_factory.mktemp("hf") / "glm5-tiny"
+    ref.save(model, path)
+    return path, model
+
+
+def test_eval_reads_an_hf_model_directory(pipeline, hf_dir):
+    """``eval --checkpoint DIR`` on an HF checkpoint scores what the transformers reference computes."""
+    import torch
+
+    from genoctx.data.dataset import WindowDataset, scored_mask
+    from genoctx.data.tokenizer import BOS
+    from genoctx.model.model import shift_inputs
+
+    path, ref_model = hf_dir
+    r = genoctx(
+        "eval", "--by-position", "--checkpoint", path, "--data", pipeline / "data", "--max-windows", "1",
+        "--bins", "linear:2", "--resamples", "0", "--format", "json",
+    )  # fmt: skip
+    doc = json.loads(r.stdout)
+    assert doc["checkpoint"] == str(path) and doc["models"][0]["name"] == "glm5-tiny"
+    # the same window through transformers' Glm5NextForConditionalGeneration
+    tokens = WindowDataset(pipeline / "data", "eval")[0]["tokens"][None].long()
+    scored = scored_mask(tokens)
+    logits = _glm5_reference().logits(ref_model, shift_inputs(tokens, BOS))
+    ce = torch.nn.functional.cross_entropy(logits[0], tokens[0], reduction="none")[scored[0]]
+    assert doc["overall"]["tokens"] == int(scored.sum())
+    assert doc["overall"]["loss"] == pytest.approx(float(ce.double().mean()), rel=1e-5)
+
+
+def test_eval_refuses_an_hf_model_with_a_text_vocabulary(pipeline, hf_dir, tmp_path):
+    import shutil
+
+    src, _ = hf_dir
+    path = tmp_path / "text-vocab"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["vocab_size"] = 154880
+    (path / "config.json").write_text(json.dumps(cfg))
+    r = genoctx("eval", "--by-position", "--checkpoint", path, "--data", pipeline / "data", check=False)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "vocab_size 154880" in lines[0] and "genoctx train --init" in lines[0], r.stderr
+
+
+def test_model_info_reads_an_hf_config(hf_dir, tmp_path):
+    """``model info --hf DIR`` needs config.json only, and counts the parameters the checkpoint holds."""
+    path, ref_model = hf_dir
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())  # no weights
+    doc = json.loads(genoctx("model", "info", "--hf", tmp_path).stdout)
+    assert doc["hf"] == str(tmp_path) and doc["preset"] is None
+    assert doc["layers"] == "KKKD" and doc["kda_layers"] == 3 and doc["dsa_layers"] == 1
+    assert doc["moe_layers"] == 3 and doc["dense_mlp_layers"] == 1
+    assert doc["config"]["hidden_size"] == 32 and doc["config"]["vocab_size"] == 8
+    text = sum(p.numel() for n, p in ref_model.named_parameters() if not n.startswith("model.visual."))
+    assert doc["parameters"]["total"] == text
+    per_expert = 3 * 32 * 16  # gate, up, down of one routed expert
+    assert doc["parameters"]["active"] == text - 3 * (8 - 2) * per_expert  # 3 MoE layers, 6 of 8 experts unused
+
+
+def test_model_info_glm_5_3_flash_counts():
+    doc = json.loads(genoctx("model", "info", "--preset", "glm-5.3-flash").stdout)
+    assert doc["preset"] == "glm-5.3-flash"
+    assert doc["parameters"]["total_b"] == 313.3 and doc["parameters"]["active_b"] == 17.4
+    assert round(doc["parameters"]["total"] / 1e9, 1) == 313.3 and round(doc["parameters"]["active"] / 1e9, 1) == 17.4
+    assert doc["kda_layers"] == 34 and doc["dsa_layers"] == 11 and doc["moe_layers"] == 42
+    assert doc["config"]["vocab_size"] == 154880 and doc["config"]["n_routed_experts"] == 288
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["model", "info", "--preset", "glm-flash-like"], "glm-flash-like"),
+        (["model", "info", "--hf", "NOPE"], "NOPE"),
+        (["model", "info", "--preset", "tiny", "--hf", "NOPE"], "--hf"),
+    ],
+)
+def test_model_info_user_errors(tmp_path, args, needle):
+    r = genoctx(*[str(tmp_path / a) if a == "NOPE" else a for a in args], check=False)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
 def test_help_lists_the_verbs():
     r = genoctx("--help")
     for verb in ("prepare", "train", "eval"):

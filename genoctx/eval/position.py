@@ -48,6 +48,7 @@ __all__ = [
     "binned_losses",
     "compare",
     "evaluate",
+    "load_eval_model",
     "parse_bins",
     "plot",
     "position_losses",
@@ -339,6 +340,46 @@ def _annotate(
     return block
 
 
+def load_eval_model(path: str | Path, device: str | torch.device = "cpu"):
+    """The model of a genoctx checkpoint (or run directory: its latest checkpoint) or of an HF model directory
+    (``config.json`` + safetensors: ``genoctx.model.load_hf``), on ``device``, in eval mode.
+
+    An HF model is loaded in fp32 on the CPU and in the checkpoint's dtype elsewhere. Its vocabulary must be the
+    nucleotide one (``vocab_size`` == ``len(VOCAB)``): token ids are genoctx's.
+
+    Raises:
+        GenoctxError: no such checkpoint, unreadable files, or an HF model with another vocabulary size.
+    """
+    from ..model.hf import load_hf
+
+    ck = resolve_checkpoint(path)
+    if not _check_hf_vocabulary(ck):
+        model, _, _ = load_model(ck, device)
+        return model.eval()
+    dtype = torch.float32 if torch.device(device).type == "cpu" else None
+    return load_hf(ck, dtype=dtype).to(device).eval()
+
+
+def _check_hf_vocabulary(ck: Path) -> bool:
+    """True when ``ck`` (resolved) is an HF model directory whose vocabulary is the nucleotide one; False for a
+    genoctx checkpoint. Reads config.json only.
+
+    Raises:
+        GenoctxError: an HF model with another ``vocab_size`` (or an unreadable config.json).
+    """
+    from ..model.hf import is_hf_dir, read_config
+
+    if not is_hf_dir(ck) or (ck / "state.json").is_file():
+        return False
+    cfg, _ = read_config(ck)
+    if cfg.vocab_size != len(VOCAB):
+        raise GenoctxError(
+            f"{ck}/config.json: vocab_size {cfg.vocab_size} is not the {len(VOCAB)}-token nucleotide vocabulary; "
+            "vocabulary mapping onto a text base comes with `genoctx train --init`"
+        )
+    return True
+
+
 def _label(ck: Path, taken: set[str]) -> str:
     name = f"{ck.parent.parent.name}:{ck.name}" if ck.parent.name == "checkpoints" else ck.name
     base, i = name, 2
@@ -370,7 +411,8 @@ def evaluate(
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
     Args:
-        checkpoint: a checkpoint (or run directory), or a list of them. With a list of two or more, the
+        checkpoint: a checkpoint (a genoctx checkpoint, run directory or HF model directory:
+            :func:`load_eval_model`), or a list of them. With a list of two or more, the
             first is the baseline. With ``baseline`` given (the older form), that is the baseline instead.
             The document's top-level ``bins``/``overall`` report the last checkpoint (the only one, or the
             one that is not the baseline in ``checkpoint=X, baseline=Y``); every model is in ``models``.
@@ -392,7 +434,8 @@ def evaluate(
         nats per scored base, ``relative_change = loss / baseline_loss - 1``.
 
     Raises:
-        GenoctxError: no model to score, a missing checkpoint, data prepared with another vocabulary or
+        GenoctxError: no model to score, a missing checkpoint, an HF model whose vocabulary is not the
+            nucleotide one, data prepared with another vocabulary or
             without a soft-mask channel (with ``split_by="softmask"``), an empty split, bins beyond the
             window, no scored token in the windows, bad bootstrap or Markov parameters.
     """
@@ -419,6 +462,8 @@ def evaluate(
     if baseline is not None:
         ckpts_in = [baseline, *ckpts_in]
     ckpts = [resolve_checkpoint(c) for c in ckpts_in]
+    for ck in ckpts:  # fail before scoring anything
+        _check_hf_vocabulary(ck)
     if not ckpts and markov is None and not models:
         raise GenoctxError("nothing to evaluate: give --checkpoint (one or more) or --markov K")
     ds = WindowDataset(data_dir, split)
@@ -429,7 +474,7 @@ def evaluate(
     scored: list[_Scored] = []
     taken: set[str] = set()
     for ck in ckpts:
-        model, _, _ = load_model(ck, device)
+        model = load_eval_model(ck, device)
         log.info("scoring %d %s windows of %d tokens with %s", n, split, ds.window, ck)
         res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
         scored.append(_Scored({"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck)}, res))

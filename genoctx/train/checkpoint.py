@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import __version__
 from ..errors import GenoctxError
+from ..model.hf import is_hf_dir
 from ..model.model import HybridLM
 from ..recipes import Recipe, recipe_from_dict
 
@@ -99,20 +100,24 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory meaning its latest checkpoint.
+    """A checkpoint directory, a run directory meaning its latest checkpoint, or an HF model directory
+    (``config.json`` + safetensors, ``genoctx.model.hf.is_hf_dir``), returned as is.
 
     Raises:
-        GenoctxError: the path is neither, or the run has no complete checkpoint.
+        GenoctxError: the path is none of these, or the run has no complete checkpoint.
     """
     p = Path(path)
     if (p / "state.json").is_file() and (p / "model.safetensors").is_file():
+        return p
+    if is_hf_dir(p):
         return p
     if p.is_dir():
         latest = latest_checkpoint(p)
         if latest is not None:
             return latest
         raise GenoctxError(
-            f"no checkpoint in {p} (expected {p}/{CKPT_DIR}/step_*/ or a checkpoint directory)"
+            f"no checkpoint in {p} (expected {p}/{CKPT_DIR}/step_*/, a checkpoint directory or an HF model "
+            "directory with config.json and model.safetensors)"
         )
     raise GenoctxError(f"checkpoint not found: {p}")
 
@@ -124,12 +129,15 @@ def load_recipe_of(ckpt: Path) -> Recipe:
 
 
 def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[HybridLM, Recipe, dict]:
-    """Load (model, recipe, state) from a checkpoint or run directory.
+    """Load (model, recipe, state) from a genoctx checkpoint or run directory (an HF model directory is read
+    with ``genoctx.model.load_hf`` instead: it has no recipe or training state).
 
     Raises:
-        GenoctxError: missing or unreadable checkpoint files.
+        GenoctxError: missing or unreadable checkpoint files, or an HF model directory.
     """
     ckpt = resolve_checkpoint(ckpt)
+    if not (ckpt / "state.json").is_file():
+        raise GenoctxError(f"{ckpt} is an HF model directory, not a genoctx checkpoint (use genoctx.model.load_hf)")
     try:
         recipe = load_recipe_of(ckpt)
         state = json.loads((ckpt / "state.json").read_text())

@@ -44,6 +44,22 @@ def test_steps_zero_writes_the_untrained_model(prepared, tmp_path):
     assert ck.name == "step_000000" and summary["checkpoint"] == str(ck)
     model, recipe, state = load_model(tmp_path / "init")
     assert state["step"] == 0 and recipe.preset == "tiny"
+    # recipe.yaml holds every ModelConfig field (architecture and compute knobs), the glm5_next names
+    import dataclasses
+
+    import yaml
+
+    from genoctx.model.config import ModelConfig
+
+    raw = yaml.safe_load((ck / "recipe.yaml").read_text())
+    assert set(raw["model"]) == {f.name for f in dataclasses.fields(ModelConfig)} | {"preset"}
+    assert raw["model"]["layer_types"] == ["linear_attention", "indexed_attention"]
+    assert recipe.model == model.cfg == load_recipe("recipes/tiny.yaml").model
+    # model.safetensors is the state dict: persistent buffers (router biases) included
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(ck / "model.safetensors"))) == set(model.state_dict())
+    assert "layers.1.mlp.gate.e_score_correction_bias" in model.state_dict()
 
 
 def test_metrics_record_paths_and_loss_in_nats(prepared, tmp_path):
