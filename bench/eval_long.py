@@ -1,12 +1,13 @@
 """Streaming evaluation of one long window in bounded memory: prints one JSON line.
 
 Prepares the embedded real hg38 chr2 piece (chr2:1-2,333,275) into windows of ``--window`` tokens (default
-1M = 1,048,576 bases) in a temporary directory, builds the ``cpu-small`` model (random init, or
-``--checkpoint``), and scores the first window with ``genoctx.eval.position.score_windows`` in chunks of
-``--chunk-tokens`` with the carried cache (the chunk contract). Reports wall time, tokens/s, the process's
-peak resident memory (``ru_maxrss``) and its resident memory before scoring, and the loss.
+1M = 1,048,576 bases) in a temporary directory, builds the ``cpu-small`` model (random init; or
+``--checkpoint``: a genoctx checkpoint or an HF model directory), and scores the first window with
+``genoctx.eval.position.score_windows`` in chunks of ``--chunk-tokens`` with the carried cache (the chunk
+contract). Reports wall time, tokens/s, the process's peak resident memory (``ru_maxrss``) and its resident
+memory before scoring, and the loss.
 
-    .venv/bin/python bench/eval_long.py                      # the README number (about 29 min on 2 idle CPU cores)
+    .venv/bin/python bench/eval_long.py                      # the README number (a long run on a CPU)
     .venv/bin/python bench/eval_long.py --window 64k         # a quick check
 """
 
@@ -28,17 +29,21 @@ from _memory import peak_rss_mib, rss_now_mib  # noqa: E402  (bench/_memory.py, 
 
 from genoctx.data.dataset import WindowDataset  # noqa: E402
 from genoctx.data.windows import parse_size, prepare  # noqa: E402
-from genoctx.eval.position import model_scorer, parse_bins, score_windows  # noqa: E402
+from genoctx.eval.position import load_eval_model, model_scorer, parse_bins, score_windows  # noqa: E402
 from genoctx.model.config import preset  # noqa: E402
 from genoctx.model.model import HybridLM  # noqa: E402
-from genoctx.train.checkpoint import load_model  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", default="1M", help="window length (k/M suffixes, k = 1024)")
     ap.add_argument("--chunk-tokens", default="16k", help="tokens per chunk (carried cache)")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="a cpu-small checkpoint; default random init")
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="a genoctx checkpoint or HF model directory (nucleotide vocabulary); default cpu-small, random init",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args()
     if args.threads:
@@ -50,7 +55,7 @@ def main() -> None:
                 eval_chroms=["chr2"], progress=False)  # fmt: skip
         ds = WindowDataset(data, "eval")
         if args.checkpoint:
-            model, _, _ = load_model(args.checkpoint)
+            model = load_eval_model(args.checkpoint)
         else:
             torch.manual_seed(0)
             model = HybridLM(preset("cpu-small"))
@@ -73,7 +78,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "eval_long",
-                "model": "cpu-small" + ("" if args.checkpoint else " (random init)"),
+                "model": str(args.checkpoint) if args.checkpoint else "cpu-small (random init)",
                 "window": window,
                 "chunk_tokens": chunk,
                 "source": f"hg38 {ds.windows[0]['chrom']}:{ds.windows[0]['start'] + 1}-{ds.windows[0]['end']}",

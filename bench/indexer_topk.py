@@ -1,11 +1,13 @@
 """Lightning-indexer top-k on CPU: the pruned running top-k (default) vs the plain one; prints one JSON line.
 
-``indexer_topk`` for ``--queries`` queries at the end of ``--keys`` keys (the late chunk of a long window,
-where the indexer's quadratic cost lives), with cpu-small's indexer shape (2 heads of 32, top-256) on
-random Gaussian inputs (seeded). Reports seconds and nanoseconds per (query, key) pair for ``prune=True``
-and ``prune=False``, and checks that both select the same keys (``same_selection``) in the same order.
+``indexer_topk`` for the last ``--queries`` queries of a ``--tokens``-token sequence (the late chunk of a long
+window, where the indexer's quadratic cost lives), with cpu-small's KPool indexer shape (4 heads of 32, pools of
+16 tokens, top-256 tokens = 16 pools) on random Gaussian inputs (seeded): the keys are the sequence's pooled
+keys and query ``t`` sees the ``(t + 1) // kpool`` complete pools before it, as in the DSA layer. Reports seconds
+and nanoseconds per (query, pool) pair for ``prune=True`` and ``prune=False``, and checks that both select the
+same pools (``same_selection``) in the same order.
 
-    .venv/bin/python bench/indexer_topk.py                 # 1024 queries x 512k keys, 1 thread (~10 s)
+    .venv/bin/python bench/indexer_topk.py                 # 1024 queries at 512k tokens (32k pools), 1 thread
 """
 
 from __future__ import annotations
@@ -27,33 +29,40 @@ from genoctx.model.dsa import indexer_topk  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--keys", default="512k", help="keys visible to the last query (k/M suffixes, k = 1024)")
+    ap.add_argument("--tokens", "--keys", default="512k", help="sequence length in tokens (k/M suffixes, k = 1024)")
     ap.add_argument("--queries", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = preset("cpu-small")
-    N, T, H, d = parse_size(args.keys), args.queries, cfg.index_heads, cfg.index_head_dim
+    L, T, H, d, kp = parse_size(args.tokens), args.queries, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    if not 1 <= T <= L:
+        ap.error(f"--queries must be in [1, --tokens={L}]")
+    N = L // kp  # complete pools of the whole sequence
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, T, H, d, generator=g)
     w = torch.randn(1, T, H, generator=g)
     k = torch.randn(1, N, d, generator=g)
-    pairs = T * (N - T) + T * (T + 1) // 2
+    visible = (torch.arange(L - T, L) + 1) // kp  # complete pools each query sees
+    pairs = int(visible.sum())
+    topk = cfg.index_topk // kp
     out, idx = {}, {}
     for name, prune in (("pruned", True), ("plain", False)):
         t0 = time.perf_counter()
-        idx[name] = indexer_topk(q, w, k, N - T, cfg.index_topk, cfg.indexer_tile_tokens, torch.int32, prune=prune)
+        idx[name] = indexer_topk(q, w, k, visible, topk, cfg.indexer_tile_tokens, torch.int32, prune=prune)
         s = time.perf_counter() - t0
         out[name] = {"seconds": round(s, 3), "ns_per_pair": round(s / pairs * 1e9, 3)}
     print(
         json.dumps(
             {
                 "bench": "indexer_topk",
-                "keys": N,
+                "tokens": L,
+                "pools": N,
                 "queries": T,
-                "index_heads": H,
+                "index_n_heads": H,
                 "index_head_dim": d,
-                "topk": cfg.index_topk,
+                "index_kpool": kp,
+                "topk_pools": topk,
                 "threads": torch.get_num_threads(),
                 **out,
                 "speedup": round(out["plain"]["seconds"] / out["pruned"]["seconds"], 2),
