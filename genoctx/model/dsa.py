@@ -344,7 +344,7 @@ def _no_autocast(fn):
 def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
     """``x [B, N, ...]`` gathered at ``idx [B, R, K]`` (entries >= 0) -> ``[B, R, K, ...]``."""
     B, N = x.shape[:2]
-    flat = x.reshape(B * N, -1)
+    flat = x.reshape(B * N, *x.shape[2:])  # explicit trailing shape: N may be 0 (no complete pool yet)
     off = (torch.arange(B, device=x.device) * N).view(B, 1, 1)
     g = flat.index_select(0, (idx + off).reshape(-1))
     return g.view(*idx.shape, *x.shape[2:])
@@ -354,7 +354,8 @@ def _scatter_rows_(acc: Tensor, idx: Tensor, src: Tensor) -> None:
     """``acc [B, N, ...] += src [B, R, K, ...]`` at ``idx [B, R, K]`` (entries >= 0)."""
     B, N = acc.shape[:2]
     off = (torch.arange(B, device=acc.device) * N).view(B, 1, 1)
-    acc.view(B * N, -1).index_add_(0, (idx + off).reshape(-1), src.reshape(idx.numel(), -1))
+    rest = acc.shape[2:]  # explicit trailing shape: N and idx may be empty
+    acc.view(B * N, *rest).index_add_(0, (idx + off).reshape(-1), src.reshape(idx.numel(), *rest))
 
 
 def _kl_rows(p: Tensor, logits: Tensor, valid: Tensor) -> Tensor:
@@ -587,10 +588,11 @@ class Indexer(nn.Module):
 
     def pool(self, k: Tensor, gate: Tensor) -> Tensor:
         """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``,
-        ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, the softmax in fp32."""
+        ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, the softmax in fp32 (fp64 for fp64 keys)."""
         B, n, dI = k.shape
         P = n // self.kpool
-        logits = gate.view(B, P, self.kpool, dI).float() + self.index_kpool_compress_ape.float()
+        ct = _acc_dtype(k.dtype)  # fp32 (fp64 for an fp64 model)
+        logits = gate.view(B, P, self.kpool, dI).to(ct) + self.index_kpool_compress_ape.to(ct)
         prob = torch.softmax(logits, dim=2).to(k.dtype)
         return (prob * k.view(B, P, self.kpool, dI)).sum(2)
 
