@@ -208,7 +208,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     Args:
         path: a directory with ``config.json`` and safetensors weights (one file or an index of shards).
         dtype: parameter dtype; None = the checkpoint's (``dtype``/``torch_dtype`` of config.json, else the stored
-            dtype; bf16 for fp8 checkpoints). The fp32 islands (``FP32_PARAMETERS``) stay fp32.
+            dtype; bf16 for fp8 checkpoints). The fp32 islands (``FP32_PARAMETERS``) stay fp32 (fp64 when
+            ``dtype`` is fp64).
 
     Returns:
         ``HybridLM`` on the CPU, in training mode; ``forward`` returns logits over the whole vocabulary. Its

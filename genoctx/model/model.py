@@ -17,7 +17,8 @@ Design choices (read top to bottom, nanoGPT style):
 - Auxiliary losses (indexer KL, optional MoE balance loss) are collected from the layers after each
   forward (``aux_loss()``); what each layer ran (KDA core, DSA path) is recorded in ``layer_stats()``.
 - fp32 islands (the reference's ``_keep_in_fp32_modules_strict``): ``FP32_PARAMETERS`` stay fp32 when the
-  model is cast (``cast_model``); their computations run in fp32 under bf16 autocast.
+  model is cast to a half type (``cast_model``; fp64 for an fp64 model); their computations run in fp32 under bf16
+  autocast.
 """
 
 from __future__ import annotations
@@ -50,12 +51,14 @@ FP32_PARAMETERS = (
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to ``dtype`` in place, except ``FP32_PARAMETERS`` (kept fp32).
+    """Cast floating parameters and buffers to ``dtype`` in place, except ``FP32_PARAMETERS``, which are never
+    below fp32 (fp32 for bf16/fp16/fp32, fp64 for an fp64 model, so that fp64 checks are fp64 throughout).
     Returns ``model``."""
+    island = torch.promote_types(dtype, torch.float32)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if not t.is_floating_point():
             continue
-        want = torch.float32 if name.endswith(FP32_PARAMETERS) else dtype
+        want = island if name.endswith(FP32_PARAMETERS) else dtype
         if t.dtype != want:
             t.data = t.data.to(want)
     return model
