@@ -357,14 +357,14 @@ def model_info(
 ) -> None:
     """Print the architecture, parameter counts (total and active per token) and FLOPs per token as JSON.
 
-    Parameters are counted on the meta device (no memory): ``total``, ``active`` (total minus the routed experts
-    a token does not use) and the same in billions rounded to 0.1 (``total_b``, ``active_b``). FLOPs per token at
-    --seq-len L (genoctx.model.model.flops_per_token): training = 6 x active matmul parameters + KDA chunk cost
-    + DSA attention over the selected keys + the indexer (pool scoring, forward only, plus its KL). Examples:
+    Parameters are counted on the meta device (no memory): total, active (minus unused routed experts),
+    and both in billions rounded to 0.1 (total_b, active_b).
 
-        genoctx model info --preset glm-5.3-flash --seq-len 1M
+    FLOPs per token at --seq-len L: see genoctx.model.model.flops_per_token.
 
-        genoctx model info --hf path/to/GLM-5.3-Flash
+    Examples:
+      genoctx model info --preset glm-5.3-flash --seq-len 1M
+      genoctx model info --hf path/to/GLM-5.3-Flash
     """
     from .data.windows import parse_size
     from .model.config import DSA, KDA
