@@ -21,25 +21,35 @@ cache that the pieces before it in natural order leave (DESIGN.md, the chunk con
   predecessor, all-gathered first. The ``[L | M]`` of all pieces are all-gathered (autograd-aware, so
   gradients reach the ranks that own them), put in natural order and folded, ``S_0 = 0``,
   ``S_{p+1} = M_p S_p + L_p``; the layer then runs on its pieces with ``KDACache(S_p, tail_{p-1})``.
-- DSA (DeepSeek-V3.2; Megatron's CP for DSA is all-gather only): the keys, values and indexer keys of
-  every piece are all-gathered and put in natural order; local piece ``p`` runs with the ``DSACache`` of
-  positions ``[0, p c)``. Each rank scores only its own queries, recorded per rank in
-  ``mixer.stats["keys_scored"]`` (summed over its pieces; ``aux_loss`` is the mean of the pieces' losses).
+- DSA (DeepSeek-V3.2 / GLM-5.3-Flash; Megatron's CP for DSA is all-gather only): every rank all-gathers,
+  per piece, the MLA latents (``kv_lora_rank`` per token) and, on a "full" layer, the indexer's token keys and
+  compress-gate logits, and puts them in natural order; local piece ``p`` runs with
+  ``layer.cache_of(...)`` of positions ``[0, p c)``: those latents, the pooled keys of the complete pools and
+  the raw keys/gates of the incomplete last pool, so a pool that straddles two pieces is pooled exactly as in
+  one pass. A full layer returns the selections of its local pieces concatenated along T (``DSASelection``
+  carries absolute query positions); a "shared" layer splits the selection it receives per local piece
+  (``selection.rows``). Each rank scores only its own queries, recorded per rank in
+  ``layer.self_attn.stats["keys_scored"]`` ((query, pool) pairs, summed over its pieces; ``aux_loss`` is the
+  mean of the pieces' losses).
 - MoE / MLP: nothing (position-wise).
 
-Balance. Causal attention makes later positions cost more: piece ``p`` scores ``c^2 p + c (c + 1) / 2``
-keys. Contiguous, the last rank scores the most (busiest / mean 1.5 at CP=2). Zigzag pairs piece ``r``
-with piece ``2P - 1 - r``, so every rank scores ``c^2 (2P - 1) + c (c + 1)`` keys: equal on all ranks
-(``rank_imbalance.dsa_keys_scored_max_over_mean`` = 1.0 in the Ray run summary; up to the rounding of one
-piece for ``index_topk``-limited ``keys_attended``). Its cost is small: the KDA fold runs over ``2P``
-pieces instead of ``P`` (``2P - 1`` products of [K, K] by [K, V] per head: negligible) and each rank runs
-its two pieces' DSA calls one after the other. The window must split into ``2P`` pieces of at least
-``kda_conv_size - 1`` tokens (``genoctx train`` checks this before starting).
+Balance. Causal attention makes later positions cost more: the query at position ``t`` scores the
+``(t + 1) // kpool`` complete pools it sees (``kpool = index_kpool``), so piece ``p`` scores about
+``(c^2 p + c (c + 1) / 2) / kpool`` pools. Contiguous, the last rank scores the most (busiest / mean 1.5 at
+CP=2). Zigzag pairs piece ``r`` with piece ``2P - 1 - r``, so every rank scores about
+``(c^2 (2P - 1) + c (c + 1)) / kpool`` pools: equal on all ranks up to the rounding down of ``(t + 1) / kpool``
+(less than one pool per query), and exactly ``c (2 P c + 2 - kpool) / kpool`` on every rank when ``kpool``
+divides ``c`` (``rank_imbalance.dsa_keys_scored_max_over_mean`` = 1.0 in the Ray run summary). Its cost is
+small: the KDA fold runs over ``2P`` pieces instead of ``P`` (``2P - 1`` products of [K, K] by [K, V] per head:
+negligible) and each rank runs its two pieces' DSA calls one after the other. The window must split into ``2P``
+pieces of at least ``linear_conv_kernel_dim - 1`` tokens (``genoctx train`` checks this before starting); pieces
+need not be multiples of ``index_kpool`` or ``kda_chunk_size``.
 
 Every rank runs the same collectives in the same order, forward and backward: each gathered tensor is
 stacked, reordered and also tied into the layer output with weight 0, so every rank's backward runs each
 gather's reduce-scatter even where its own pieces use nothing of it (rank 0, contiguous). Cost: the KDA
-core runs twice per layer (once for ``[L | M]``, once in the layer) and the DSA k/v/indexer projections twice.
+core runs twice per layer (once for ``[L | M]``, once in the layer), the DSA latent and indexer-key projections
+run twice, and every rank pools the indexer keys of the positions before each of its pieces.
 
 Loss and gradients (DESIGN.md): each rank back-propagates ``local loss sum / global scored count``
 (the count all-reduced over CP x DP first, clamped at 1), plus its auxiliary losses weighted by its share of
@@ -61,10 +71,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..model.config import DSA
-from ..model.dsa import DSACache
+from ..model.dsa import SENTINEL, DSACache, DSASelection
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
 
@@ -257,7 +268,7 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
 
     Args:
         mixer: a ``KimiDeltaAttention`` layer.
-        x: ``[B, n_local c, d_model]`` this rank's layer input, its pieces concatenated (``c`` equal on all
+        x: ``[B, n_local c, hidden_size]`` this rank's layer input, its pieces concatenated (``c`` equal on all
             ranks, ``c >= conv_size - 1``).
         layout: this rank's ``CPLayout``.
 
@@ -301,36 +312,74 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
     return KDACache(state=state, conv_state=conv_state), zero
 
 
-def dsa_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache], Tensor]:
-    """The ``DSACache`` of each local piece: keys of the natural positions before it, from every rank.
+def dsa_cp_cache(layer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache | None], Tensor]:
+    """The ``DSACache`` of each local piece: latents (and pooled indexer keys) of the natural positions before it.
 
     Args:
-        mixer: a ``DeepSeekSparseAttention`` layer.
-        x: ``[B, n_local c, d_model]`` this rank's layer input, its pieces concatenated (``c`` equal on all ranks).
+        layer: a ``DeepSeekSparseAttention`` layer ("full": with an indexer; "shared": ``layer.indexer`` None).
+        x: ``[B, n_local c, hidden_size]`` this rank's layer input, its pieces concatenated (``c`` equal on all
+            ranks; any ``c >= 1``, a multiple of ``index_kpool`` or not).
         layout: this rank's ``CPLayout``.
 
     Returns:
-        ``(caches, zero)``: for local piece ``j`` (natural index ``p``) ``DSACache(k [B, p c, KVH, Dh], v,
-        index_k [B, p c, d_I])``; ``zero`` (a 0-dim tensor equal to 0) must be added to the layer output so
-        that every rank's backward runs the gather's collective.
+        ``(caches, zero)``: for local piece ``j`` (natural index ``p``) None when ``p == 0``, else
+        ``layer.cache_of(latent [B, p c, kv_lora_rank], index_k, index_gate [B, p c, d_I])`` (None index inputs
+        on a shared layer): ``DSACache(latent, pool_k [B, p c // kpool, d_I], tail_k, tail_gate
+        [B, p c % kpool, d_I])``, each tensor in the dtype the layer computes it in; differentiable, through the
+        autograd-aware all-gather, w.r.t. every rank's ``x`` (latents) and indexer parameters (the indexer keys
+        are computed from ``x.detach()``, as in the layer's forward). ``zero`` (a 0-dim tensor equal to 0) must
+        be added to the layer output so that every rank's backward runs the gather's collective.
 
     Raises:
         ValueError: a local length that does not split into the local pieces.
     """
     n = layout.n_local
     B, c = layout.split(x)
-    KVH, Dh = mixer.n_kv_heads, mixer.head_dim
-    k = mixer.k_proj(x)
-    v = mixer.v_proj(x)
-    ik = mixer.indexer_inputs(x)[2]  # [B, T, d_I] (of x.detach(): the indexer learns only from its KL)
-    dI = ik.shape[-1]
-    packed = torch.cat([k, v, ik.to(k.dtype)], dim=-1)  # [B, T, 2 KVH Dh + d_I]
+    parts = [layer.latent(x)]  # [B, T, R]
+    if layer.indexer is not None:  # the indexer learns only from its KL: detached input, as in the forward
+        parts += list(layer.indexer.keys(x.detach()))  # k_tok, gate_tok [B, T, d_I]
+    dtypes = [t.dtype for t in parts]
+    widths = [t.shape[-1] for t in parts]
+    wide = dtypes[0]
+    for dt in dtypes[1:]:
+        wide = torch.promote_types(wide, dt)  # one gather in the widest dtype: the casts back are exact
+    packed = torch.cat([t.to(wide) for t in parts], dim=-1)  # [B, T, W]
     nat = layout.gather_natural(packed.reshape(B, n, c, -1).transpose(0, 1))  # [N, B, c, W]
     seq = nat.transpose(0, 1).reshape(B, layout.n_pieces * c, -1)  # the whole window in natural order
-    ke, ve, ie = seq.split([KVH * Dh, KVH * Dh, dI], dim=-1)
-    ke, ve, ie = ke.reshape(B, -1, KVH, Dh), ve.reshape(B, -1, KVH, Dh), ie.to(ik.dtype)
-    caches = [DSACache(ke[:, : p * c], ve[:, : p * c], ie[:, : p * c]) for p in layout.mine]
+    full = [t.to(dt) for t, dt in zip(seq.split(widths, dim=-1), dtypes, strict=True)]
+    latent, index_k, index_gate = (full + [None, None])[:3]
+    caches: list[DSACache | None] = []
+    for p in layout.mine:
+        S = p * c
+        if S == 0:
+            caches.append(None)
+        elif index_k is None:
+            caches.append(layer.cache_of(latent[:, :S], None, None))
+        else:
+            caches.append(layer.cache_of(latent[:, :S], index_k[:, :S], index_gate[:, :S]))
     return caches, nat.sum() * 0.0
+
+
+def cat_selections(sels: list[DSASelection]) -> DSASelection:
+    """Selections of consecutive query blocks (same ``kpool``/``tail``) -> one, rows concatenated along T.
+
+    ``pools`` ``[B, T_j, K_j]`` int32 are padded with ``-1`` (empty slots) to the largest ``K_j`` (an early
+    piece may see fewer pools than ``index_topk / index_kpool``); ``pos`` ``[T_j]`` int64 are concatenated.
+    Returns a ``DSASelection`` with ``pools [B, sum T_j, max K_j]`` and ``pos [sum T_j]``.
+
+    Raises:
+        ValueError: no selection, or selections with different ``kpool``/``tail``.
+    """
+    if not sels:
+        raise ValueError("cat_selections: no selection")
+    kp, tail = sels[0].kpool, sels[0].tail
+    if any((s.kpool, s.tail) != (kp, tail) for s in sels):
+        raise ValueError("cat_selections: selections with different kpool or tail")
+    if len(sels) == 1:
+        return sels[0]
+    K = max(s.pools.shape[-1] for s in sels)
+    pools = [F.pad(s.pools, (0, K - s.pools.shape[-1]), value=SENTINEL) for s in sels]
+    return DSASelection(torch.cat(pools, dim=1), torch.cat([s.pos for s in sels]), kp, tail)
 
 
 def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
@@ -346,18 +395,24 @@ def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
     return _from_batch(y, n) + zero.to(y.dtype), last
 
 
-def _dsa_forward(module, x: Tensor, cache, layout: CPLayout):
-    """CP forward of a DSA layer: one call per local piece with the keys of the positions before it.
-    ``stats`` keys_scored/keys_attended are summed over the pieces, ``indexer_loss`` and ``aux_loss``
-    averaged (pieces are equal). Returns ``(y [B, T, D], the cache the last local piece's call returned)``."""
+def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layout: CPLayout):
+    """CP forward of a DSA layer: one call per local piece with the cache of the positions before it.
+
+    ``selection`` (the previous full layer's, rows in local order; used by a shared layer) is split per local
+    piece. ``stats`` keys_scored/keys_attended are summed over the pieces, ``indexer_loss`` and ``aux_loss``
+    averaged (pieces are equal). Returns ``(y [B, T, D], the cache the last local piece's call returned, the
+    pieces' selections concatenated along T (``cat_selections``; None in dense mode))``."""
     if cache is not None:
         raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
     _, c = layout.split(x)
     caches, zero = dsa_cp_cache(module, x, layout)
-    ys, stats, auxes = [], [], []
+    ys, stats, auxes, sels = [], [], [], []
     for j, piece_cache in enumerate(caches):
-        y, new = type(module).forward(module, x[:, j * c : (j + 1) * c], piece_cache)
+        r0, r1 = j * c, (j + 1) * c
+        sel_in = None if selection is None else selection.rows(r0, r1)
+        y, new, sel = type(module).forward(module, x[:, r0:r1], piece_cache, sel_in)
         ys.append(y)
+        sels.append(sel)
         stats.append(module.stats)
         auxes.append(module.aux_loss)
     merged = dict(stats[-1])
@@ -368,7 +423,8 @@ def _dsa_forward(module, x: Tensor, cache, layout: CPLayout):
     module.stats = merged
     module.aux_loss = None if any(a is None for a in auxes) else torch.stack(auxes).mean()
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    return y + zero.to(y.dtype), new
+    out_sel = None if any(s is None for s in sels) else cat_selections(sels)
+    return y + zero.to(y.dtype), new, out_sel
 
 
 class _ForwardOverride:
@@ -385,14 +441,15 @@ class _ForwardOverride:
 def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
     """Make ``model`` (a ``HybridLM``) run this rank's pieces of a window (``cp_pieces``) per rank of ``cp_group``.
 
-    Overrides ``forward`` on each block's mixer instance (``mixer.forward = <bound wrapper>``): the wrapper
-    cuts its input ``[B, n_local c, D]`` into the local pieces, builds each piece's cache from the other
-    ranks (``kda_cp_cache``, ``dsa_cp_cache``) and runs the class ``forward`` on them. The model's forward is
-    then called on this rank's pieces only (``shard_sequence`` with the same layout), with no cache; the
-    mixers' returned caches are not those of a whole window (the model ignores them under CP).
+    Overrides ``forward`` on each layer's mixer instance (``layer.self_attn.forward = <bound wrapper>``): the
+    wrapper cuts its input ``[B, n_local c, hidden_size]`` into the local pieces, builds each piece's cache from
+    the other ranks (``kda_cp_cache``, ``dsa_cp_cache``) and runs the class ``forward`` on them (a DSA wrapper
+    also takes and returns the selection, in local row order). The model's forward is then called on this
+    rank's pieces only (``shard_sequence`` with the same layout), with no cache; the mixers' returned caches
+    are not those of a whole window (the model ignores them under CP).
 
     Args:
-        model: a ``HybridLM`` (its ``blocks``).
+        model: a ``HybridLM`` (its ``layers``, each with ``layer_type`` and ``self_attn``).
         cp_group: the CP process group (every rank of it must call ``apply_cp`` with the same layout).
         layout: ``"contiguous"`` or ``"zigzag"``.
 
@@ -404,14 +461,19 @@ def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
     """
     lay = CPLayout(cp_group, layout)
     handles = []
-    for block in model.blocks:
-        mixer = block.mixer
+    for layer in model.layers:
+        mixer = layer.self_attn
         if "forward" in vars(mixer):
             raise ValueError("apply_cp: the model already has a CP forward (remove its handles first)")
-        fn = _dsa_forward if block.layer_type == DSA else _kda_forward
+        if layer.layer_type == DSA:
 
-        def forward(self, x, cache=None, _fn=fn):
-            return _fn(self, x, cache, lay)
+            def forward(self, x, cache=None, selection=None):
+                return _dsa_forward(self, x, cache, selection, lay)
+
+        else:
+
+            def forward(self, x, cache=None):
+                return _kda_forward(self, x, cache, lay)
 
         mixer.forward = types.MethodType(forward, mixer)
         handles.append(_ForwardOverride(mixer))

@@ -16,8 +16,8 @@
   The same path serves ``FailureConfig``: a worker that dies makes Ray restart the group from the last
   reported checkpoint.
 - Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each
-  rank's tokens, tokens/s, peak memory, MoE max/mean expert load and DSA indexer keys scored. The summary
-  prints the busiest rank's load over the mean (``rank_imbalance``).
+  rank's tokens, tokens/s, peak memory, MoE max/mean expert load and DSA indexer (query, pool) pairs scored
+  (``dsa_keys_scored``). The summary prints the busiest rank's load over the mean (``rank_imbalance``).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def train_distributed(
         num_workers: Ray workers (processes), one rank each.
         cp: context-parallel size; divides ``num_workers``; the window (or ``train.seq_len``) in tokens must
             split into ``cp`` pieces (``2 cp`` with ``train.cp_layout: zigzag``) of at least
-            ``kda_conv_size - 1`` tokens.
+            ``linear_conv_kernel_dim - 1`` tokens.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
         resume: continue the run in ``out`` from its latest checkpoint.
@@ -219,7 +219,7 @@ def train_distributed(
         max_failures: worker-group restarts (from the last checkpoint) before giving up.
 
     Returns:
-        The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA keys
+        The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA pools
         scored and tokens over the mean, and the largest MoE max/mean expert load).
 
     Raises:
@@ -237,7 +237,7 @@ def train_distributed(
     _check_manifest(data_dir)
     L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
     layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
-    pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.kda_conv_size - 1
+    pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.linear_conv_kernel_dim - 1
     if L % pieces or L // pieces < tail:
         how = f" with train.cp_layout={layout}" if layout != "contiguous" else ""
         raise GenoctxError(

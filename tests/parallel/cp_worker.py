@@ -4,7 +4,9 @@ Usage: python tests/parallel/cp_worker.py OUT_DIR WINDOWS.pt [WORLD]
 WINDOWS.pt holds {"dna": [L] int64, "n_start": [L] int64, "pair": [2, L] int64, "short": [L4] int64} real-DNA
 windows. WORLD 2 (default): CP=2 contiguous and zigzag on "dna" and "n_start", DP=2 on "pair". WORLD 4: CP=4
 contiguous and zigzag on "short" (the KDA fold over 4 and 8 pieces). Each rank writes OUT_DIR/rank{r}.pt with
-the loss sums, counts, aux losses, gradients and DSA stats of each case.
+the loss sums, counts, aux losses, gradients and per-layer stats (DSA keys scored/attended, indexer kind, path)
+of each case. The model is ``cp_config()``: KDA, a full DSA layer, then a shared DSA layer that reuses its
+selection (pools of 4 tokens with the tail, top-16 tokens).
 """
 
 import sys
@@ -16,15 +18,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from genoctx.model.config import preset
+from genoctx.model.config import DSA, KDA, ModelConfig, preset
 from genoctx.model.model import HybridLM
 from genoctx.parallel.context import apply_cp, destroy_parallel, init_parallel
 from genoctx.train.loop import forward_backward
 
 
+def cp_config() -> ModelConfig:
+    """The tiny preset (index_kpool 4 with the tail, index_topk 16) with three layers: KDA, a "full" DSA layer and
+    a "shared" DSA layer that reuses its selection."""
+    return preset(
+        "tiny",
+        num_hidden_layers=3,
+        layer_types=[KDA, DSA, DSA],
+        indexer_types=["full", "full", "shared"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+    )
+
+
 def tiny_model() -> HybridLM:
     torch.manual_seed(0)
-    return HybridLM(preset("tiny"))
+    return HybridLM(cp_config())
 
 
 def _case(model, tokens, dims):
@@ -38,6 +52,8 @@ def _case(model, tokens, dims):
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
         "keys_scored": [s.get("keys_scored") for s in stats],
         "keys_attended": [s.get("keys_attended") for s in stats],
+        "indexer": [s.get("indexer") for s in stats],
+        "path": [s.get("path") for s in stats],
     }
 
 
@@ -47,12 +63,12 @@ def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor])
     assert (dims.cp, dims.dp, dims.cp_layout) == (cp, 1, layout)
     model = tiny_model()
     handles = apply_cp(model, dims.cp_group, dims.cp_layout)
-    assert all("forward" in vars(b.mixer) for b in model.blocks)
+    assert all("forward" in vars(layer.self_attn) for layer in model.layers)
     for name, tokens in windows.items():
         res[name] = _case(model, tokens[None], dims)
     for h in handles:
         h.remove()
-    assert not any("forward" in vars(b.mixer) for b in model.blocks)  # the class forward is back
+    assert not any("forward" in vars(layer.self_attn) for layer in model.layers)  # the class forward is back
     destroy_parallel()
 
 

@@ -3,6 +3,11 @@
 Two subprocess runs (two and four spawned gloo ranks) compute every distributed case: CP=2 in the contiguous
 and zigzag layouts, DP=2, and CP=4 in both layouts (the KDA fold over 4 and 8 pieces). The tests compare them
 with the single-process loop (``forward_backward`` with no parallel dims), forward and backward.
+
+The model (``cp_worker.cp_config``) has a full DSA layer followed by a shared one (which reuses the full layer's
+selection across the pieces), pools of ``KPOOL`` = 4 tokens with the tail on, and top-16 tokens out of windows of
+324 and 264: the selection is a strict subset, and no piece length (162, 81, 66, 33) is a multiple of the pool
+size, so pools straddle the pieces.
 """
 
 import subprocess
@@ -15,26 +20,33 @@ import torch
 
 from genoctx.data.fasta import iter_records
 from genoctx.data.tokenizer import N, encode
-from genoctx.model.config import preset
-from genoctx.model.model import HybridLM
-from genoctx.parallel.context import cp_pieces, shard_sequence
+from genoctx.model.dsa import DSASelection
+from genoctx.parallel.context import cat_selections, cp_pieces, shard_sequence
 from genoctx.train.loop import forward_backward
 
-L = 320  # window tokens: 160 per CP rank = 10 KDA chunks of 16; top-16 sparse attention over up to 320 keys
-L4 = 256  # CP=4 window: zigzag pieces of 32 tokens = 2 KDA chunks of the tiny preset
+sys.path.insert(0, str(Path(__file__).parent))
+from cp_worker import cp_config, tiny_model  # noqa: E402
+
+L = 324  # window tokens: CP=2 pieces of 162 (contiguous) or 81 (zigzag); top-16 tokens of up to 324
+L4 = 264  # CP=4 window: pieces of 66 (contiguous) or 33 (zigzag) tokens
+KPOOL = 4  # index_kpool of cp_config(): no piece length above is a multiple of it
+FULL, SHARED = 1, 2  # cp_config()'s full and shared DSA layers
 
 
-def _tiny() -> HybridLM:
-    torch.manual_seed(0)
-    return HybridLM(preset("tiny"))
+def _pools_scored(cp: int, rank: int, layout: str, length: int) -> int:
+    """(query, pool) pairs a rank's indexer scores: every query at position t scores its (t + 1) // KPOOL
+    complete pools (one window)."""
+    pos = shard_sequence(torch.arange(length)[None], cp, rank, layout)[0]
+    return int(((pos + 1) // KPOOL).sum())
 
 
 def _reference(tokens: torch.Tensor) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers: tiny ops, and no spinning against other processes
     try:
-        model = _tiny()
+        model = tiny_model()
         loss_sum, count, aux = forward_backward(model, tokens, nullcontext())
+        stats = model.layer_stats()
     finally:
         torch.set_num_threads(threads)
     return {
@@ -42,6 +54,8 @@ def _reference(tokens: torch.Tensor) -> dict:
         "count": int(count),
         "aux": aux,
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "keys_scored": [s.get("keys_scored") for s in stats],
+        "keys_attended": [s.get("keys_attended") for s in stats],
     }
 
 
@@ -99,15 +113,18 @@ def _assert_same(dist_case: dict, ref: dict) -> None:
     assert dist_case["count"] == ref["count"]
     loss, loss_ref = dist_case["loss_sum"] / ref["count"], ref["loss_sum"] / ref["count"]
     assert loss == pytest.approx(loss_ref, rel=1e-5)
-    assert dist_case["aux"] == pytest.approx(ref["aux"], rel=1e-5, abs=1e-7)
+    # the indexer KL is ~1e-6 here (near-uniform pool scores at init), a difference of fp32 sums of ~1: its
+    # rounding is ~1e-9 (0.2% of it, measured); abs 1e-8 still catches a 1% error
+    assert dist_case["aux"] == pytest.approx(ref["aux"], rel=1e-5, abs=1e-8)
     for name, g_ref in ref["grads"].items():
         g = dist_case["grads"][name]
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4 * float(g_ref.abs().max()) + 1e-9, msg=name)
 
 
 def _dsa_keys(case: dict) -> int:
-    """DSA keys scored by one rank (the tiny preset's layer 1 is its DSA layer)."""
-    return case["keys_scored"][1]
+    """(query, pool) pairs scored by one rank's indexer (the full DSA layer; the shared layer scores none)."""
+    assert case["keys_scored"][SHARED] == 0
+    return case["keys_scored"][FULL]
 
 
 def test_cp_pieces_and_shard_sequence_layouts():
@@ -129,28 +146,65 @@ def test_cp_pieces_and_shard_sequence_layouts():
         cp_pieces(2, "diagonal")
 
 
+def test_cat_selections_pads_narrow_pieces_and_keeps_positions():
+    """An early piece sees fewer pools than top-k: its rows are padded with empty (-1) slots."""
+    a = DSASelection(torch.tensor([[[0], [1]]], dtype=torch.int32), torch.tensor([4, 5]), 4, True)
+    b = DSASelection(torch.tensor([[[7, 2], [8, 7]]], dtype=torch.int32), torch.tensor([33, 34]), 4, True)
+    got = cat_selections([a, b])
+    assert got.pools.dtype == torch.int32 and got.pools.tolist() == [[[0, -1], [1, -1], [7, 2], [8, 7]]]
+    assert got.pos.tolist() == [4, 5, 33, 34] and (got.kpool, got.tail) == (4, True)
+    assert got.rows(2, 4).tokens().tolist() == b.tokens().tolist()  # the tail follows each row's position
+    with pytest.raises(ValueError, match="different kpool"):
+        cat_selections([a, DSASelection(b.pools, b.pos, 2, True)])
+
+
+def test_windows_make_sparse_selections_and_straddling_pools(reference):
+    """The setting the CP tests need: a strict-subset selection and pieces that cut pools."""
+    cfg = cp_config()
+    assert (cfg.index_kpool, cfg.index_kpool_always_select_tail, cfg.index_topk) == (KPOOL, True, 16)
+    assert [cfg.layer_types[i] for i in (FULL, SHARED)] == ["indexed_attention"] * 2
+    assert (cfg.indexer_types[FULL], cfg.indexer_types[SHARED]) == ("full", "shared")
+    for cp, length in ((2, L), (4, L4)):
+        for layout in ("contiguous", "zigzag"):
+            n = sum(len(p) for p in cp_pieces(cp, layout))
+            assert length % n == 0 and (length // n) % KPOOL != 0
+    ref = reference("dna")
+    attended = ref["keys_attended"][FULL]
+    assert attended == ref["keys_attended"][SHARED]  # the shared layer attends the full layer's selection
+    assert attended < 20 * L < L * (L + 1) // 2  # at most 16 + 3 tail tokens per query: far from dense
+
+
 @pytest.mark.parametrize("case", ["cp2", "cp2z"])
 def test_cp2_equals_cp1_loss_and_every_gradient(distributed, reference, case):
     ref = reference("dna")
-    assert ref["count"] == L and any(g.abs().max() > 0 for g in ref["grads"].values())
+    assert ref["count"] == L and all(g.abs().max() > 0 for g in ref["grads"].values())
+    assert ref["aux"] > 0 and any(".indexer." in n for n in ref["grads"])  # the indexer KL and its gradients
     for rank in range(2):  # gradients are all-reduced: both ranks must hold the one-process gradient
-        _assert_same(distributed[rank][case], ref)
+        got = distributed[rank][case]
+        assert got["indexer"][FULL:] == ["full", "shared"] and got["path"][FULL:] == ["sparse", "sparse"]
+        _assert_same(got, ref)
+    for layer in (FULL, SHARED):  # the ranks' selections together attend exactly the one-process tokens
+        assert sum(distributed[r][case]["keys_attended"][layer] for r in range(2)) == ref["keys_attended"][layer]
 
 
-def test_cp_splits_dsa_keys_scored_unevenly(distributed):
-    """Causal imbalance: rank 1's queries see rank 0's keys too, so it scores (3x here) more keys."""
-    T = L // 2
+def test_cp_splits_dsa_keys_scored_unevenly(distributed, reference):
+    """Causal imbalance: rank 1's queries see rank 0's pools too, so it scores (3x here) more pools."""
     k0, k1 = (_dsa_keys(distributed[r]["cp2"]) for r in range(2))
-    assert k0 == T * (T + 1) // 2 and k1 == T * T + T * (T + 1) // 2
-    assert k0 + k1 == L * (L + 1) // 2  # together exactly the one-process causal pairs
+    T = L // 2
+    assert k0 == sum((t + 1) // KPOOL for t in range(T)) == 3240
+    assert k1 == sum((t + 1) // KPOOL for t in range(T, L)) == 9801
+    assert k0 + k1 == _dsa_keys(reference("dna"))  # together exactly the one-process (query, pool) pairs
 
 
-def test_zigzag_splits_dsa_keys_scored_evenly(distributed):
-    """Zigzag: rank 0 holds pieces 0 and 3, rank 1 pieces 1 and 2 (of L/4): both score c^2 x 3 + c (c + 1)."""
+def test_zigzag_splits_dsa_keys_scored_evenly(distributed, reference):
+    """Zigzag: rank 0 holds pieces 0 and 3, rank 1 pieces 1 and 2 (of 81 tokens): both score about
+    (3 c^2 + c (c + 1)) / KPOOL pools, equal up to rounding (t + 1) / KPOOL down (< 1 per query)."""
     c = L // 4
     k0, k1 = (_dsa_keys(distributed[r]["cp2z"]) for r in range(2))
-    assert k0 == k1 == 3 * c * c + c * (c + 1)
-    assert k0 + k1 == L * (L + 1) // 2
+    assert (k0, k1) == (_pools_scored(2, 0, "zigzag", L), _pools_scored(2, 1, "zigzag", L)) == (6521, 6520)
+    exact = (3 * c * c + c * (c + 1)) / KPOOL
+    assert all(exact - 2 * c < k <= exact for k in (k0, k1))
+    assert k0 + k1 == _dsa_keys(reference("dna"))
 
 
 @pytest.mark.parametrize("case", ["cp2_n", "cp2z_n"])
@@ -177,12 +231,16 @@ def test_cp4_equals_cp1_loss_and_every_gradient(distributed4, reference, case):
     assert ref["count"] == L4
     for rank in range(4):
         _assert_same(distributed4[rank][case], ref)
+    for layer in (FULL, SHARED):
+        assert sum(distributed4[r][case]["keys_attended"][layer] for r in range(4)) == ref["keys_attended"][layer]
 
 
-def test_cp4_dsa_keys_scored_per_rank(distributed4):
-    T, c = L4 // 4, L4 // 8
+def test_cp4_dsa_keys_scored_per_rank(distributed4, reference):
+    c = L4 // 8
     contiguous = [_dsa_keys(distributed4[r]["cp4"]) for r in range(4)]
     zigzag = [_dsa_keys(distributed4[r]["cp4z"]) for r in range(4)]
-    assert contiguous == [T * T * r + T * (T + 1) // 2 for r in range(4)]
-    assert zigzag == [7 * c * c + c * (c + 1)] * 4
-    assert sum(contiguous) == sum(zigzag) == L4 * (L4 + 1) // 2
+    assert contiguous == [_pools_scored(4, r, "contiguous", L4) for r in range(4)] == [528, 1617, 2706, 3795]
+    assert zigzag == [_pools_scored(4, r, "zigzag", L4) for r in range(4)] == [2162, 2161, 2161, 2162]
+    exact = (7 * c * c + c * (c + 1)) / KPOOL
+    assert all(exact - 2 * c < k <= exact for k in zigzag)
+    assert sum(contiguous) == sum(zigzag) == _dsa_keys(reference("short"))

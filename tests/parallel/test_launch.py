@@ -26,6 +26,12 @@ def _cli(*args, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=400)
 
 
+def _pools_scored(a: int, b: int) -> int:
+    """(query, pool) pairs the tiny preset's indexer (pools of 4 tokens) scores for the queries at positions a..b-1:
+    each scores the (t + 1) // 4 complete pools it sees."""
+    return sum((t + 1) // 4 for t in range(a, b))
+
+
 def _losses(run):
     return [(m["step"], m["loss"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
@@ -82,17 +88,18 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, on
     for (_, a), (_, b) in zip(got, want, strict=True):
         assert a == pytest.approx(b, rel=1e-5)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000003"]
-    # per-rank metrics: rank 1 scores 3x rank 0's DSA keys (128-token slices of a 256-token crop)
+    # per-rank metrics: rank 1 scores ~3x rank 0's indexer pools (128-token slices of a 256-token crop)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     k0, k1 = (r["dsa_keys_scored"] for r in last["ranks"])
-    assert (k0, k1) == (128 * 129 // 2, 128 * 128 + 128 * 129 // 2)
+    assert (k0, k1) == (_pools_scored(0, 128), _pools_scored(128, 256)) == (2016, 6112)
     assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == pytest.approx(2 * k1 / (k0 + k1))
 
 
 @pytest.mark.slow
 def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path):
     """``--set train.cp_layout=zigzag``: rank 0 holds pieces 0 and 3 of the 256-token crop, rank 1 pieces 1
-    and 2 (64 tokens each). Losses equal the one-process run; both ranks score the same DSA keys."""
+    and 2 (64 tokens each, a multiple of the pool size 4). Losses equal the one-process run; both ranks score
+    the same indexer pools."""
     run = tmp_path / "zigzag"
     common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3"]
     r = _cli(*common, "--stop-after", "2", "--set", "train.cp_layout=zigzag")
@@ -104,6 +111,8 @@ def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_
     for (_, a), (_, b) in zip(got, want, strict=True):
         assert a == pytest.approx(b, rel=1e-5)
     c = 256 // 4
+    want = _pools_scored(0, c) + _pools_scored(3 * c, 4 * c)
+    assert want == _pools_scored(c, 3 * c) == c * (2 * 2 * c + 2 - 4) // 4 == 4064  # c (2 P c + 2 - kpool) / kpool
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
-        assert [r["dsa_keys_scored"] for r in row["ranks"]] == [3 * c * c + c * (c + 1)] * 2
+        assert [r["dsa_keys_scored"] for r in row["ranks"]] == [want] * 2
     assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == 1.0
