@@ -240,17 +240,20 @@ class ModelConfig:
         """From an HF ``config.json`` dict: a flat ``glm5_next_text`` config or a ``glm5_next`` VL config (its
         ``text_config``). Handles the reference's aliases (``linear_attn_config``, ``index_topk_pattern``,
         ``index_topk_freq``/``index_skip_topk_offset``, ``num_local_experts``); ``runtime`` sets compute knobs.
+        ``tie_word_embeddings`` of a VL config is its top-level flag (default False), the one transformers'
+        ``Glm5NextForConditionalGeneration`` ties ``lm_head`` by; the ``text_config``'s own flag is not used.
 
         Raises:
             ValueError: a ``model_type`` other than glm5_next(_text), an unknown key (named), or an invalid value.
         """
         mt = d.get("model_type")
+        if mt not in (None, "glm5_next_text", "glm5_next"):
+            raise ValueError(f"config.json: model_type {mt!r} is not glm5_next / glm5_next_text")
         if mt == "glm5_next" or "text_config" in d:
             text = dict(d.get("text_config") or {})
-            for k in ("tie_word_embeddings",):
-                if k in d and k not in text:
-                    text[k] = d[k]
-            if not text:  # flat VL config: the text fields sit at the top level
+            if text:  # transformers ties lm_head by the VL config's own flag (Glm5NextConfig default False)
+                text["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
+            else:  # flat VL config: the text fields sit at the top level
                 text = {k: v for k, v in d.items() if k not in ("vision_config", "model_type")}
             d = text
             mt = d.get("model_type", "glm5_next_text")
