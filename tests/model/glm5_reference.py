@@ -53,13 +53,14 @@ VISION = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32, intermed
 
 
 @torch.no_grad()
-def build(text: dict, seed: int = 0):
+def build(text: dict, seed: int = 0, **vl):
     """A random ``Glm5NextForConditionalGeneration`` (fp32, eval) whose zero- or one-initialised parameters
     (indexer pooling ``ape``/gate, mHC ``base``/``scale``, router bias, A_log, norm weights and biases) are
-    re-drawn so that every path of the math matters."""
+    re-drawn so that every path of the math matters. ``vl``: fields of the VL config (e.g. its own
+    ``tie_word_embeddings``)."""
     Config, Model = reference_modules()
     torch.manual_seed(seed)
-    model = Model(Config(text_config=text, vision_config=VISION)).eval()
+    model = Model(Config(text_config=text, vision_config=VISION, **vl)).eval()
     for name, p in model.named_parameters():
         if name.startswith("model.visual"):
             continue
