@@ -1,4 +1,5 @@
-"""Kimi Delta Attention: chunked form vs the token-by-token recurrence, and the layer's chunk contract."""
+"""Kimi Delta Attention: chunked form vs the token-by-token recurrence (and fla's naive), the layer vs transformers'
+glm5_next, gates and init, and the layer's chunk contract."""
 
 import pytest
 import torch
@@ -101,8 +102,8 @@ def test_shape_errors():
         chunk_kda(q, k, v, g, beta, initial_state=s0[:, :1])
 
 
-def _layer(dtype=torch.float64):
-    cfg = preset("tiny")  # d_model 32, 2 heads of 8, conv 4, chunk 16
+def _layer(dtype=torch.float64, **over):
+    cfg = preset("tiny", **over)  # hidden 32, 2 heads of 8, conv 4, chunk 16, safe gate (lower bound -5)
     return KimiDeltaAttention(cfg).to(dtype), cfg
 
 
@@ -112,11 +113,13 @@ def _param_grads(layer):
 
 @pytest.mark.parametrize("splits", [(37,), (18, 19), (1, 2, 34), (17, 20)])
 def test_layer_chunks_equal_one_pass(splits):
-    """One forward over T tokens == consecutive forwards with the carried KDACache (values and gradients)."""
+    """One forward over T tokens == consecutive forwards with the carried KDACache (values and gradients); chunks of
+    1 and 2 tokens are shorter than the conv tail (3 inputs)."""
     layer, cfg = _layer()
     T = sum(splits)
-    x = torch.randn(2, T, cfg.d_model, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(2, T, cfg.d_model, dtype=torch.float64)
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    x = torch.randn(2, T, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, T, cfg.hidden_size, dtype=torch.float64)
 
     y_full, cache_full = layer(x)
     assert layer.stats["path"] == "chunk"
@@ -131,8 +134,8 @@ def test_layer_chunks_equal_one_pass(splits):
         ys.append(y)
         start += n
     assert isinstance(cache, KDACache)
-    assert cache.state.shape == (2, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim)
-    assert cache.conv_state.shape == (2, cfg.kda_conv_size - 1, 3 * cfg.kda_heads * cfg.kda_head_dim)
+    assert cache.state.shape == (2, H, K, K) and cache.state.dtype == torch.float64
+    assert cache.conv_state.shape == (2, cfg.linear_conv_kernel_dim - 1, 3 * H * K)
     y_split = torch.cat(ys, dim=1)
     (y_split * dy).sum().backward()
 
@@ -145,20 +148,61 @@ def test_layer_chunks_equal_one_pass(splits):
 
 
 def test_layer_init_and_gate():
+    """Init as the reference's ``_init_weights``; with the safe gate ``g = -5 sigmoid(exp(A_log) f)`` lies in
+    [-5, 0], without it ``g = -exp(A_log) softplus(f)`` <= 0; beta in (0, 1); q and k unit norm (l2norm)."""
     layer, cfg = _layer(torch.float32)
-    a = layer.A_log.exp()
-    assert ((a >= 1) & (a <= 16)).all()
-    dt = F.softplus(layer.dt_bias)
+    fg = layer.forget_gate
+    assert bool((fg.A_log == 0).all())  # safe gate: A = 1
+    dt = F.softplus(fg.dt_bias)
     assert ((dt >= 1e-3 - 1e-7) & (dt <= 0.1 + 1e-7)).all()
-    x = torch.randn(1, 5, cfg.d_model)
+    x = torch.randn(1, 5, cfg.hidden_size) * 10
     q, k, v, g, beta, _ = layer.project(x)
-    assert (g <= 0).all() and ((beta > 0) & (beta < 1)).all()
-    torch.testing.assert_close(q.norm(dim=-1), torch.ones(1, 5, cfg.kda_heads), atol=1e-3, rtol=0)
+    f = fg.f_b_proj(fg.f_a_proj(x)) + fg.dt_bias
+    torch.testing.assert_close(g, -5.0 * torch.sigmoid(f).view_as(g), atol=1e-6, rtol=0)
+    assert (g <= 0).all() and (g >= -5).all() and ((beta > 0) & (beta < 1)).all()
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(1, 5, cfg.linear_num_heads), atol=1e-3, rtol=0)
+    torch.testing.assert_close(k.norm(dim=-1), torch.ones(1, 5, cfg.linear_num_heads), atol=1e-3, rtol=0)
+
+    layer, cfg = _layer(torch.float32, linear_lower_bound=None)
+    fg = layer.forget_gate
+    a = fg.A_log.exp()
+    assert ((a >= 1) & (a <= 16)).all()
+    with torch.no_grad():
+        fg.dt_bias.fill_(10.0)  # softplus(f) ~ 10: far below the safe gate's bound
+    _, _, _, g, _, _ = layer.project(x)
+    f = (fg.f_b_proj(fg.f_a_proj(x)) + fg.dt_bias).view_as(g)
+    torch.testing.assert_close(g, -a.view(1, 1, -1, 1) * F.softplus(f), atol=1e-5, rtol=1e-6)
+    assert (g < -5).all()  # no lower bound
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_layer_equals_transformers_linear_attention(lower_bound):
+    """The layer (conv, gates, l2norm, chunked core, gated o_norm) equals transformers'
+    ``Glm5NextTextLinearAttention`` with the same weights (same in-memory names), fp32, relative error
+    ``max |ours - ref| / max |ref|`` <= 1e-5, on a length that is not a multiple of either chunk size."""
+    from glm5_reference import reference_modules
+    from transformers import Glm5NextTextConfig
+
+    reference_modules()  # the reference's PyTorch KDA (no Triton on CPU)
+    import transformers.models.glm5_next.modeling_glm5_next as M
+
+    layer, cfg = _layer(torch.float32, linear_lower_bound=lower_bound)
+    with torch.no_grad():  # away from init: every gate and norm weight matters
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    hf = Glm5NextTextConfig(**cfg.to_hf_dict())
+    ref = M.Glm5NextTextLinearAttention(hf, 0)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 83, cfg.hidden_size)
+    with torch.no_grad():
+        y, _ = layer(x)
+        y_ref = ref(x)
+    assert float((y - y_ref).abs().max() / y_ref.abs().max()) <= 1e-5
 
 
 def test_layer_bf16_autocast_keeps_gates_fp32():
     layer, cfg = _layer(torch.float32)
-    x = torch.randn(1, 20, cfg.d_model)
+    x = torch.randn(1, 20, cfg.hidden_size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, _, v, g, beta, _ = layer.project(x)
         y, cache = layer(x)
@@ -182,10 +226,10 @@ def test_layer_on_real_dna_chunk_vs_recurrent(realdna):
     """chr22 bases -> embedding -> KDA layer: the chunked core equals the recurrence (values, gradients)."""
     layer, cfg = _layer()
     tokens = _chr22_tokens(realdna, 300)
-    emb = torch.nn.Embedding(5, cfg.d_model, dtype=torch.float64)
-    dy = torch.randn(1, 300, cfg.d_model, dtype=torch.float64)
+    emb = torch.nn.Embedding(5, cfg.hidden_size, dtype=torch.float64)
+    dy = torch.randn(1, 300, cfg.hidden_size, dtype=torch.float64)
 
-    x = emb(tokens)[None]  # [1, 300, d_model]
+    x = emb(tokens)[None]  # [1, 300, hidden_size]
     y_chunk, cache = layer(x)
     (y_chunk * dy).sum().backward()
     g_chunk = _param_grads(layer) | {"emb": emb.weight.grad.clone()}
