@@ -377,7 +377,7 @@ PRESETS: dict[str, ModelConfig] = _presets()
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """Return a copy of the named preset with ``overrides`` applied (lists re-derived and re-checked).
+    """Return a copy of the named preset with ``overrides`` applied (derived fields re-derived, all re-checked).
 
     Raises:
         KeyError: unknown preset name (the message lists the known ones).
@@ -389,6 +389,8 @@ def preset(name: str, **overrides) -> ModelConfig:
     if "num_hidden_layers" in overrides:  # derived lists follow a new layer count unless given
         for k in ("layer_types", "mlp_layer_types", "indexer_types"):
             overrides.setdefault(k, None)
+    if "num_attention_heads" in overrides:  # and the key/value heads follow the heads
+        overrides.setdefault("num_key_value_heads", None)
     return dataclasses.replace(base, **overrides)
 
 
