@@ -1,10 +1,11 @@
-"""HybridLM: the chunk contract and the bookkeeping the trainer relies on."""
+"""HybridLM: the chunk contract on real DNA, and the bookkeeping the trainer relies on (stats, counts, FLOPs, casts,
+auxiliary losses, router balancing)."""
 
 import torch
 
 from genoctx.data.tokenizer import BOS, encode
 from genoctx.model.config import preset
-from genoctx.model.model import HybridLM, shift_inputs, token_losses
+from genoctx.model.model import FP32_PARAMETERS, HybridLM, cast_model, flops_per_token, shift_inputs, token_losses
 
 
 def _real_tokens(realdna, n: int, offset: int = 1000) -> torch.Tensor:
@@ -36,7 +37,7 @@ def test_chunks_with_carried_cache_equal_one_pass(realdna):
     tokens = _real_tokens(realdna, 150)
     ref, cache1 = _loss(model, tokens, 1)
     g_ref = torch.autograd.grad(ref, [p for p in model.parameters()], allow_unused=True)
-    for k in (2, 3):
+    for k in (2, 3, 7):
         got, cache_k = _loss(model, tokens, k)
         assert cache_k.position == cache1.position == 150
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
@@ -53,58 +54,111 @@ def test_layer_stats_record_the_sparse_path(realdna):
     model(shift_inputs(_real_tokens(realdna, 64), BOS))
     stats = model.layer_stats()
     assert [s["mixer"] for s in stats] == ["kda", "dsa"]
-    assert stats[1]["path"] == "sparse"
-
-
-def test_parameter_counts_active_below_total():
-    counts = HybridLM(preset("tiny")).num_parameters()
-    assert 0 < counts["active"] < counts["total"]
+    assert stats[0]["path"] == "chunk"
+    assert stats[1]["path"] == "sparse" and stats[1]["indexer"] == "full"
+    assert 0 < stats[1]["keys_attended"] < 64 * 65 // 2
 
 
 def test_parameter_counts_equal_hand_computation_for_tiny():
-    """tiny: d=32, layers K D, KDA 2 heads of 8, DSA 2 heads of 8 (1 kv), indexer 2 x 8, 4 experts of 16 (top-2,
-    1 shared), n = 2 streams, vocab 8. Every weight counted by hand."""
+    """tiny: hidden 32, vocab 8, layers K (dense MLP 48) and D (MoE: 4 experts of 16, top-2, 1 shared); KDA 2 heads of
+    8, conv 4; MLA 2 heads, q-LoRA 24, kv-LoRA 16, qk 8, v 8; indexer 2 x 8, pools of 4; mHC 2 streams. Every weight
+    counted by hand."""
     d, hk = 32, 16
-    kda = 3 * d * hk + 3 * hk * 4 + (d * 8 + 8 * hk) + 2 + hk + d * 2 + (d * 8 + 8 * hk + hk) + 8 + hk * d
-    dsa = d * 16 + 2 * d * 8 + 16 * d + d * 16 + d * 8 + d * 2
-    moe = 4 * d + 3 * 4 * d * 16 + 3 * d * 16
-    hc = 8 * 64 + 3 + 2 + 2 + 4  # phi [n(n+2), n d], alpha x3, b_pre, b_post, b_res
-    block = moe + 2 * hc + 2 * d  # + two RMSNorm weights
-    total = 8 * d + 8 * d + d + (kda + block) + (dsa + block)  # embed, head, final norm, blocks
-    assert (kda, dsa, moe, hc, total) == (3114, 2368, 7808, 523, 23862)
-    active = total - 2 * (4 - 2) * 3 * d * 16  # two unused experts per token in each of the 2 layers
+    kda = 3 * d * hk + 3 * hk * 4 + (d * 8 + 8 * hk + hk + 2) + d * 2 + (d * 8 + 8 * hk) + 8 + hk * d
+    indexer = 24 * 16 + d * 8 + 2 * 8 + d * 2 + 4 * 8 + 8 * d  # wq_b, wk, k_norm (w, b), weights_proj, ape, gate
+    dsa = d * 24 + 24 + 24 * 2 * 8 + d * 16 + 16 + 16 * 2 * (8 + 8) + 2 * 8 * d + indexer
+    mlp = 3 * d * 48
+    moe = 4 * d + 4 * (2 * 16 * d + d * 16) + 3 * d * 16  # router, experts (gate_up, down), shared expert
+    hc = (2 + 2) * 2 * (2 * d) + (2 + 2) * 2 + 3  # fn, base, scale
+    norms = 2 * d
+    total = 8 * d + 8 * d + d + (kda + mlp + 2 * hc + norms) + (dsa + moe + 2 * hc + norms)
+    assert (kda, dsa, moe, hc, total) == (3098, 3736, 7808, 523, 22014)
+    active = total - (4 - 2) * 3 * d * 16  # two unused experts per token in the one MoE layer
     assert HybridLM(preset("tiny")).num_parameters() == {"total": total, "active": active}
     with torch.device("meta"):
         assert HybridLM(preset("tiny")).num_parameters() == {"total": total, "active": active}
 
 
-def test_flops_per_token_equal_hand_computation_for_tiny():
-    """FLOPs formula of flops_per_token, written out for tiny at L = 40 (top-16, chunk 16, head dim 8)."""
-    from genoctx.model.model import flops_per_token
+def test_parameter_counts_of_the_published_model():
+    """GLM-5.3-Flash's text model (no vision tower, no MTP layer), counted on the meta device: 313.3B / 17.4B."""
+    with torch.device("meta"):
+        counts = HybridLM(preset("glm-5.3-flash")).num_parameters()
+    assert round(counts["total"] / 1e9, 1) == 313.3 and round(counts["active"] / 1e9, 1) == 17.4
 
+
+def test_flops_per_token_equal_hand_computation_for_tiny():
+    """The formula of flops_per_token, written out for tiny at L = 40 (top-16 tokens as pools of 4 plus the tail,
+    KDA chunk 16, head dim 8, MLA 2 heads on a 16-wide latent, indexer 2 x 8)."""
     cfg = preset("tiny")
     active = HybridLM(cfg).num_parameters()["active"]
     L = 40
-    k_eff = (sum(range(1, 17)) + (L - 16) * 16) / L  # mean of min(16, t), t = 1..40
+    k_eff = (sum(range(1, 17)) + (L - 16) * 16) / L + (4 - 1) / 2  # mean of min(16, t), plus half a pool of tail
     mean_vis = (L + 1) / 2
     kda = 2 * (4 * 16 * 8 + 3 * 8 * 8)  # 1 KDA layer, 2 heads
-    attn = 2 * 2 * 8 * k_eff  # 1 DSA layer, 2 heads of 8
-    indexer = 2 * 8 * mean_vis + (3 * 2 * 8 + 2 * 8) * k_eff
+    attn = 2 * 2 * 16 * k_eff  # 1 DSA layer: QK and PV, 2 heads, latent 16
+    scoring = 2 * 8 * mean_vis / 4  # every visible complete pool
+    kl = (3 * 2 * 8 / 4 + 2 * 16) * k_eff
     f = flops_per_token(cfg, L, active)
-    want = {"dense": 6 * (active - 8 * 32), "kda": 6 * kda, "dsa_attention": 6 * attn, "dsa_indexer": 2 * indexer}
+    want = {"dense": 6 * (active - 8 * 32), "kda": 6 * kda, "dsa_attention": 6 * attn}
+    want["dsa_indexer"] = 2 * (scoring + kl)
     for key, val in want.items():
         assert abs(f["train"][key] - val) < 1e-6, key
     assert abs(f["train"]["total"] - sum(want.values())) < 1e-6
-    assert abs(f["forward"]["dsa_indexer"] - 2 * 2 * 8 * mean_vis) < 1e-6
+    assert abs(f["forward"]["dsa_indexer"] - 2 * scoring) < 1e-6
+    assert abs(f["forward"]["dsa_attention"] - 2 * attn) < 1e-6
 
 
 def test_layer_stats_report_tokens_per_expert(realdna):
     model = HybridLM(preset("tiny"))
     model(shift_inputs(_real_tokens(realdna, 64), BOS))
-    for s in model.layer_stats():
-        tpe = s["moe_tokens_per_expert"]
-        assert len(tpe) == 4 and sum(tpe) == 64 * 2  # every token routed to top-2 experts
-        assert abs(s["moe_load_max_over_mean"] - max(tpe) / (sum(tpe) / 4)) < 1e-9
+    stats = model.layer_stats()
+    assert "moe_tokens_per_expert" not in stats[0]  # dense MLP
+    tpe = stats[1]["moe_tokens_per_expert"]
+    assert len(tpe) == 4 and sum(tpe) == 64 * 2  # every token routed to top-2 experts
+    assert abs(stats[1]["moe_load_max_over_mean"] - max(tpe) / (sum(tpe) / 4)) < 1e-9
+
+
+def test_aux_loss_and_router_balancing(realdna):
+    """``aux_loss()`` sums what the layers produced (indexer KL; MoE balance loss when its coefficient is set);
+    ``update_router_biases()`` runs the balancing step of every MoE layer."""
+    model = HybridLM(preset("tiny", moe_aux_loss_coef=0.1))
+    x = shift_inputs(_real_tokens(realdna, 64), BOS)
+    model(x)
+    dsa, moe = model.layers[1].self_attn, model.layers[1].mlp
+    torch.testing.assert_close(model.aux_loss(), dsa.aux_loss + moe.aux_loss)
+    bias = moe.gate.e_score_correction_bias.clone()
+    out = model.update_router_biases()
+    assert len(out) == 1 and sum(out[0]["tokens_per_expert"]) == 64 * 2
+    assert not torch.equal(bias, moe.gate.e_score_correction_bias)
+    with torch.no_grad():
+        model(x)
+    assert model.layers[1].self_attn.aux_loss is None  # the indexer KL only with grad
+
+
+def test_cache_detach_keeps_values_cuts_graph(realdna):
+    model = HybridLM(preset("tiny"))
+    _, cache = model(shift_inputs(_real_tokens(realdna, 30), BOS))
+    assert cache.layers[1].latent.requires_grad
+    cut = cache.detach()
+    assert cut.position == cache.position == 30
+    for a, b in zip(cache.layers, cut.layers, strict=True):
+        for k, v in vars(a).items():
+            if torch.is_tensor(v):
+                w = getattr(b, k)
+                assert torch.equal(v, w) and not w.requires_grad, k
+
+
+def test_cast_model_keeps_fp32_islands():
+    model = cast_model(HybridLM(preset("tiny")), torch.bfloat16)
+    islands = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point():
+            want = torch.float32 if name.endswith(FP32_PARAMETERS) else torch.bfloat16
+            assert t.dtype == want, name
+            islands += name.endswith(FP32_PARAMETERS)
+    assert islands == 3 + 1 + 2 * 4  # conv1d, dt_bias, A_log; a router bias; mHC base/scale of 2 layers x 2
+    cast_model(model, torch.float64)
+    assert all(t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point())
 
 
 def test_bf16_autocast_forward_backward_close_to_fp32(realdna):
@@ -115,7 +169,7 @@ def test_bf16_autocast_forward_backward_close_to_fp32(realdna):
     ref, _ = _loss(model, tokens, 1)
     g_ref = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
     seen = {}
-    kda = model.blocks[0].mixer
+    kda = model.layers[0].self_attn
     orig = kda.project
 
     def spy(x, conv_state=None):
