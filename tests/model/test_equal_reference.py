@@ -203,13 +203,17 @@ def test_redrawn_parameters_matter(checkpoint, suffix):
 
 
 @pytest.mark.parametrize("t", [157, 7, 1])
-def test_lengths_and_tiles_not_multiples(checkpoint, t):
+def test_lengths_and_tiles_not_multiples(checkpoint, monkeypatch, t):
     """(e) Lengths that are not multiples of the pool (4), the KDA chunk (16), the MoE chunk (37 tokens), the
-    indexer tile (50 scores: one query row of 32 pool columns per tile) or the attention tile (150 slots: 7 query
-    rows of 19 selected tokens); and lengths below ``index_topk`` (7) and of one token, on batch 2."""
+    indexer tiles (5 query rows x 32 pool columns, pruned in groups of 8: the 39 pools of 157 tokens make one full
+    and one partial column block) or the attention tile (150 slots: 7 query rows of 19 selected tokens); and
+    lengths below ``index_topk`` (7) and of one token, on batch 2."""
+    monkeypatch.setattr(dsa, "INDEX_COL_BLOCK", 32)
+    monkeypatch.setattr(dsa, "INDEX_GROUP", 8)
+    monkeypatch.setattr(dsa, "INDEX_ROW_TILE", 5)
     ref, path = checkpoint("kkkd")
     loaded = load_hf(path)
-    cfg = dataclasses.replace(loaded.cfg, kda_chunk_size=16, indexer_tile_tokens=50, moe_chunk_tokens=37)
+    cfg = dataclasses.replace(loaded.cfg, kda_chunk_size=16, indexer_tile_tokens=160, moe_chunk_tokens=37)
     ours = HybridLM(cfg).eval()
     ours.load_state_dict(loaded.state_dict())
     for layer in ours.layers:
