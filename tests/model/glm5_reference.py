@@ -55,7 +55,8 @@ VISION = dict(depth=1, hidden_size=16, num_heads=2, out_hidden_size=32, intermed
 @torch.no_grad()
 def build(text: dict, seed: int = 0, **vl):
     """A random ``Glm5NextForConditionalGeneration`` (fp32, eval) whose zero- or one-initialised parameters
-    (indexer pooling ``ape``/gate, mHC ``base``/``scale``, router bias, A_log, norm weights and biases) are
+    (indexer pooling ``ape``/gate, mHC ``base``/``scale``, router bias, A_log, norm weights and biases, attention
+    biases) are
     re-drawn so that every path of the math matters. ``vl``: fields of the VL config (e.g. its own
     ``tie_word_embeddings``)."""
     Config, Model = reference_modules()
@@ -74,7 +75,7 @@ def build(text: dict, seed: int = 0, **vl):
             p.normal_(0, 0.5)
         elif name.endswith(("norm.weight", "layernorm.weight")):
             p.uniform_(0.5, 1.5)
-        elif name.endswith("norm.bias"):
+        elif name.endswith(("norm.bias", "proj.bias", "proj_with_mqa.bias")):  # attention_bias=True
             p.normal_(0, 0.1)
         elif name.endswith("embed_tokens.weight"):
             p.normal_(0, 1.0)

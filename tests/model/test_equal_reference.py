@@ -55,6 +55,17 @@ CASES = {
     "shared": K_D_D_D_SHARED,
     # (d) group-limited routing: 4 groups of 2 experts, top-2 groups
     "n_group": dict(n_group=4, topk_group=2),
+    # other switches of the published config
+    "attention_bias": dict(attention_bias=True),
+    "no_topk_norm-2_shared": dict(norm_topk_prob=False, n_shared_experts=2),
+    "no_gate_bound": dict(linear_lower_bound=None),
+    "one_stream": dict(hc_mult=1),
+    "dsa_first": dict(
+        num_hidden_layers=5,
+        layer_types=["indexed_attention"] * 2 + ["linear_attention"] * 3,
+        indexer_types=["full", "shared", "full", "full", "full"],
+        mlp_layer_types=["sparse"] * 5,
+    ),
 }
 
 
