@@ -169,6 +169,21 @@ def test_coefficients_in_range_and_stream_mean_nearly_conserved():
     torch.testing.assert_close(reduce_streams(out), reduce_streams(x), atol=5e-3, rtol=0)
 
 
+def test_extreme_logits_stay_finite():
+    """Mixing logits of order 1e3 (softmax saturates to one-hot + eps): the coefficients stay finite, columns of comb
+    still sum to 1, and so do the gradients."""
+    hc = _randomise(HyperConnection(8, 3), scale=0.3)
+    with torch.no_grad():
+        hc.fn.mul_(1e4)
+    x = torch.randn(2, 5, 3, 8, requires_grad=True)
+    pre, post, comb = hc.coefficients(x)
+    assert all(bool(torch.isfinite(t).all()) for t in (pre, post, comb))
+    torch.testing.assert_close(comb.sum(-2), torch.ones(2, 5, 3), atol=1e-4, rtol=0)
+    h, coeffs = hc.pre(x)
+    (h.sum() + hc.post(x, h, coeffs).sum()).backward()
+    assert bool(torch.isfinite(x.grad).all()) and all(bool(torch.isfinite(p.grad).all()) for p in hc.parameters())
+
+
 def test_init_as_the_reference():
     hc = HyperConnection(256, 4)
     assert hc.fn.shape == (6 * 4, 4 * 256) and hc.base.shape == (24,) and hc.scale.shape == (3,)
