@@ -233,7 +233,7 @@ class ModelConfig:
         and with transformers' ``Glm5NextTextConfig``)."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k not in self._runtime}
         d["head_dim"] = self.qk_rope_head_dim
-        return {"model_type": "glm5_next_text", "architectures": ["Glm5NextForCausalLM"], **d}
+        return {"model_type": "glm5_next_text", **d}
 
     @classmethod
     def from_hf_dict(cls, d: dict, **runtime) -> ModelConfig:
