@@ -248,7 +248,7 @@ class ModelConfig:
         """
         mt = d.get("model_type")
         if mt not in (None, "glm5_next_text", "glm5_next"):
-            raise ValueError(f"config.json: model_type {mt!r} is not glm5_next / glm5_next_text")
+            raise ValueError(f"model_type {mt!r} is not glm5_next / glm5_next_text")
         if mt == "glm5_next" or "text_config" in d:
             text = dict(d.get("text_config") or {})
             if text:  # transformers ties lm_head by the VL config's own flag (Glm5NextConfig default False)
@@ -258,13 +258,13 @@ class ModelConfig:
             d = text
             mt = d.get("model_type", "glm5_next_text")
         if mt not in (None, "glm5_next_text", "glm5_next"):
-            raise ValueError(f"config.json: model_type {mt!r} is not glm5_next / glm5_next_text")
+            raise ValueError(f"model_type {mt!r} is not glm5_next / glm5_next_text")
         names = {f.name for f in dataclasses.fields(cls)} - set(cls._runtime)
         vision_keys = {"vision_config", "image_token_id", "video_token_id", "image_start_token_id",
                        "image_end_token_id", "video_start_token_id", "video_end_token_id"}  # fmt: skip
         unknown = sorted(set(d) - names - _HF_IGNORED - vision_keys)
         if unknown:
-            raise ValueError(f"config.json: unknown glm5_next keys {unknown}")
+            raise ValueError(f"unknown glm5_next keys {unknown}")
         kw = {k: v for k, v in d.items() if k in names}
         if "num_local_experts" in d and "n_routed_experts" not in kw:
             kw["n_routed_experts"] = d["num_local_experts"]
