@@ -54,6 +54,7 @@ log = logging.getLogger("genoctx")
 
 PREFIXES = ("model.language_model.", "model.")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_STORED = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
@@ -115,25 +116,6 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, Slot]:
         else:
             for n in ("gate_proj", "up_proj", "down_proj"):
                 out[f"{m}{n}.weight"] = Slot(f"{m}{n}.weight")
-    return out
-
-
-def _internal_aliases(cfg: ModelConfig) -> dict[str, str]:
-    """transformers' in-memory names that differ from the published ones -> genoctx names (whole tensors)."""
-    out = {}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        for part in ("fn", "base", "scale"):
-            out[f"{p}attn_hc.{part}"] = f"{p}attn_hc.{part}"
-            out[f"{p}ffn_hc.{part}"] = f"{p}ffn_hc.{part}"
-        if cfg.layer_types[i] != DSA:
-            a = p + "self_attn."
-            for n in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
-                out[a + "forget_gate." + n] = a + "forget_gate." + n
-            out[a + "conv1d.weight"] = a + "conv1d.weight"
-        if cfg.mlp_layer_types[i] == "sparse":
-            for n in ("gate_up_proj", "down_proj"):
-                out[f"{p}mlp.experts.{n}"] = f"{p}mlp.experts.{n}"
     return out
 
 
@@ -228,32 +210,22 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
         name = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
         dtype = torch.bfloat16 if block else _DTYPES.get(str(name), None)
     layout = checkpoint_layout(cfg)
-    aliases = _internal_aliases(cfg)
     with torch.device("meta"):
         model = HybridLM(cfg)
     from safetensors import safe_open
 
-    # settle the dtype from the first stored float tensor if the config does not say
     handles = {}
     try:
         for f in files:
             handles[f] = safe_open(str(f), framework="pt")
-        if dtype is None:
-            dtype = torch.float32
-            for h in handles.values():
-                for k in h.keys():
-                    t = h.get_slice(k)
-                    st = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(t.get_dtype())
-                    if st is not None:
-                        dtype = st
-                        break
-                else:
-                    continue
-                break
+        if dtype is None:  # the config does not say: the first stored float tensor's dtype
+            stored = (_STORED.get(h.get_slice(k).get_dtype()) for h in handles.values() for k in h.keys())
+            dtype = next((d for d in stored if d is not None), torch.float32)
         cast_model(model, dtype)
         model.to_empty(device="cpu")
         params = dict(model.named_parameters())
         params.update(dict(model.named_buffers()))
+        # transformers' in-memory names (attn_hc.fn, forget_gate.*, conv1d.weight, stacked experts) are genoctx's
         persistent = set(model.state_dict().keys())
         for name, b in model.named_buffers():
             if name not in persistent:
@@ -262,8 +234,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
         for f, h in handles.items():
             for k in h.keys():
                 where[k] = f
-        filled: set[tuple[str, str]] = set()
-        whole: set[str] = set()  # parameters loaded as one tensor (transformers' in-memory names)
+        filled: set[tuple[str, str]] = set()  # (parameter, repr(index)); index None: loaded whole
         skipped = {"vision": 0, "mtp": 0}
         mtp = re.compile(r"^layers\.(\d+)\.|\.shared_head\.")
         for key, f in where.items():
@@ -286,8 +257,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
             if short == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             slot = layout.get(short)
-            if slot is None and short in aliases:
-                slot = Slot(aliases[short])
+            if slot is None and short in persistent:
+                slot = Slot(short)
             if slot is None:
                 raise GenoctxError(f"{f.name}: unknown tensor {key} (not a glm5_next text-model tensor)")
             t = handles[f].get_tensor(key)
@@ -306,13 +277,11 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
             with torch.no_grad():
                 view.copy_(t)
             filled.add((slot.name, repr(slot.index)))
-            if slot.index is None:
-                whole.add(slot.name)
             del t
     finally:
         handles.clear()
     for ck, slot in layout.items():
-        if slot.name not in whole and (slot.name, repr(slot.index)) not in filled:
+        if (slot.name, "None") not in filled and (slot.name, repr(slot.index)) not in filled:
             raise GenoctxError(f"{root}: tensor {ck} is missing (searched {', '.join(f.name for f in files)})")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
