@@ -343,7 +343,6 @@ class KimiDeltaAttention(nn.Module):
         self.n_heads, self.head_dim, self.key_dim = H, Dh, H * Dh
         self.conv_size = cfg.linear_conv_kernel_dim
         self.chunk_size = cfg.kda_chunk_size
-        self.norm_eps = cfg.rms_norm_eps
         self.init_std = cfg.initializer_range
         self.use_fla = use_fla
         self.recompute = recompute
