@@ -2,8 +2,12 @@
 
 Design choices:
 - A file is downloaded to ``NAME.part`` beside its destination; after an interruption the next attempt
-  asks for the rest with ``Range: bytes=N-`` (a server that answers 200 instead of 206 is read from the
-  start). Connection errors, timeouts and 5xx answers are retried with exponential backoff
+  asks for the rest with ``Range: bytes=N-``. The answer is checked before a byte is appended: a 206 must
+  carry ``Content-Range: bytes N-END/TOTAL`` starting at N, ending at TOTAL - 1, with a Content-Length of
+  END - N + 1 and (when an earlier answer told it) the same TOTAL; a 416 must say the file is N bytes.
+  Otherwise, and when the server ignores the range (200), the partial file is dropped and the file starts
+  again from byte 0 at once, with one warning. Connection errors, timeouts and 5xx answers are retried with
+  exponential backoff
   (``backoff * 2**attempt`` seconds); 4xx answers (404) fail at once with the URL in the message.
 - The finished ``.part`` is checked against the md5 from the server's ``md5sum.txt`` and only then renamed
   into place (``os.replace``), so a file in the cache is always a verified one. A checksum mismatch
@@ -22,6 +26,7 @@ import hashlib
 import http.client
 import logging
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -56,38 +61,87 @@ def _md5_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fetch_once(url: str, part: Path, timeout: float, on_progress: ProgressFn | None) -> None:
-    """One attempt: continue ``part`` from its current size. Raises urllib/http/OSError on failure."""
+def _fetch_once(url: str, part: Path, timeout: float, on_progress: ProgressFn | None, sizes: dict[str, int]) -> None:
+    """One attempt: continue ``part`` from its current size, or start it again from byte 0 when the server's
+    answer to the range request does not fit (see the module docstring). ``sizes["total"]`` remembers the file
+    size an earlier answer gave. Raises urllib/http/OSError on failure."""
     have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": "genoctx", "Accept-Encoding": "identity"})
-    if have:
-        request.add_header("Range", f"bytes={have}-")
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and have:  # the range starts at the end: the part is complete (or too long)
+    while True:
+        request = urllib.request.Request(url, headers={"User-Agent": "genoctx", "Accept-Encoding": "identity"})
+        if have:
+            request.add_header("Range", f"bytes={have}-")
+        try:
+            response = urllib.request.urlopen(request, timeout=timeout)
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and have:  # the range starts at or past the end: the part is complete, or too long
+                total = _range_total(e.headers.get("Content-Range"))
+                e.close()
+                if total is None or total == have:
+                    return
+                log.warning("%s: asked for bytes from %d, the server says the file is %d bytes; starting the file "
+                            "again from byte 0", url, have, total)  # fmt: skip
+                part.unlink(missing_ok=True)
+                have = 0
+                continue
+            raise
+        with response:
+            status = response.status
+            length = response.headers.get("Content-Length")
+            expected = int(length) if length is not None and length.strip().isdigit() else None
+            if have and status == 206:
+                content_range = response.headers.get("Content-Range")
+                problem = _range_problem(content_range, have, expected, sizes.get("total"))
+                if problem is not None:
+                    log.warning("%s: asked for bytes from %d, %s; starting the file again from byte 0",
+                                url, have, problem)  # fmt: skip
+                    part.unlink(missing_ok=True)  # the answer is dropped unread with the connection
+                    have = 0
+                    continue
+                mode, done = "ab", have
+                total = _range_total(content_range)
+            elif status == 206:
+                raise http.client.HTTPException(f"206 partial answer to a request without Range ({url})")
+            else:  # 200: the whole file, from byte 0
+                if have:
+                    log.warning("%s: the server ignored Range (asked for bytes from %d, answered %d with the whole "
+                                "file); starting the file again from byte 0", url, have, status)  # fmt: skip
+                mode, done = "wb", 0
+                total = expected
+            if total is not None:
+                sizes["total"] = total
+            got = 0
+            with open(part, mode) as f:
+                while block := response.read1(_CHUNK):  # what has arrived, up to 1 MiB: progress on slow links
+                    f.write(block)
+                    got += len(block)
+                    done += len(block)
+                    if on_progress is not None:
+                        on_progress(done, total)
+            if expected is not None and got != expected:
+                raise http.client.IncompleteRead(b"", expected - got)
             return
-        raise
-    with response:
-        status = response.status
-        length = response.headers.get("Content-Length")
-        if have and status == 206:
-            mode, done = "ab", have
-            total = _range_total(response.headers.get("Content-Range"))
-        else:  # 200: the server ignored the range, start over
-            mode, done = "wb", 0
-            total = int(length) if length is not None else None
-        expected = int(length) if length is not None else None
-        got = 0
-        with open(part, mode) as f:
-            while block := response.read1(_CHUNK):  # what has arrived, up to 1 MiB: progress on slow links
-                f.write(block)
-                got += len(block)
-                done += len(block)
-                if on_progress is not None:
-                    on_progress(done, total)
-        if expected is not None and got != expected:
-            raise http.client.IncompleteRead(b"", expected - got)
+
+
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+
+
+def _range_problem(content_range: str | None, have: int, length: int | None, known_total: int | None) -> str | None:
+    """Why a 206 answer to ``Range: bytes={have}-`` cannot be appended to ``have`` bytes, or None if it can."""
+    m = _CONTENT_RANGE.match(content_range or "")
+    if m is None:
+        return f"the server's 206 answer has no usable Content-Range ({content_range!r})"
+    start, end, total = int(m.group(1)), int(m.group(2)), None if m.group(3) == "*" else int(m.group(3))
+    if start != have or end < start:
+        return f"the server's Content-Range is {content_range.strip()!r}"
+    if total is not None and end != total - 1:
+        return f"the server's Content-Range {content_range.strip()!r} does not run to the end of the file"
+    if length is not None and length != end - start + 1:
+        return f"the server's Content-Range {content_range.strip()!r} disagrees with its Content-Length {length}"
+    if total is not None and known_total is not None and total != known_total:
+        return (
+            f"the server's Content-Range {content_range.strip()!r} gives another file size than before ({known_total})"
+        )
+    return None
 
 
 def _range_total(content_range: str | None) -> int | None:
@@ -158,6 +212,7 @@ def _fetch_with_retries(
 ) -> None:
     bar = None
     callback = on_progress
+    sizes: dict[str, int] = {}  # the file size the server gave, checked against later answers
     if show:
         from rich.console import Console
         from rich.progress import (
@@ -189,7 +244,7 @@ def _fetch_with_retries(
     try:
         for attempt in range(retries + 1):
             try:
-                _fetch_once(url, part, timeout, callback)
+                _fetch_once(url, part, timeout, callback, sizes)
                 return
             except urllib.error.HTTPError as e:
                 if e.code < 500:

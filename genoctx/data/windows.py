@@ -3,6 +3,7 @@
 Layout of a prepared directory ``OUT``::
 
     OUT/manifest.json                 written last; the only file readers need to start from
+    OUT/.genoctx.lock                 the writers' lock (genoctx.lock); empty when no prepare is running
     OUT/shards/{chrom}.tokens.u8      the whole record as raw uint8 token ids (np.memmap-able)
     OUT/shards/{chrom}.softmask.u8    0/1 per base (1 = lower case in the FASTA); all 0 with uppercase_only
     OUT/shards/{chrom}.json           sidecar: md5s, counts and the arguments that produced the shard
@@ -13,10 +14,15 @@ Design choices:
 - The N policy is "never scored": windows whose N fraction exceeds ``max_n_fraction`` are skipped and
   counted; the N inside kept windows stay as token N and are masked from the loss downstream.
 - The split is by chromosome (default: chr22 held out for eval, every other record trains).
+- One writer per ``OUT``: a run holds :func:`genoctx.lock.output_lock` from before it reads an existing
+  manifest until its own manifest is written; a second run into the same folder is refused with the first
+  one's PID (or, with ``wait=True``, waits for it and then finds the folder prepared).
 - Every file is written atomically (temporary name in the same folder, fsync, ``os.replace``). A rerun with
   the same arguments reuses shards whose bytes still match the md5 in their sidecar; a rerun with other
-  arguments into a directory prepared differently is refused. On a user error nothing written by the run
-  is left behind.
+  arguments into a directory prepared differently is refused, naming each argument that differs. On a user
+  error nothing written by the run is left behind.
+- A record shorter than the window gives no window unless partial windows are kept: an error for a record
+  asked for by name, a warning naming each such record for the default split (every record of the FASTA).
 - Counting N and soft-masked bases per window uses block prefix sums (4096-base blocks), so it costs
   O(length + windows x block) whatever the stride.
 
@@ -43,6 +49,7 @@ import numpy as np
 from genoctx.data.fasta import FastaError, FastaStream, fasta_md5, is_gzip, line_at
 from genoctx.data.tokenizer import VOCAB, InvalidBaseError, N, encode_chunk
 from genoctx.errors import GenoctxError
+from genoctx.lock import OutputLock, output_lock
 
 log = logging.getLogger(__name__)
 
@@ -348,12 +355,15 @@ class _Run:
             missing.append(p)
             p = p.parent
         path.mkdir(parents=True, exist_ok=True)
-        self.dirs.extend(missing)  # deepest first
+        self.dirs.extend(reversed(missing))  # in the order they were made
 
-    def rollback(self) -> None:
+    def rollback(self, lock: OutputLock | None = None) -> None:
+        """Remove the run's files, then its lock file if the run created it, then the run's folders."""
         for f in self.files:
             f.unlink(missing_ok=True)
-        for d in self.dirs:
+        if lock is not None and (lock.created or lock.folder in self.dirs):
+            lock.discard()
+        for d in reversed(self.dirs):  # deepest first
             try:
                 d.rmdir()
             except OSError:
@@ -420,8 +430,11 @@ def _shard_is_current(side_path: Path, tok_path: Path, sm_path: Path, shard_args
     except (OSError, json.JSONDecodeError):
         return None
     if side.get("args") != shard_args:
+        old = side.get("args") if isinstance(side.get("args"), dict) else {}
+        keys = [k for k in ("format_version", "chrom", "source_md5", "case") if old.get(k) != shard_args[k]]
+        differs = ", ".join(f"{k} differs (was {old.get(k)}, now {shard_args[k]})" for k in keys)
         raise GenoctxError(
-            f"{side_path}: this shard was prepared with other arguments ({side.get('args')}); use a new --out"
+            f"{side_path}: this shard was prepared with other arguments: {differs}; use a new --out or remove it"
         )
     if (
         "crc32" in side
@@ -509,6 +522,8 @@ def prepare(
     drop_last: bool = True,
     progress: bool = True,
     expected_lengths: dict[str, int] | None = None,
+    *,
+    wait: bool = False,
 ) -> dict:
     """Tokenise FASTA records into per-chromosome shards and write the window manifest.
 
@@ -527,6 +542,8 @@ def prepare(
         progress: log one INFO line per record to stderr (via ``logging``); DEBUG when False.
         expected_lengths: ``{chrom: bases}`` (e.g. UCSC ``hg38.chrom.sizes``); a tokenised record of another
             length is an error (checked after decompression, before its windows are listed).
+        wait: if another run is writing ``out`` (it holds ``out/.genoctx.lock``), wait for it to finish
+            instead of failing; the waiting run then finds the folder prepared (or prepared differently).
 
     Returns:
         The manifest dict (also in ``OUT/manifest.json``); see the module docstring for the layout and
@@ -537,8 +554,11 @@ def prepare(
     Raises:
         GenoctxError (FastaError for file problems): bad sizes or fraction; a FASTA missing, corrupt,
         truncated, with duplicate names, or with an invalid base (file, record and position named); a
-        requested chromosome absent (the names present are listed); a chromosome in both splits; ``out``
-        holds a manifest or shard prepared with other arguments. Nothing written by the run is left.
+        requested chromosome absent (the names present are listed) or, with ``drop_last``, shorter than the
+        window (its name, length in bases, file and the window are named); a chromosome in both splits;
+        ``out`` holds a manifest or shard prepared with other arguments (each differing argument is named
+        with its old and new value); ``out`` is being written by another run and ``wait`` is False (its
+        PID is named). Nothing written by the run is left.
     """
     say = log.info if progress else log.debug
     window = parse_size(window)
@@ -555,6 +575,14 @@ def prepare(
             raise GenoctxError(f"chromosomes in both train and eval: {', '.join(both)}")
         if not train and not eval_:
             raise GenoctxError("empty chromosome lists: give --train-chroms and/or --eval-chroms")
+
+    if train is not None and drop_last:  # a record asked for by name that cannot give a window: say so now
+        for chrom in train + eval_:
+            if chrom in (expected_lengths or {}) and expected_lengths[chrom] < window:
+                raise GenoctxError(
+                    f"{chrom} ({expected_lengths[chrom]} bases in chrom.sizes) is shorter than the window "
+                    f"({window} bases): no windows; use a smaller --window or --keep-partial"
+                )
 
     sources = [Path(p).expanduser().resolve() for p in fastas]
     for p in sources:
@@ -573,27 +601,78 @@ def prepare(
     }
 
     out = Path(out)
-    if (out / "manifest.json").exists():
-        old = read_manifest(out)
-        arguments["source_md5s"] = [job.result() for job in md5_jobs]
-        if old.get("arguments") != arguments:
-            raise GenoctxError(
-                f"{out}: already prepared with other arguments (window {old.get('window')}, stride "
-                f"{old.get('stride')}, splits {old.get('splits')}); use a new --out"
-            )
-        if not verify(out):
-            say("%s: already prepared with these arguments and every shard checks; nothing to do", out)
-            return old
-        say("%s: some shards are missing or damaged; resuming", out)
-
     run = _Run()
     try:
-        return _prepare(
-            run, sources, md5_jobs, out, window, stride, train, eval_, arguments, case, say, expected_lengths or {}
-        )
+        run.mkdir(out)
+    except OSError as e:
+        raise GenoctxError(f"{out}: cannot create the output folder: {e.strerror or e}") from None
+    locked = False
+    try:
+        with output_lock(out, wait=wait, what="prepare") as lock:  # one writer from the first read to the manifest
+            locked = True
+            try:
+                if (out / "manifest.json").exists():
+                    old = read_manifest(out)
+                    arguments["source_md5s"] = [job.result() for job in md5_jobs]
+                    if old.get("arguments") != arguments:
+                        differs = ", ".join(_argument_differences(old, arguments, sources))
+                        raise GenoctxError(
+                            f"{out} holds a prepare with other arguments: {differs}; use a new --out or remove it"
+                        )
+                    if not verify(out):
+                        say("%s: already prepared with these arguments and every shard checks; nothing to do", out)
+                        return old
+                    say("%s: some shards are missing or damaged; resuming", out)
+                return _prepare(
+                    run, sources, md5_jobs, out, window, stride, train, eval_, arguments, case, say,
+                    expected_lengths or {},
+                )  # fmt: skip
+            except GenoctxError:
+                run.rollback(lock)
+                raise
     except GenoctxError:
-        run.rollback()
+        if not locked:  # the folder is another run's: remove only folders this run made and left empty
+            run.rollback()
         raise
+
+
+def _chroms_text(value: list[str] | None, key: str) -> str:
+    if value is None:
+        default = ", ".join(DEFAULT_EVAL_CHROMS)
+        return f"default: {default}" if key == "eval_chroms" else f"default: every record but {default}"
+    return ", ".join(value) or "none"
+
+
+def _argument_differences(old: dict, arguments: dict, sources: list[Path]) -> list[str]:
+    """``"KEY differs (was OLD, now NEW)"`` for each prepare argument in which manifest ``old`` and ``arguments``
+    differ, in argument order; sources are named by file name (by md5 when the names are the same)."""
+    was = old.get("arguments")
+    if not isinstance(was, dict):
+        return ["it records no arguments (written by an older genoctx)"]
+    found = []
+    for key, now in arguments.items():
+        before = was.get(key)
+        if before == now:
+            continue
+        if key == "stride" and before == was.get("window") and now == arguments["window"]:
+            continue  # stride = window on both sides: the window's line says it
+        if key in ("train_chroms", "eval_chroms"):
+            found.append(f"{key} differ (was {_chroms_text(before, key)}, now {_chroms_text(now, key)})")
+        elif key == "source_md5s":
+            old_paths = [str(e.get("path", "?")) for e in old.get("sources", []) if isinstance(e, dict)]
+            old_names, new_names = [Path(p).name for p in old_paths], [p.name for p in sources]
+            if old_names != new_names or not isinstance(before, list) or len(before) != len(now):
+                found.append(f"sources differ (was {' + '.join(old_names)}, now {' + '.join(new_names)})")
+            else:
+                changed = [
+                    f"{n}: md5 was {a}, now {b}" for n, a, b in zip(new_names, before, now, strict=True) if a != b
+                ]
+                found.append(f"sources differ ({'; '.join(changed)})")
+        else:
+            found.append(f"{key} differs (was {json.dumps(before)}, now {json.dumps(now)})")
+    for key in was.keys() - arguments.keys():
+        found.append(f"{key} differs (was {json.dumps(was[key])}, now not set)")
+    return found or ["arguments differ"]
 
 
 def _prepare(
@@ -621,6 +700,7 @@ def _prepare(
     source_entries, shards, windows = [], [], []
     splits: dict[str, list[str]] = {"train": [], "eval": []}
     skipped = {"too_many_n": 0, "partial": 0}
+    too_short: list[str] = []  # records of the default split that gave no window: "chrM (16569 bases, FILE)"
     for src_index, (source, md5_job) in enumerate(zip(sources, md5_jobs, strict=True)):
         stream = FastaStream(source)
         for chrom, segments in stream:
@@ -685,6 +765,14 @@ def _prepare(
             )
             splits[split].append(chrom)
             full, partial = _plan(stats["length"], window, stride)
+            if not full and drop_last:
+                record = f"{chrom} ({stats['length']} bases, {source})"
+                if train is not None:  # asked for by name
+                    raise GenoctxError(
+                        f"{record} is shorter than the window ({window} bases): no windows; "
+                        "use a smaller --window or --keep-partial"
+                    )
+                too_short.append(record)
             spans = list(full)
             if partial is not None:
                 if drop_last:
@@ -712,7 +800,11 @@ def _prepare(
                     }
                 )
             del tokens, softmask, n_counter
-            say("%s -> %s: %d bases, %d of %d windows kept", chrom, split, stats["length"], kept, len(spans))
+            if not full and drop_last:
+                say("%s -> %s: %d bases, shorter than the window (%d bases): no windows", chrom, split,
+                    stats["length"], window)  # fmt: skip
+            else:
+                say("%s -> %s: %d bases, %d of %d windows kept", chrom, split, stats["length"], kept, len(spans))
         source_entries.append({"path": str(source), "md5": md5_job.result(), "records": stream.names})
     arguments["source_md5s"] = [e["md5"] for e in source_entries]
 
@@ -728,6 +820,12 @@ def _prepare(
         }
         for split in splits
     }
+    if too_short:
+        named = ", ".join(too_short[:10]) + (f" and {len(too_short) - 10} more" if len(too_short) > 10 else "")
+        log.warning(
+            "%d record%s shorter than the window (%d bases) gave no windows: %s; use a smaller --window or "
+            "--keep-partial", len(too_short), "s" if len(too_short) > 1 else "", window, named,
+        )  # fmt: skip
     for split, c in counts.items():
         if c["windows"] == 0:
             log.warning("split %r has no windows (chromosomes: %s)", split, ", ".join(splits[split]) or "none")

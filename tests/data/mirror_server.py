@@ -25,12 +25,17 @@ PIECES = {
 
 class Mirror:
     """Files by URL path, plus faults: ``drop[path] = n`` (first GET sends n bytes then closes),
-    ``corrupt[path] = k`` (the first k GETs flip one byte), ``delay`` seconds per 16 KiB block."""
+    ``corrupt[path] = k`` (the first k GETs flip one byte), ``delay`` seconds per 16 KiB block,
+    ``bad_range[path] = k`` (the next Range GET is answered 206 from k bytes before the offset asked for, and its
+    Content-Range says so), ``ignore_range`` (paths whose next Range GET is answered 200 with the whole file).
+    A 416 answer carries ``Content-Range: bytes */SIZE``."""
 
     def __init__(self, files: dict[str, bytes]):
         self.files = files
         self.drop: dict[str, int] = {}
         self.corrupt: dict[str, int] = {}
+        self.bad_range: dict[str, int] = {}
+        self.ignore_range: set[str] = set()
         self.delay = 0.0
         self.log: list[tuple[str, str | None, int]] = []  # (path, Range header, status)
         self.url = ""
@@ -54,15 +59,23 @@ def _handler(mirror: Mirror):
                 start = int(rng[6:].split("-")[0])
                 if start >= len(data):
                     mirror.log.append((path, rng, 416))
-                    self.send_error(416)
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
+                if path in mirror.ignore_range:
+                    mirror.ignore_range.discard(path)
+                    start = 0
+                elif path in mirror.bad_range:
+                    start = max(0, start - mirror.bad_range.pop(path))
             body = data[start:]
             if mirror.corrupt.get(path, 0) > 0:
                 mirror.corrupt[path] -= 1
                 body = bytearray(body)
                 body[len(body) // 2] ^= 0x01
                 body = bytes(body)
-            status = 206 if start else 200
+            status = 206 if rng and start else 200
             mirror.log.append((path, rng, status))
             self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
@@ -71,14 +84,24 @@ def _handler(mirror: Mirror):
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             self.end_headers()
             if path in mirror.drop:
-                self.wfile.write(body[: mirror.drop.pop(path)])
+                self._send(path, body[: mirror.drop.pop(path)])
                 self.wfile.flush()
                 self.close_connection = True
                 return
             for i in range(0, len(body), 1 << 14):
                 if mirror.delay:
                     time.sleep(mirror.delay)
-                self.wfile.write(body[i : i + (1 << 14)])
+                if not self._send(path, body[i : i + (1 << 14)]):
+                    return
+
+        def _send(self, path: str, block: bytes) -> bool:
+            """Write ``block``; False when the client has gone (it may drop an answer it does not want)."""
+            try:
+                self.wfile.write(block)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+                return False
+            return True
 
     return Handler
 

@@ -131,3 +131,62 @@ def test_cli_prepare_assembly_from_mirror(mirror, tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "16570" in bad.output and "chrM" in bad.output
     assert not (tmp_path / "bad" / "manifest.json").exists()
     assert not list((tmp_path / "bad").rglob("*.u8"))
+
+
+# --------------------------------------------------------------- answers to a Range request (issue 11.7)
+
+
+def _bytes_read(seen: list[tuple[int, int | None]], have: int) -> int:
+    """Body bytes the client read, from its progress calls (``done`` falls back when a file starts over)."""
+    total, prev = 0, have
+    for done, _ in seen:
+        total += done - prev if done >= prev else done
+        prev = done
+    return total
+
+
+@pytest.mark.parametrize("md5", [True, False])
+def test_206_from_another_offset_restarts_from_zero(mirror, tmp_path, caplog, md5):
+    data = mirror.files[CHR2]
+    dest = tmp_path / "chr2.fa.gz"
+    (tmp_path / "chr2.fa.gz.part").write_bytes(data[:300_000])  # an earlier, interrupted download
+    mirror.bad_range[CHR2] = 37_856  # the server answers from byte 262144 (and says so in Content-Range)
+    seen = []
+    download(mirror.url + "/chromosomes/chr2.fa.gz", dest, md5=hashlib.md5(data).hexdigest() if md5 else None,
+             on_progress=lambda d, t: seen.append((d, t)), progress=False)  # fmt: skip
+    assert dest.read_bytes() == data
+    gets = [(rng, status) for path, rng, status in mirror.log if path == CHR2]
+    assert gets == [("bytes=300000-", 206), (None, 200)]  # the next request starts at 0, no md5 round
+    assert _bytes_read(seen, 300_000) == len(data)  # the bad 206 body was not read, the file was read once
+    assert all(done <= len(data) for done, _ in seen)
+    lines = [r.getMessage() for r in caplog.records if "Content-Range" in r.getMessage()]
+    assert lines == [f"{mirror.url}/chromosomes/chr2.fa.gz: asked for bytes from 300000, the server's Content-Range "
+                     f"is 'bytes 262144-{len(data) - 1}/{len(data)}'; starting the file again from byte 0"]  # fmt: skip
+    assert "downloading again" not in caplog.text
+
+
+def test_200_to_a_range_request_restarts_from_zero(mirror, tmp_path, caplog):
+    data = mirror.files[CHR2]
+    dest = tmp_path / "chr2.fa.gz"
+    (tmp_path / "chr2.fa.gz.part").write_bytes(b"\0" * 300_000)  # would be kept by an append
+    mirror.ignore_range.add(CHR2)
+    seen = []
+    download(mirror.url + "/chromosomes/chr2.fa.gz", dest, md5=hashlib.md5(data).hexdigest(),
+             on_progress=lambda d, t: seen.append((d, t)), progress=False)  # fmt: skip
+    assert dest.read_bytes() == data
+    assert [(rng, s) for p, rng, s in mirror.log if p == CHR2] == [("bytes=300000-", 200)]
+    assert _bytes_read(seen, 300_000) == len(data) and seen[-1] == (len(data), len(data))
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert lines == [f"{mirror.url}/chromosomes/chr2.fa.gz: the server ignored Range (asked for bytes from 300000, "
+                     "answered 200 with the whole file); starting the file again from byte 0"]  # fmt: skip
+    assert "downloading again" not in caplog.text
+
+
+def test_416_for_a_part_longer_than_the_file_restarts_from_zero(mirror, tmp_path, caplog):
+    data = mirror.files[CHR2]
+    dest = tmp_path / "chr2.fa.gz"
+    (tmp_path / "chr2.fa.gz.part").write_bytes(data + b"junk")
+    download(mirror.url + "/chromosomes/chr2.fa.gz", dest, md5=hashlib.md5(data).hexdigest(), progress=False)
+    assert dest.read_bytes() == data
+    assert [(rng, s) for p, rng, s in mirror.log if p == CHR2] == [(f"bytes={len(data) + 4}-", 416), (None, 200)]
+    assert f"the file is {len(data)} bytes" in caplog.text and "downloading again" not in caplog.text

@@ -3,7 +3,13 @@
 import gzip
 import hashlib
 import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -15,6 +21,7 @@ from genoctx.data.fasta import FastaError
 from genoctx.data.tokenizer import VOCAB, encode
 from genoctx.data.windows import parse_size, plan_windows, prepare, read_manifest, verify
 from genoctx.errors import GenoctxError
+from genoctx.lock import LOCK_NAME
 
 CHR1 = "hg38_chr1_1-1000000.fa.gz"
 CHR2 = "hg38_chr2_1-2333275.fa.gz"
@@ -192,9 +199,9 @@ def test_rerun_skips_and_resumes(dna, tmp_path):
     args = dict(fastas=[dna / CHR2, dna / CHR22], out=out, window="8k", stride="4k", progress=False)
     first = prepare(**args)
     manifest_bytes = (out / "manifest.json").read_bytes()
-    mtimes = {p: p.stat().st_mtime_ns for p in _files(out)}
+    mtimes = {p: p.stat().st_mtime_ns for p in _files(out) if p.name != LOCK_NAME}  # the lock is rewritten
     assert prepare(**args) == first  # nothing to do
-    assert {p: p.stat().st_mtime_ns for p in _files(out)} == mtimes
+    assert {p: p.stat().st_mtime_ns for p in _files(out) if p.name != LOCK_NAME} == mtimes
 
     (out / "manifest.json").unlink()  # an interrupted run: shards done, no manifest
     assert prepare(**args) == first
@@ -312,3 +319,225 @@ def test_read_manifest_and_verify_errors(dna, tmp_path):
     (out / m["shards"][0]["softmask"]).unlink()
     problems = verify(out)
     assert len(problems) == 1 and "missing" in problems[0]
+
+
+# ------------------------------------------------------------------------ one writer per --out (issue 11.6)
+
+_REPO = Path(__file__).resolve().parents[2]
+# prepare in a child process that stops inside the output lock (before writing) until its stdin gets a line
+_PAUSED = (
+    "import sys; from genoctx.data import windows\n"
+    "real = windows._prepare\n"
+    "def paused(*args, **kwargs):\n"
+    "    print('inside', flush=True)\n"
+    "    sys.stdin.readline()\n"
+    "    return real(*args, **kwargs)\n"
+    "windows._prepare = paused\n"
+    "windows.prepare([sys.argv[1]], sys.argv[2], window=sys.argv[3], progress=False)\n"
+)
+_HOLD = (
+    "import sys; from pathlib import Path; from genoctx.lock import output_lock\n"
+    "with output_lock(Path(sys.argv[1]), what='prepare'):\n"
+    "    print('locked', flush=True)\n"
+    "    sys.stdin.readline()\n"
+)
+
+
+def _child(script: str, *args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(_REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert proc.stdout.readline() in ("inside\n", "locked\n")
+    return proc
+
+
+def _go(proc: subprocess.Popen, kill: bool = False) -> int:
+    if kill:
+        proc.kill()
+    else:
+        proc.stdin.write("\n")
+    proc.stdin.close()
+    rc = proc.wait(timeout=120)
+    proc.stdout.close()
+    return rc
+
+
+def _tree(out: Path) -> dict[str, bytes]:
+    """Every file's bytes except the lock file's."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in _files(out) if p.name != LOCK_NAME}
+
+
+def test_second_prepare_into_a_busy_out_is_refused(dna, tmp_path):
+    ref = tmp_path / "ref"
+    prepare([dna / CHRM], ref, "4k", progress=False)
+    out = tmp_path / "out"
+    first = _child(_PAUSED, dna / CHRM, out, "4k")  # holds the lock of out, has written nothing yet
+    try:
+        with pytest.raises(GenoctxError) as info:
+            prepare([dna / CHRM], out, "8k", progress=False)
+        assert str(info.value) == (
+            f"{out} is being written by PID {first.pid} (genoctx prepare); wait for it or pass --wait"
+        )
+    finally:
+        assert _go(first) == 0
+    assert read_manifest(out)["window"] == 4096
+    assert _tree(out) == _tree(ref) and verify(out) == []
+
+
+def test_two_cli_prepares_race_one_wins(dna, tmp_path):
+    """The issue's scenario, unsynchronised: whichever order the two runs take, one exits 0, the other 2 with
+    one line (the lock's PID message, or 'other arguments' if the first had already finished), and the folder
+    holds the winner's data."""
+    out = tmp_path / "out"
+    runs = {}
+    for w in ("4k", "8k"):
+        args = ["prepare", "--fasta", dna / CHRM, "--chroms", "chrM", "--window", w, "--out", out]
+        runs[w] = subprocess.Popen([sys.executable, "-m", "genoctx", *map(str, args)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=_REPO)  # fmt: skip
+    results = {w: (p.wait(timeout=120), *p.communicate()) for w, p in runs.items()}
+    codes = sorted(rc for rc, _, _ in results.values())
+    assert codes == [0, 2], results
+    (winner,) = [w for w, r in results.items() if r[0] == 0]
+    (loser,) = [w for w, r in results.items() if r[0] == 2]
+    lines = [ln for ln in results[loser][2].splitlines() if ln.startswith("genoctx: error:")]
+    assert len(lines) == 1 and str(out) in lines[0], results[loser][2]
+    assert "is being written by PID" in lines[0] or "window differs" in lines[0]
+    assert json.loads(results[winner][1])["window"] == read_manifest(out)["window"] == parse_size(winner)
+    assert verify(out) == []
+
+
+def test_concurrent_same_arguments_give_the_same_bytes(dna, tmp_path):
+    ref = tmp_path / "ref"
+    prepare([dna / CHRM, dna / CHR22], ref, "4k", progress=False)
+    out = tmp_path / "out"
+    errors = []
+
+    def run():
+        try:
+            prepare([dna / CHRM, dna / CHR22], out, "4k", progress=False, wait=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert _tree(out) == _tree(ref) and verify(out) == []
+    # and without --wait: a run that meets a busy folder fails and leaves the folder as the other wrote it
+    out2 = tmp_path / "out2"
+    first = _child(_PAUSED, dna / CHRM, out2, "4k")
+    with pytest.raises(GenoctxError, match=f"PID {first.pid}"):
+        prepare([dna / CHRM], out2, "4k", progress=False)
+    assert _go(first) == 0
+    ref2 = tmp_path / "ref2"
+    prepare([dna / CHRM], ref2, "4k", progress=False)
+    assert _tree(out2) == _tree(ref2)
+
+
+def test_prepare_wait_blocks_then_succeeds(dna, tmp_path, caplog):
+    out = tmp_path / "out"
+    holder = _child(_HOLD, out)
+    done = []
+    caplog.set_level(logging.INFO)
+    t = threading.Thread(target=lambda: done.append(prepare([dna / CHRM], out, "4k", progress=False, wait=True)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while "waiting for PID" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert f"waiting for PID {holder.pid}" in caplog.text
+    assert not done and not (out / "manifest.json").exists()
+    assert _go(holder) == 0
+    t.join(120)
+    assert done and done[0]["window"] == 4096 and verify(out) == []
+
+
+def test_lock_of_a_killed_prepare_does_not_block(dna, tmp_path):
+    out = tmp_path / "out"
+    holder = _child(_PAUSED, dna / CHRM, out, "8k")
+    _go(holder, kill=True)  # SIGKILL inside the lock
+    assert (out / LOCK_NAME).read_text().startswith(f"{holder.pid} ")
+    m = prepare([dna / CHRM], out, "4k", progress=False)
+    assert m["window"] == 4096 and verify(out) == []
+    assert (out / LOCK_NAME).read_bytes() == b""
+
+
+def test_lock_file_is_invisible_to_rerun_and_verify(dna, tmp_path):
+    out = tmp_path / "out"
+    first = prepare([dna / CHRM], out, "4k", progress=False)
+    assert (out / LOCK_NAME).is_file()
+    assert verify(out) == [] and prepare([dna / CHRM], out, "4k", progress=False) == first
+    with pytest.raises(GenoctxError, match="window differs"):
+        prepare([dna / CHRM], out, "8k", progress=False)
+    assert read_manifest(out) == first
+
+
+# ---------------------------------------------------------------------------- clearer messages (issue 11.8)
+
+
+def test_record_shorter_than_the_window_is_named(dna, tmp_path, caplog):
+    out = tmp_path / "out"
+    with pytest.raises(GenoctxError) as info:  # asked for by name: an error
+        prepare([dna / CHR22, dna / CHRM], out, "32k", train_chroms=["chrM"], eval_chroms=["chr22"], progress=False)
+    assert str(info.value) == (
+        f"chrM (16569 bases, {dna / CHRM}) is shorter than the window (32768 bases): no windows; "
+        "use a smaller --window or --keep-partial"
+    )
+    _assert_clean(out)
+    assert not out.exists()
+    with pytest.raises(GenoctxError, match=r"chrM \(16569 bases in chrom.sizes\) is shorter than the window"):
+        prepare([dna / CHRM], out, "32k", train_chroms=["chrM"], expected_lengths={"chrM": 16569}, progress=False)
+    # kept as one partial window when asked
+    m = prepare([dna / CHRM], out, "32k", train_chroms=["chrM"], drop_last=False, progress=False)
+    assert [(w["start"], w["end"]) for w in m["windows"]] == [(0, 16569)]
+    # the default split (every record) skips it with a warning that says why
+    caplog.set_level(logging.INFO)
+    m = prepare([dna / CHR22, dna / CHRM], tmp_path / "all", "32k", progress=False)
+    assert m["splits"] == {"train": ["chrM"], "eval": ["chr22"]} and m["counts"]["train"]["windows"] == 0
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "shorter" in r.getMessage()]
+    assert warning == [
+        f"1 record shorter than the window (32768 bases) gave no windows: chrM (16569 bases, {dna / CHRM}); "
+        "use a smaller --window or --keep-partial"
+    ]
+
+
+def test_rerun_names_the_argument_that_differs(dna, tmp_path):
+    out = tmp_path / "out"
+    prepare([dna / CHRM], out, 4096, progress=False)
+    head = f"{out} holds a prepare with other arguments: "
+    tail = "; use a new --out or remove it"
+    cases = [
+        ([dna / CHR22], {"window": 4096}, f"sources differ (was {CHRM}, now {CHR22})"),
+        ([dna / CHRM], {"window": 8192}, "window differs (was 4096, now 8192)"),
+        ([dna / CHRM], {"window": 4096, "stride": 2048}, "stride differs (was 4096, now 2048)"),
+        ([dna / CHRM], {"window": 4096, "uppercase_only": True}, "uppercase_only differs (was false, now true)"),
+        ([dna / CHRM], {"window": 4096, "drop_last": False}, "drop_last differs (was true, now false)"),
+        ([dna / CHRM], {"window": 4096, "max_n_fraction": 0.1}, "max_n_fraction differs (was 0.5, now 0.1)"),
+        ([dna / CHRM], {"window": 4096, "train_chroms": ["chrM"]},
+         "train_chroms differ (was default: every record but chr22, now chrM), "
+         "eval_chroms differ (was default: chr22, now none)"),
+        ([dna / CHR22], {"window": 8192},
+         f"window differs (was 4096, now 8192), sources differ (was {CHRM}, now {CHR22})"),
+    ]  # fmt: skip
+    for fastas, kwargs, differs in cases:
+        with pytest.raises(GenoctxError) as info:
+            prepare(fastas, out, progress=False, **kwargs)
+        assert str(info.value) == head + differs + tail
+    edited = tmp_path / "x" / CHRM  # same name, other content
+    edited.parent.mkdir()
+    data = bytearray((dna / CHRM).read_bytes())
+    data[-3] = ord("A") if data[-3] != ord("A") else ord("C")
+    edited.write_bytes(bytes(data))
+    old_md5, new_md5 = hashlib.md5((dna / CHRM).read_bytes()).hexdigest(), hashlib.md5(data).hexdigest()
+    with pytest.raises(GenoctxError) as info:
+        prepare([edited], out, 4096, progress=False)
+    assert str(info.value) == head + f"sources differ ({CHRM}: md5 was {old_md5}, now {new_md5})" + tail
+    (out / "manifest.json").unlink()  # shards without a manifest: the sidecar names what differs
+    with pytest.raises(GenoctxError) as info:
+        prepare([dna / CHRM], out, 4096, uppercase_only=True, progress=False)
+    side = out / "shards" / "chrM.json"
+    assert str(info.value) == (
+        f"{side}: this shard was prepared with other arguments: case differs (was softmask-channel, now uppercase)"
+        "; use a new --out or remove it"
+    )
