@@ -135,8 +135,10 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # From scratch: a unit-scale embedding (every layer input is RMS-normalised) and a small head.
-        nn.init.normal_(self.embed_tokens.weight, std=1.0)
+        # From scratch: a unit-scale embedding (every layer input is RMS-normalised) and a small head, so the first
+        # logits are near 0 and the first loss near ln(vocab). Tied (one matrix for both), it takes the head's scale,
+        # the reference's initializer_range: a unit-scale head would start at ~sqrt(hidden) nats.
+        nn.init.normal_(self.embed_tokens.weight, std=cfg.initializer_range if cfg.tie_word_embeddings else 1.0)
         nn.init.normal_(self.lm_head.weight, std=cfg.initializer_range)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -12,9 +12,12 @@
   the same DSA work on every rank; ``genoctx.parallel.context``).
 - Checkpoints: rank 0 writes the usual ``RUN/checkpoints/step_N`` (atomic; ``genoctx eval`` reads it) and
   reports it with ``ray.train.report``; Ray keeps its copy under ``RUN/ray``. ``--resume`` reruns the same
-  ``RunConfig(name="ray", storage_path=RUN)``, and every worker restores from ``ray.train.get_checkpoint()``.
-  The same path serves ``FailureConfig``: a worker that dies makes Ray restart the group from the last
-  reported checkpoint.
+  ``RunConfig(name="ray", storage_path=RUN)``. Every attempt (the first, ``--resume``, or Ray's restart of the
+  group after a worker died: ``FailureConfig``) starts from the newest complete checkpoint, Ray's
+  (``ray.train.get_checkpoint()``) or the run's own, whichever is later (``_resume``): Ray registers a report
+  only once every worker's report is collected, so a kill soon after a save would otherwise redo its steps.
+  ``RUN/events.jsonl`` records each attempt (step loaded, partial saves removed, steps run); the summary's
+  ``resumed_from`` is the step this invocation loaded and ``attempts`` lists its attempts.
 - Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each
   rank's tokens, tokens/s, peak memory, MoE max/mean expert load and DSA indexer (query, pool) pairs scored
   (``dsa_keys_scored``). The summary prints the busiest rank's load over the mean (``rank_imbalance``).
@@ -28,10 +31,10 @@ import logging
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
+import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -76,8 +79,8 @@ def _train_worker(config: dict) -> None:
     from ..data.dataset import WindowDataset
     from ..model.model import HybridLM
     from ..recipes import recipe_from_dict
-    from ..train.checkpoint import load_training_state
-    from ..train.loop import _truncate_metrics, build_optimizer, log_step, sample_batch, save_run_checkpoint, train_step
+    from ..train.faults import DRIVER_ENV, ENV, maybe_kill
+    from ..train.loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
     from .context import apply_cp, init_parallel
 
     glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
@@ -87,6 +90,8 @@ def _train_worker(config: dict) -> None:
         glog.addHandler(handler)
     glog.setLevel(logging.INFO)
     glog.propagate = False
+    if config.get("fault"):  # fault injection of the restart tests (genoctx.train.faults)
+        os.environ[ENV], os.environ[DRIVER_ENV] = config["fault"], str(config["driver_pid"])
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
@@ -99,58 +104,121 @@ def _train_worker(config: dict) -> None:
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if dims.cp > 1:
         apply_cp(model, dims.cp_group, dims.cp_layout)
-    start = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            start = int(load_training_state(Path(d), model, optimizer, scheduler)["step"])
-        if rank == 0:
-            log.info("resuming from step %d", start)
-    if rank == 0:
-        _truncate_metrics(out / "metrics.jsonl", start)
+    start, loaded, attempt = _resume(out, model, optimizer, scheduler, rank, world, config["invocation"])
     ds = WindowDataset(data_dir, "train")
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
-    fault = config.get("fault")  # (rank, step): fault injection for the restart test
-    with open(out / "metrics.jsonl", "a") if rank == 0 else nullcontext() as mf:
-        for step in range(start, end):
-            if fault and rank == fault[0] and step == fault[1] and not (out / ".fault_done").exists():
-                (out / ".fault_done").touch()
-                os.kill(os.getpid(), signal.SIGKILL)
-            t0 = time.perf_counter()
-            tokens, data_state = sample_batch(ds, cfg, step, dims.dp, dims.dp_rank)
-            model.train()
-            m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims)
-            dt = time.perf_counter() - t0
-            mine = {"rank": rank, "cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank}
-            mine.update(_rank_stats(model, tokens.numel() // dims.cp, dt, dev))
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
-            row = {
-                "step": step + 1,
-                **m,
-                "tokens": sum(r["tokens"] for r in ranks),
-                "tokens_per_s": sum(r["tokens"] for r in ranks) / max(dt, 1e-9),
-                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
-                "layers": model.layer_stats(),
-                "ranks": ranks,
-            }
-            if rank == 0:
-                mf.write(json.dumps(row, default=str) + "\n")
-                mf.flush()
-                if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                    log_step(step + 1, cfg.steps, m, row["tokens_per_s"], f"{world} workers (cp {dims.cp})")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                report = {"step": step + 1, "loss": m["loss"]}
+    steps_run, status = 0, "failed"
+    try:
+        with open(out / "metrics.jsonl", "a") if rank == 0 else nullcontext() as mf:
+            for step in range(start, end):
+                maybe_kill("step", rank, step, out)
+                t0 = time.perf_counter()
+                tokens, data_state = sample_batch(ds, cfg, step, dims.dp, dims.dp_rank)
+                model.train()
+                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims)
+                steps_run += 1
+                dt = time.perf_counter() - t0
+                mine = {"rank": rank, "cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank}
+                mine.update(_rank_stats(model, tokens.numel() // dims.cp, dt, dev))
+                ranks = [None] * world
+                dist.all_gather_object(ranks, mine)
+                row = {
+                    "step": step + 1,
+                    "attempt": attempt["attempt"],
+                    **m,
+                    "tokens": sum(r["tokens"] for r in ranks),
+                    "tokens_per_s": sum(r["tokens"] for r in ranks) / max(dt, 1e-9),
+                    "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+                    "layers": model.layer_stats(),
+                    "ranks": ranks,
+                }
                 if rank == 0:
-                    path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims)
-                    ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
-                else:
-                    ray.train.report(report, checkpoint=None)
+                    mf.write(json.dumps(row, default=str) + "\n")
+                    mf.flush()
+                    if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                        log_step(step + 1, cfg.steps, m, row["tokens_per_s"], f"{world} workers (cp {dims.cp})")
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                    report = {"step": step + 1, "loss": m["loss"]}
+                    if rank == 0:
+                        path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims)
+                        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
+                    else:
+                        ray.train.report(report, checkpoint=None)
+        status = "completed"
+    finally:
+        if rank == 0:
+            end_attempt(out, attempt, status, steps_run)
 
 
-def _summary(out: Path, recipe: Recipe, start: int | None, elapsed: float) -> dict:
+def _resume(
+    out: Path, model, optimizer, scheduler, rank: int, world: int, invocation: str
+) -> tuple[int, Path | None, dict]:
+    """Where this attempt of the worker group starts: the newest complete checkpoint, Ray's
+    (``ray.train.get_checkpoint()``, restored from ``RUN/ray`` on ``--resume``) or the run's own
+    (``RUN/checkpoints``), whichever holds the later step.
+
+    Ray registers a reported checkpoint only once the controller has collected every worker's report; a worker
+    killed soon after a save, or a driver killed during one, leaves newer complete checkpoints in
+    ``RUN/checkpoints`` than Ray knows of. Rank 0 chooses and broadcasts the choice; every rank loads it (a
+    ``RUN/checkpoints`` choice must be visible to every rank: RUN on a shared filesystem). Rank 0 then records the
+    attempt (``genoctx.train.loop.begin_attempt``: partial saves removed, metrics cut back, ``start`` event).
+
+    Returns:
+        (step loaded, 0 for none; the checkpoint loaded or None; the ``start`` event of the attempt).
+
+    Raises:
+        GenoctxError: the chosen checkpoint is unreadable, or not visible on this rank.
+    """
+    import ray.train
+    import torch.distributed as dist
+
+    from ..train.checkpoint import latest_checkpoint, load_training_state, read_state
+    from ..train.loop import begin_attempt
+
+    ray_ckpt = ray.train.get_checkpoint()
+    choice = [None]
+    if rank == 0:
+        candidates = []
+        if ray_ckpt is not None:
+            with ray_ckpt.as_directory() as d:
+                candidates.append((int(read_state(Path(d))["step"]), "ray", None))
+        own = latest_checkpoint(out)
+        if own is not None:
+            candidates.append((int(read_state(own)["step"]), "run", str(own)))
+        choice = [max(candidates, key=lambda c: (c[0], c[1] == "run")) if candidates else None]
+    dist.broadcast_object_list(choice, src=0)
+    picked = choice[0]
+    start, loaded = 0, None
+    if picked is not None:
+        step, source, path = picked
+        if source == "ray":
+            with ray_ckpt.as_directory() as d:
+                load_training_state(Path(d), model, optimizer, scheduler)
+            loaded = out / "checkpoints" / f"step_{step:06d}"
+        else:
+            if not Path(path).is_dir():
+                raise GenoctxError(
+                    f"rank {rank}: checkpoint {path} is not visible on this node; put --out on a shared filesystem"
+                )
+            load_training_state(Path(path), model, optimizer, scheduler)
+            loaded = Path(path)
+        start = step
+    attempt = [0]
+    if rank == 0:
+        if loaded is not None:
+            log.info("resuming from %s (step %d)", loaded, start)
+        attempt = [begin_attempt(out, start, loaded, invocation, workers=world)]
+    dist.broadcast_object_list(attempt, src=0)
+    return start, loaded, attempt[0]
+
+
+def _summary(out: Path, recipe: Recipe, invocation: str, elapsed: float) -> dict:
     from ..train.checkpoint import latest_checkpoint
+    from ..train.loop import invocation_attempts
+
+    attempts = invocation_attempts(out, invocation)
+    start = attempts[0]["resumed_from"] if attempts else None
 
     path = out / "metrics.jsonl"
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
@@ -174,6 +242,8 @@ def _summary(out: Path, recipe: Recipe, start: int | None, elapsed: float) -> di
         "steps": recipe.train.steps,
         "step": last["step"] if last else (start or 0),
         "resumed_from": start,
+        "attempts": attempts,
+        "removed_partial_checkpoints": [n for a in attempts for n in a["removed_partial"]],
         "final_loss": last["loss"] if last else None,
         "tokens_per_s": last["tokens_per_s"] if last else None,
         "peak_memory_bytes": last["peak_memory_bytes"] if last else None,
@@ -201,6 +271,7 @@ def train_distributed(
     resume: bool = False,
     stop_after: int | None = None,
     max_failures: int = 2,
+    wait: bool = False,
 ) -> dict:
     """Train with ``num_workers`` Ray workers: ``cp``-way context parallel x ``num_workers / cp`` data parallel.
 
@@ -217,17 +288,19 @@ def train_distributed(
         resume: continue the run in ``out`` from its latest checkpoint.
         stop_after: end this invocation after that step (checkpointed); ``resume`` continues.
         max_failures: worker-group restarts (from the last checkpoint) before giving up.
+        wait: when another process writes ``out`` (``genoctx.lock.output_lock``), wait for it instead of failing.
 
     Returns:
         The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA pools
         scored and tokens over the mean, and the largest MoE max/mean expert load).
 
     Raises:
-        GenoctxError: bad worker counts, a window that does not split into the layout's pieces, existing checkpoints
-            without ``resume``, or a training failure after ``max_failures`` restarts.
+        GenoctxError: ``out`` held by another writer, bad worker counts, a window that does not split into the
+            layout's pieces, existing checkpoints without ``resume``, or a training failure after ``max_failures``
+            restarts.
     """
     from ..data.dataset import WindowDataset
-    from ..train.checkpoint import latest_checkpoint
+    from ..lock import output_lock
     from ..train.loop import _check_manifest
     from .context import cp_pieces
 
@@ -244,16 +317,27 @@ def train_distributed(
             f"--cp {cp}{how}: the {L}-token training window does not split into {pieces} equal slices "
             f"of at least {tail} tokens"
         )
+    with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
+        return _launch(data_dir, recipe, out, num_workers, cp, address, gpus_per_worker, resume, stop_after,
+                       max_failures)  # fmt: skip
+
+
+def _launch(data_dir, recipe, out, num_workers, cp, address, gpus_per_worker, resume, stop_after, max_failures):
+    from ..train.checkpoint import latest_checkpoint, validate_checkpoint
+    from ..train.faults import ENV as FAULT_ENV
+    from ..train.faults import parse_fault
+
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
-    start = None
     if resume and latest is not None:
-        start = int(json.loads((latest / "state.json").read_text())["step"])
+        validate_checkpoint(latest)  # an unreadable checkpoint is a one-line error here, not a failed worker group
     out.mkdir(parents=True, exist_ok=True)
-    fault = os.environ.get("GENOCTX_FAULT_KILL")  # "RANK:STEP": kill that worker once (restart test)
+    fault = os.environ.get(FAULT_ENV)  # genoctx.train.faults: kill a worker (or a save) once, for restart tests
+    parse_fault(fault)
+    invocation = uuid.uuid4().hex[:12]
     config = {
         "recipe": recipe.to_dict(),
         "out": str(out),
@@ -262,17 +346,19 @@ def train_distributed(
         "stop_after": stop_after,
         "gpus_per_worker": gpus_per_worker,
         "threads": max(1, (os.cpu_count() or 1) // num_workers),
-        "fault": [int(x) for x in fault.split(":")] if fault else None,
+        "fault": fault or None,
+        "driver_pid": os.getpid(),
+        "invocation": invocation,
     }
     import ray
     from ray.train.torch import TorchTrainer
 
     # Ray prints worker and raylet lines to stdout; stdout is for the JSON summary only, so they go to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        return _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gpus_per_worker, max_failures)
+        return _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_worker, max_failures)
 
 
-def _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gpus_per_worker, max_failures) -> dict:
+def _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_worker, max_failures) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
     started, temp_dir = False, None
@@ -319,4 +405,4 @@ def _fit(ray, TorchTrainer, config, out, recipe, start, address, num_workers, gp
             ray.shutdown()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-    return _summary(out, recipe, start, time.perf_counter() - t0)
+    return _summary(out, recipe, config["invocation"], time.perf_counter() - t0)

@@ -11,8 +11,16 @@ Layout of a run directory::
           state.json                step, data-order state, tokens seen, genoctx version
           recipe.yaml               the resolved recipe that produced it
 
-A checkpoint directory is first written under a temporary name and renamed into place when complete, so
-a killed run never leaves a half-written checkpoint that ``latest_checkpoint`` would pick.
+A checkpoint directory is first written under a temporary name (``checkpoints/.step_000100.XXXX``) and renamed
+into place when complete, so a killed run never leaves a half-written checkpoint that ``latest_checkpoint`` would
+pick; ``remove_partial_checkpoints`` deletes such abandoned temporaries when the next run starts.
+
+Tied embeddings (``model.tie_word_embeddings``) are stored once, as ``embed_tokens.weight``, with no
+``lm_head.weight`` (transformers' convention for tied weights); loading ties them again.
+
+Checkpoints are data, not code: ``optimizer.pt`` is read with ``torch.load(weights_only=True)``, so a file whose
+unpickling would run code is refused. Every unreadable file (corrupt or truncated safetensors, optimizer state or
+state.json) is a ``GenoctxError`` naming the file.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import __version__
@@ -34,6 +43,7 @@ from ..model.model import HybridLM
 from ..recipes import Recipe, recipe_from_dict
 
 CKPT_DIR = "checkpoints"
+TIED_HEAD = "lm_head.weight"  # not stored when tied to embed_tokens.weight
 
 
 def checkpoint_name(step: int) -> str:
@@ -52,14 +62,18 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint of ``step`` under ``run_dir/checkpoints`` atomically; returns its directory.
 
-    ``keep`` > 0 removes all but the ``keep`` most recent complete checkpoints afterwards.
+    ``keep`` > 0 removes all but the ``keep`` most recent complete checkpoints afterwards. The fault injection of
+    ``genoctx.train.faults`` (``GENOCTX_FAULT_KILL=save:STEP``) fires after the files are written, before the
+    rename: what a kill during a save leaves behind.
     """
+    from .faults import maybe_kill
+
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model_tensors(model).items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"genoctx_version": __version__})
         torch.save(
             {
@@ -72,6 +86,7 @@ def save_checkpoint(
         (tmp / "state.json").write_text(
             json.dumps({"step": step, "genoctx_version": __version__, **state}, indent=1)
         )
+        maybe_kill("save", 0, step, Path(run_dir))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -82,6 +97,130 @@ def save_checkpoint(
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def model_tensors(model: HybridLM) -> dict[str, torch.Tensor]:
+    """The state dict to store: every parameter and persistent buffer, ``lm_head.weight`` left out when it is the
+    embedding itself (tied), as transformers stores tied weights (safetensors refuses two names for one memory)."""
+    sd = model.state_dict()
+    if model.lm_head.weight is model.embed_tokens.weight:
+        sd.pop(TIED_HEAD, None)
+    return sd
+
+
+def load_model_tensors(model: HybridLM, tensors: dict[str, torch.Tensor], source: Path) -> None:
+    """Load ``tensors`` (as ``model_tensors`` wrote them) into ``model`` strictly; a tied model gets its head from
+    the embedding (and stays tied).
+
+    Raises:
+        GenoctxError: missing, unexpected or misshapen tensors, named with ``source``.
+    """
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    if tied and TIED_HEAD not in tensors and "embed_tokens.weight" in tensors:
+        tensors = {**tensors, TIED_HEAD: tensors["embed_tokens.weight"]}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise GenoctxError(
+            f"{source} does not match its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
+def read_tensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file.
+
+    Raises:
+        GenoctxError: the file is missing, truncated or not safetensors (the file is named).
+    """
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise GenoctxError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+
+
+def read_state(ckpt: Path) -> dict:
+    """``ckpt/state.json`` as a dict with an integer ``step``.
+
+    Raises:
+        GenoctxError: missing, not JSON, or without a whole ``step`` >= 0 (the file is named).
+    """
+    path = Path(ckpt) / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise GenoctxError(f"{path}: not a readable checkpoint state ({_first_line(e)})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise GenoctxError(f"{path}: 'step' must be a whole number >= 0, got {step!r}")
+    return state
+
+
+def read_optimizer(path: Path) -> dict:
+    """The optimizer and schedule state of ``optimizer.pt``, read as data (``torch.load(weights_only=True)``).
+
+    Returns:
+        ``{"optimizer": state dict or None, "scheduler": state dict or None}``.
+
+    Raises:
+        GenoctxError: a file that needs pickle code execution to load (refused, never run), or one that is missing,
+            truncated or corrupt.
+    """
+    import pickle
+
+    try:
+        opt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise GenoctxError(
+                f"{path}: refused: loading it would execute pickled code (genoctx reads checkpoints as data only, "
+                "torch.load(weights_only=True))"
+            ) from None
+        raise GenoctxError(f"{path}: not a readable optimizer state ({_first_line(e)})") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise GenoctxError(f"{path}: not a readable optimizer state, truncated or corrupt ({_first_line(e)})") from None
+    if not isinstance(opt, dict) or not {"optimizer", "scheduler"} <= set(opt):
+        raise GenoctxError(f"{path}: not a genoctx optimizer state (expected keys 'optimizer' and 'scheduler')")
+    return opt
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def validate_checkpoint(ckpt: Path) -> dict:
+    """Check that a checkpoint can be resumed from without loading its tensors: state.json, the safetensors
+    header, the optimizer state (read as data). Returns its state.json dict.
+
+    Raises:
+        GenoctxError: any of the files unreadable (named).
+    """
+    from safetensors import safe_open
+
+    state = read_state(ckpt)
+    path = Path(ckpt) / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise GenoctxError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+    read_optimizer(Path(ckpt) / "optimizer.pt")
+    return state
+
+
+def remove_partial_checkpoints(run_dir: Path) -> list[str]:
+    """Delete the temporaries (``checkpoints/.step_*``) a killed save left behind; returns their names.
+
+    Only the run's single writer may call this (``genoctx.lock.output_lock`` on the run directory): a live save
+    of another process would lose its files.
+    """
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.iterdir() if p.name.startswith(".step_"))
+    for name in gone:
+        p = root / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -123,9 +262,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_recipe_of(ckpt: Path) -> Recipe:
-    """The resolved recipe saved beside a checkpoint."""
-    raw = yaml.safe_load((Path(ckpt) / "recipe.yaml").read_text())
-    return recipe_from_dict(raw, str(Path(ckpt) / "recipe.yaml"))
+    """The resolved recipe saved beside a checkpoint.
+
+    Raises:
+        GenoctxError: recipe.yaml missing, not YAML, or not a valid recipe (the file is named).
+    """
+    path = Path(ckpt) / "recipe.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise GenoctxError(f"{path}: not a readable recipe ({_first_line(e)})") from None
+    return recipe_from_dict(raw, str(path))
 
 
 def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[HybridLM, Recipe, dict]:
@@ -138,28 +285,28 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
     ckpt = resolve_checkpoint(ckpt)
     if not (ckpt / "state.json").is_file():
         raise GenoctxError(f"{ckpt} is an HF model directory, not a genoctx checkpoint (use genoctx.model.load_hf)")
-    try:
-        recipe = load_recipe_of(ckpt)
-        state = json.loads((ckpt / "state.json").read_text())
-        model = HybridLM(recipe.model)
-        tensors = load_file(str(ckpt / "model.safetensors"), device=str(device))
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise GenoctxError(f"cannot read checkpoint {ckpt}: {e}") from None
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise GenoctxError(
-            f"checkpoint {ckpt} does not match its recipe: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+    recipe = load_recipe_of(ckpt)
+    state = read_state(ckpt)
+    model = HybridLM(recipe.model)
+    load_model_tensors(model, read_tensors(ckpt / "model.safetensors", device), ckpt / "model.safetensors")
     return model.to(device), recipe, state
 
 
 def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> dict:
-    """Restore model, optimizer and schedule in place from ``ckpt``; returns its state.json dict."""
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    model.load_state_dict(tensors, strict=True)
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
-    if optimizer is not None and opt["optimizer"] is not None:
-        optimizer.load_state_dict(opt["optimizer"])
-    if scheduler is not None and opt["scheduler"] is not None:
-        scheduler.load_state_dict(opt["scheduler"])
-    return json.loads((ckpt / "state.json").read_text())
+    """Restore model, optimizer and schedule in place from ``ckpt``; returns its state.json dict.
+
+    Raises:
+        GenoctxError: an unreadable or mismatching file (named), or an optimizer state that needs code to load.
+    """
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    opt = read_optimizer(ckpt / "optimizer.pt")
+    load_model_tensors(model, read_tensors(ckpt / "model.safetensors"), ckpt / "model.safetensors")
+    try:
+        if optimizer is not None and opt["optimizer"] is not None:
+            optimizer.load_state_dict(opt["optimizer"])
+        if scheduler is not None and opt["scheduler"] is not None:
+            scheduler.load_state_dict(opt["scheduler"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise GenoctxError(f"{ckpt / 'optimizer.pt'}: does not fit this model's optimizer ({_first_line(e)})") from None
+    return state

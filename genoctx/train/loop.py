@@ -8,6 +8,12 @@ Data order is a pure function of (seed, step): sample k = step * batch_size + b 
 ``perm(seed, epoch)[k mod N]`` of epoch ``k // N``, cropped (when ``seq_len`` is set) at an offset drawn
 from ``numpy.random.default_rng([seed, k])``. A resumed run therefore sees exactly the windows an
 uninterrupted one would have.
+
+A run directory is continued, never redone: each attempt (a process, or a Ray worker group after a restart) loads
+the newest complete checkpoint, deletes the temporaries of a save that was killed, cuts ``metrics.jsonl`` back to
+the loaded step (so it holds each step once) and records itself in ``RUN/events.jsonl``: a ``start`` line (attempt
+number, step loaded, checkpoint, temporaries removed) and an ``end`` line (status, last step, optimizer steps this
+attempt ran). Every metrics row names the attempt that computed it.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
+import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -30,7 +38,8 @@ from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..parallel.context import ParallelDims, all_reduce_grads, all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..recipes import Recipe, TrainConfig
-from .checkpoint import latest_checkpoint, load_training_state, save_checkpoint
+from .checkpoint import latest_checkpoint, load_training_state, remove_partial_checkpoints, save_checkpoint
+from .faults import maybe_kill
 
 log = logging.getLogger("genoctx.train")
 
@@ -276,6 +285,29 @@ def train(
     resume: bool = False,
     device: str = "cpu",
     stop_after: int | None = None,
+    wait: bool = False,
+) -> dict:
+    """Post-train ``recipe.model`` on the train split of ``data_dir`` into the run folder ``out``, its one writer:
+    ``genoctx.lock.output_lock`` is held for the whole run (another writer is refused naming this PID, or waits
+    with ``wait``). See ``train_unlocked`` for the arguments, the summary and the errors.
+
+    Raises:
+        GenoctxError: also when another process holds ``out`` (and ``wait`` is False).
+    """
+    from ..lock import output_lock
+
+    _check_manifest(Path(data_dir))
+    with output_lock(out, wait=wait, what="train"):
+        return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after)
+
+
+def train_unlocked(
+    data_dir: str | Path,
+    recipe: Recipe,
+    out: str | Path,
+    resume: bool = False,
+    device: str = "cpu",
+    stop_after: int | None = None,
 ) -> dict:
     """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``.
 
@@ -301,7 +333,7 @@ def train(
 
     model = HybridLM(recipe.model).to(dev)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
-    start = 0
+    start, loaded = 0, None
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
@@ -309,10 +341,12 @@ def train(
         )
     if resume and latest is not None:
         state = load_training_state(latest, model, optimizer, scheduler)
-        start = int(state["step"])
+        start, loaded = int(state["step"]), latest
         log.info("resuming from %s (step %d)", latest, start)
-        _truncate_metrics(out / "metrics.jsonl", start)
+    elif resume:
+        log.info("--resume: %s holds no complete checkpoint yet; starting at step 0", out)
     out.mkdir(parents=True, exist_ok=True)
+    attempt = begin_attempt(out, start, loaded, invocation=uuid.uuid4().hex[:12])
 
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     params = model.num_parameters()
@@ -328,42 +362,55 @@ def train(
 
     data_state = {"epoch": 0, "position": 0, "num_windows": len(ds)}
     last = None
-    tokens_seen = 0
+    tokens_seen = steps_run = 0
     t_run = time.perf_counter()
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     ckpt = latest if start >= end else None
-    with open(out / "metrics.jsonl", "a") as mf:
-        for step in range(start, end):
-            t0 = time.perf_counter()
-            tokens, data_state = sample_batch(ds, cfg, step)
-            model.train()
-            m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast)
-            dt = time.perf_counter() - t0
-            tokens_seen += tokens.numel()
-            last = {
-                "step": step + 1,
-                **m,
-                "tokens": tokens.numel(),
-                "tokens_per_s": tokens.numel() / dt,
-                "peak_memory_bytes": peak_memory_bytes(dev),
-                "layers": model.layer_stats(),
-            }
-            mf.write(json.dumps(last) + "\n")
-            mf.flush()
-            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                paths = ",".join(s.get("path", "?") for s in last["layers"])
-                log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state)
-    if ckpt is None:  # nothing trained and nothing on disk: write the initial model (steps == 0)
-        ckpt = save_run_checkpoint(out, start, model, optimizer, scheduler, recipe, data_state)
+    status = "failed"
+    try:
+        with open(out / "metrics.jsonl", "a") as mf:
+            for step in range(start, end):
+                maybe_kill("step", 0, step, out)
+                t0 = time.perf_counter()
+                tokens, data_state = sample_batch(ds, cfg, step)
+                model.train()
+                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast)
+                steps_run += 1
+                dt = time.perf_counter() - t0
+                tokens_seen += tokens.numel()
+                last = {
+                    "step": step + 1,
+                    "attempt": attempt["attempt"],
+                    **m,
+                    "tokens": tokens.numel(),
+                    "tokens_per_s": tokens.numel() / dt,
+                    "peak_memory_bytes": peak_memory_bytes(dev),
+                    "layers": model.layer_stats(),
+                }
+                mf.write(json.dumps(last) + "\n")
+                mf.flush()
+                if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                    paths = ",".join(s.get("path", "?") for s in last["layers"])
+                    log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                    ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state)
+        if ckpt is None:  # nothing trained and nothing on disk: write the initial model (steps == 0)
+            ckpt = save_run_checkpoint(out, start, model, optimizer, scheduler, recipe, data_state)
+        status = "completed"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        end_attempt(out, attempt, status, steps_run)
     elapsed = time.perf_counter() - t_run
     return {
         "run": str(out),
         "checkpoint": str(ckpt),
         "steps": cfg.steps,
         "step": max(start, end),
-        "resumed_from": start if resume else None,
+        "resumed_from": start if loaded is not None else None,
+        "steps_run": steps_run,
+        "removed_partial_checkpoints": attempt["removed_partial"],
         "final_loss": last["loss"] if last else None,
         "tokens_trained": tokens_seen,
         "tokens_per_s": tokens_seen / elapsed if tokens_seen else None,
@@ -372,11 +419,104 @@ def train(
     }
 
 
+EVENTS = "events.jsonl"
+
+
+def record_event(out: Path, event: dict) -> None:
+    """Append one JSON line (with a Unix ``time``) to ``RUN/events.jsonl``, the run's log of attempts."""
+    with open(Path(out) / EVENTS, "a") as f:
+        f.write(json.dumps({"time": round(time.time(), 3), **event}) + "\n")
+
+
+def read_events(out: Path) -> list[dict]:
+    """The lines of ``RUN/events.jsonl`` (none when absent); a torn last line (a kill mid-write) is skipped."""
+    path = Path(out) / EVENTS
+    rows = []
+    if path.is_file():
+        for ln in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(ln))
+            except ValueError:
+                continue
+    return rows
+
+
+def next_attempt(out: Path) -> int:
+    """The number of the attempt about to start in ``out``: 1 + the ``start`` events already recorded."""
+    return 1 + sum(e.get("event") == "start" for e in read_events(out))
+
+
+def begin_attempt(out: Path, start: int, checkpoint: Path | None, invocation: str, workers: int = 1) -> dict:
+    """Start an attempt in ``out`` (its single writer): remove abandoned checkpoint temporaries, cut metrics.jsonl
+    back to ``start`` and record a ``start`` event. Returns the event (``attempt``, ``step``, ``checkpoint``,
+    ``removed_partial``)."""
+    removed = remove_partial_checkpoints(out)
+    if removed:
+        log.warning("removed %d unfinished checkpoint(s) of a killed save: %s", len(removed), ", ".join(removed))
+    _truncate_metrics(out / "metrics.jsonl", start)
+    event = {
+        "event": "start",
+        "attempt": next_attempt(out),
+        "invocation": invocation,
+        "step": start,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "removed_partial": removed,
+        "workers": workers,
+        "pid": os.getpid(),
+    }
+    record_event(out, event)
+    return event
+
+
+def end_attempt(out: Path, start_event: dict, status: str, steps_run: int) -> None:
+    """Record the ``end`` of the attempt ``begin_attempt`` started: ``status`` (completed, interrupted, failed), the
+    last step reached and ``steps_run``, the optimizer steps this attempt ran."""
+    record_event(
+        out,
+        {
+            "event": "end",
+            "attempt": start_event["attempt"],
+            "invocation": start_event["invocation"],
+            "status": status,
+            "step": start_event["step"] + steps_run,
+            "steps_run": steps_run,
+        },
+    )
+
+
+def invocation_attempts(out: Path, invocation: str) -> list[dict]:
+    """The attempts of one invocation (``begin_attempt``'s ``invocation``), oldest first: ``attempt``,
+    ``resumed_from`` (the step loaded, None when it started from the initialised model), ``steps_run`` (optimizer
+    steps it ran; None when it was killed before its ``end`` line) and ``status``."""
+    attempts: dict[int, dict] = {}
+    for e in read_events(out):
+        if e.get("invocation") != invocation:
+            continue
+        if e.get("event") == "start":
+            attempts[e["attempt"]] = {
+                "attempt": e["attempt"],
+                "resumed_from": e["step"] if e.get("checkpoint") else None,
+                "steps_run": None,
+                "status": "killed",
+                "removed_partial": e.get("removed_partial", []),
+            }
+        elif e.get("event") == "end" and e.get("attempt") in attempts:
+            attempts[e["attempt"]].update(steps_run=e["steps_run"], status=e["status"])
+    return [attempts[k] for k in sorted(attempts)]
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines past ``step`` (left by a run that stopped after its last checkpoint)."""
+    """Drop metric lines past ``step`` (left by an attempt that stopped after its last checkpoint; a torn line of a
+    killed write too), atomically."""
     if not path.is_file():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    keep = []
+    for ln in path.read_text().splitlines():
+        try:
+            if json.loads(ln).get("step", 0) <= step:
+                keep.append(ln)
+        except ValueError:
+            continue
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(ln + "\n" for ln in keep))
     tmp.replace(path)

@@ -83,6 +83,13 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, on
     summary = json.loads(second.stdout)
     assert (run / ".fault_done").exists()  # the worker was killed once and the group restarted
     assert summary["step"] == 3 and summary["resumed_from"] == 1 and summary["workers"] == 2
+    # the restarted group loaded checkpoint 2 (written just before the kill, before Ray had registered it) and ran
+    # only step 3: attempt 2 ran step 2, attempt 3 step 3, and the metrics rows say which attempt computed them
+    attempts = [(a["attempt"], a["resumed_from"], a["steps_run"], a["status"]) for a in summary["attempts"]]
+    assert attempts == [(2, 1, 1, "failed"), (3, 2, 1, "completed")]
+    assert [(m["step"], m["attempt"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [
+        (1, 1), (2, 2), (3, 3)
+    ]
     got, want = _losses(run), _losses(ref)
     assert [s for s, _ in got] == [1, 2, 3]
     for (_, a), (_, b) in zip(got, want, strict=True):
@@ -116,3 +123,25 @@ def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
         assert [r["dsa_keys_scored"] for r in row["ranks"]] == [want] * 2
     assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == 1.0
+
+
+@pytest.mark.slow
+def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_path):
+    """``save+driver:4``: rank 0 kills the driver, then itself, while checkpoint 4 is half written (Ray has not
+    registered checkpoint 2 either, or has). ``--resume`` loads step 2, the newest complete checkpoint, removes the
+    temporary of step 4, runs steps 3..6 only and says ``resumed_from: 2`` truthfully."""
+    run = tmp_path / "run"
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "6",
+              "--set", "train.checkpoint_every=2"]  # fmt: skip
+    first = _cli(*common, env={"GENOCTX_FAULT_KILL": "save+driver:4"})
+    assert first.returncode == -9, first.stderr[-3000:]
+    partial = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".step_000004.")]
+    assert len(partial) == 1 and (run / "checkpoints" / "step_000002").is_dir()
+    second = _cli(*common, "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout)
+    assert summary["resumed_from"] == 2 and summary["removed_partial_checkpoints"] == partial
+    assert [(a["resumed_from"], a["steps_run"], a["status"]) for a in summary["attempts"]] == [(2, 4, "completed")]
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["attempt"]) for m in rows] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]

@@ -1,0 +1,159 @@
+"""Restarts that truly resume (one process): each test counts the optimizer steps every attempt actually ran
+(``train_step`` calls, and the ``attempt`` that wrote each metrics row), because the data order is deterministic
+and a run that silently recomputed every step would give the same losses."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import genoctx.train.loop as loop
+from genoctx.recipes import load_recipe
+from genoctx.train.checkpoint import list_checkpoints
+from genoctx.train.loop import read_events, train
+
+
+def _recipe(steps, *extra):
+    over = [f"train.steps={steps}", "train.seq_len=256", "train.checkpoint_every=2", "train.warmup_steps=1",
+            "train.keep_checkpoints=0", *extra]  # fmt: skip
+    return load_recipe("recipes/tiny.yaml", over)
+
+
+def _rows(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the optimizer steps (``train_step`` calls: one forward, backward and update each) run in-process."""
+    calls = []
+    real = loop.train_step
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "train_step", counting)
+    return calls
+
+
+def _cli(*args, env=None, **kw):
+    cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--set", "train.seq_len=256",
+           "--set", "train.warmup_steps=1", "--set", "train.keep_checkpoints=0", *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prepared, tmp_path_factory):
+    run = tmp_path_factory.mktemp("full") / "run"
+    train(prepared, _recipe(6), run)
+    return [r["loss"] for r in _rows(run)]
+
+
+def test_kill_during_a_save_then_resume_continues_from_the_last_complete_checkpoint(
+    prepared, tmp_path, counted, uninterrupted
+):
+    run = tmp_path / "run"
+    r = _cli("--data", str(prepared), "--out", str(run), "--steps", "6", env={"GENOCTX_FAULT_KILL": "save:4"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    partial = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".step_000004.")]
+    assert len(partial) == 1 and [c.name for c in list_checkpoints(run)] == ["step_000002"]
+    assert [row["step"] for row in _rows(run)] == [1, 2, 3, 4]  # written before the kill
+
+    summary = train(prepared, _recipe(6), run, resume=True)
+    assert len(counted) == 4  # steps 3..6 ran; steps 1 and 2 were not run again
+    assert summary["resumed_from"] == 2 and summary["steps_run"] == 4
+    assert summary["removed_partial_checkpoints"] == partial
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    rows = _rows(run)
+    assert [(row["step"], row["attempt"]) for row in rows] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
+    assert [row["loss"] for row in rows] == pytest.approx(uninterrupted, rel=1e-6)
+    starts = [e for e in read_events(run) if e["event"] == "start"]
+    assert [(e["attempt"], e["step"], e["removed_partial"]) for e in starts] == [(1, 0, []), (2, 2, partial)]
+
+
+def test_stop_after_then_resume_runs_each_step_once(prepared, tmp_path, counted, uninterrupted):
+    run = tmp_path / "run"
+    first = train(prepared, _recipe(6), run, stop_after=3)
+    assert len(counted) == 3 and first["steps_run"] == 3 and first["resumed_from"] is None
+    second = train(prepared, _recipe(6), run, resume=True)
+    assert len(counted) == 6  # 3 + 3: the resumed run started after step 3
+    assert second["resumed_from"] == 3 and second["steps_run"] == 3
+    rows = _rows(run)
+    assert [(row["step"], row["attempt"]) for row in rows] == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]
+    assert [row["loss"] for row in rows] == pytest.approx(uninterrupted, rel=1e-6)
+    ends = [e for e in read_events(run) if e["event"] == "end"]
+    assert [(e["status"], e["step"], e["steps_run"]) for e in ends] == [("completed", 3, 3), ("completed", 6, 3)]
+
+
+def test_interrupt_before_the_first_checkpoint_then_resume_logs_each_step_once(prepared, tmp_path, counted):
+    """SIGINT before any checkpoint exists, then --resume: nothing to load, so training starts again at step 1
+    and metrics.jsonl holds steps 1..N once (not 1, 1, 2, ...)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--data", str(prepared),
+           "--out", str(run), "--steps", "100000", "--set", "train.seq_len=256",
+           "--set", "train.checkpoint_every=100000"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert list_checkpoints(run) == [] and len(_rows(run)) >= 2
+    assert [e["status"] for e in read_events(run) if e["event"] == "end"] == ["interrupted"]
+
+    summary = train(prepared, _recipe(4, "train.checkpoint_every=100000"), run, resume=True)
+    assert summary["resumed_from"] is None and summary["steps_run"] == 4 and len(counted) == 4
+    assert [(row["step"], row["attempt"]) for row in _rows(run)] == [(1, 2), (2, 2), (3, 2), (4, 2)]
+
+
+def test_a_failed_save_then_resume_logs_each_step_once(prepared, tmp_path, monkeypatch):
+    """A save that raises (disk full) ends the attempt after its metrics row; the rerun cuts that row."""
+    run = tmp_path / "run"
+    real = loop.save_run_checkpoint
+
+    def failing(out, step, *a, **k):
+        if step == 4:
+            raise OSError(28, "No space left on device")
+        return real(out, step, *a, **k)
+
+    monkeypatch.setattr(loop, "save_run_checkpoint", failing)
+    with pytest.raises(OSError):
+        train(prepared, _recipe(6), run)
+    monkeypatch.setattr(loop, "save_run_checkpoint", real)
+    assert [row["step"] for row in _rows(run)] == [1, 2, 3, 4]
+    train(prepared, _recipe(6), run, resume=True)
+    assert [(row["step"], row["attempt"]) for row in _rows(run)] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
+    assert [e["status"] for e in read_events(run) if e["event"] == "end"] == ["failed", "completed"]
+
+
+def test_one_writer_per_run_folder(prepared, tmp_path, counted):
+    """A run folder held by another genoctx process (here a helper holding ``output_lock``) is refused, one
+    process or Ray, naming the holder's PID, before anything is written; it is free again once the holder ends."""
+    from genoctx.errors import GenoctxError
+    from genoctx.parallel.launch import train_distributed
+
+    run = tmp_path / "run"
+    code = ("import sys; from genoctx.lock import output_lock\n"
+            "with output_lock(sys.argv[1], what='train'):\n    print('locked', flush=True); sys.stdin.readline()\n")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for attempt in (lambda: train(prepared, _recipe(2), run),
+                        lambda: train_distributed(prepared, _recipe(2), run, num_workers=2)):  # fmt: skip
+            with pytest.raises(GenoctxError, match=f"is being written by PID {holder.pid} \\(genoctx train\\)"):
+                attempt()
+        assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists() and counted == []
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert train(prepared, _recipe(2), run)["steps_run"] == 2
