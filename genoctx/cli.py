@@ -2,6 +2,9 @@
 
 Results go to stdout (JSON, or a table/CSV for ``eval``); logs and progress go to stderr. Exit codes:
 0 success, 2 bad input (a one-line message naming the file, record or flag), 1 an internal error.
+
+Flags are checked here, before any work (a size flag through :func:`_size`, an output file before scoring), so
+a bad value never costs a long run or leaves partial output.
 """
 
 from __future__ import annotations
@@ -14,14 +17,48 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
+from typer.core import TyperGroup
 
 from .errors import GenoctxError
+
+# click's exception classes, from typer's own click (typer >= 0.24 vendors it as typer._click)
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class _OneLineUsageErrors(TyperGroup):
+    """Click's usage errors (``--steps abc``, a missing ``--data``, an unknown verb) as one line on stderr,
+    ``genoctx: error: ...``, exit code 2, like every other user error (instead of a usage box)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _USAGE_ERROR as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # no verb: the help, as typer shows it
+                if not getattr(typer.core, "HAS_RICH", False):
+                    e.show()  # (with rich, building the error already printed the help)
+                sys.exit(e.exit_code)
+            where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+            typer.echo(f"genoctx: error: {_one_line(e.format_message())}{where}", err=True)
+            sys.exit(2)
+        except _CLICK_EXCEPTION as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     help="Post-train hybrid long-context models on the human genome and measure how they use context.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_OneLineUsageErrors,
 )
 model_app = typer.Typer(help="Inspect model presets, recipes and HF checkpoints.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -52,13 +89,19 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except GenoctxError as e:
-            typer.echo(f"genoctx: error: {e}", err=True)
+            typer.echo(f"genoctx: error: {_one_line(str(e))}", err=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             typer.echo("genoctx: interrupted", err=True)
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _one_line(msg: str) -> str:
+    """``msg`` on one line whatever a quoted value held: control characters (newlines, \\x1d, \\x85, ...) and
+    other unprintable ones are written as Python escapes."""
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in msg).strip() or "(no message)"
 
 
 def _emit_json(doc: dict) -> None:
@@ -68,6 +111,78 @@ def _emit_json(doc: dict) -> None:
 
 def _split_list(s: str | None) -> list[str] | None:
     return [c.strip() for c in s.split(",") if c.strip()] if s else None
+
+
+MIN_WINDOW = 64  # bases: one KDA chunk (kda_chunk_size 64) and a few DSA key pools (index_kpool 16)
+MAX_WINDOW = 1 << 30  # bases (1G): longer than any human chromosome (chr1: 248,956,422)
+WHY_MIN_WINDOW = " (a shorter window holds less than one KDA chunk and no DSA key pool: the model needs context)"
+
+
+def _size(
+    flag: str, value: str, minimum: int = 1, maximum: int | None = None, why_min: str = "", why_max: str = ""
+) -> int:
+    """A size flag (``4096``, ``16k``, ``512k``, ``1M``; :func:`genoctx.data.windows.parse_size`) in bases/tokens.
+
+    Raises:
+        GenoctxError: not a size, or outside ``minimum..maximum`` (``why_min``/``why_max`` say why); the message
+            names ``flag`` and the value.
+    """
+    from .data.windows import parse_size
+
+    try:
+        size = parse_size(value)
+    except GenoctxError as e:
+        raise GenoctxError(f"{flag}: {e}") from None
+    if size < minimum:
+        raise GenoctxError(f"{flag}: {value!r} is {size} bases, less than the minimum of {minimum}{why_min}")
+    if maximum is not None and size > maximum:
+        raise GenoctxError(f"{flag}: {value!r} is {size} bases, more than the maximum of {maximum}{why_max}")
+    return size
+
+
+def _at_least(flag: str, value: float | None, minimum: float) -> None:
+    if value is not None and value < minimum:
+        raise GenoctxError(f"{flag}: must be >= {minimum}, got {value}")
+
+
+def _out_dir(path: Path, flag: str = "--out") -> None:
+    """Check that the output directory ``path`` is a directory or can be made one (creates nothing).
+
+    Raises:
+        GenoctxError: ``path`` or an ancestor is a file (naming ``flag`` and the path).
+    """
+    p = Path(path)
+    try:
+        anc = p
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        is_dir = anc.is_dir()
+    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long
+        raise GenoctxError(f"{flag} {p}: invalid path: {e}") from None
+    if not is_dir:
+        what = "is a file" if anc == p else f"cannot be created: {anc} is not a directory"
+        raise GenoctxError(f"{flag} {p}: {what}; give a directory")
+
+
+def _data_dir(path: Path, flag: str = "--data") -> Path:
+    """A prepared directory given as ``--data DIR`` or ``--data DIR/manifest.json`` (both mean DIR).
+
+    Raises:
+        GenoctxError: no such path, not a directory, or no manifest.json in it (naming ``flag`` and the path).
+    """
+    p = Path(path)
+    try:
+        if p.name == "manifest.json" and p.is_file():
+            return p.parent
+        if not p.exists():
+            raise GenoctxError(f"{flag} {p}: no such directory")
+        if not p.is_dir():
+            raise GenoctxError(f"{flag} {p}: not a directory; give the folder `genoctx prepare --out` wrote")
+        if not (p / "manifest.json").is_file():
+            raise GenoctxError(f"{flag} {p}: no manifest.json; run `genoctx prepare --out {p}` first")
+    except (OSError, ValueError) as e:  # e.g. a NUL byte, a name too long
+        raise GenoctxError(f"{flag} {p}: invalid path: {e}") from None
+    return p
 
 
 @app.command()
@@ -84,31 +199,36 @@ def prepare(
         str | None,
         typer.Option(envvar="GENOCTX_BASE_URL", help="Mirror with UCSC's layout (default: UCSC goldenPath)."),
     ] = None,
-    cache_dir: Annotated[
-        Path | None, typer.Option(help="Download cache (default $XDG_CACHE_HOME/genoctx).")
-    ] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Download cache (default $XDG_CACHE_HOME/genoctx).")] = None,
     verify: Annotated[
         Path | None, typer.Option("--verify", help="Re-check every shard and window checksum of DIR; no prepare.")
     ] = None,
     window: Annotated[
-        str, typer.Option(help="Window length in tokens (bases); k/M suffixes, k = 1024.")
+        str,
+        typer.Option(
+            help="Window length in tokens (bases); k/M suffixes, k = 1024. At least 64 (a shorter window holds "
+            "less than one KDA chunk and no DSA key pool: the model needs context), at most 1G."
+        ),
     ] = "512k",
     stride: Annotated[
-        str | None, typer.Option(help="Stride between window starts; default = window.")
+        str | None,
+        typer.Option(help="Stride between window starts, 1 to --window (no base skipped); default = window."),
     ] = None,
-    chroms: Annotated[
-        str | None, typer.Option(help="Training chromosomes, comma-separated (e.g. chr1,chr2).")
-    ] = None,
-    eval_chroms: Annotated[
-        str | None, typer.Option(help="Held-out chromosomes, comma-separated (e.g. chr22).")
-    ] = None,
+    chroms: Annotated[str | None, typer.Option(help="Training chromosomes, comma-separated (e.g. chr1,chr2).")] = None,
+    eval_chroms: Annotated[str | None, typer.Option(help="Held-out chromosomes, comma-separated (e.g. chr22).")] = None,
     max_n_fraction: Annotated[float, typer.Option(help="Skip windows with a larger fraction of N.")] = 0.5,
     uppercase_only: Annotated[bool, typer.Option(help="Drop the soft-mask channel.")] = False,
     keep_partial: Annotated[
         bool,
-        typer.Option("--keep-partial/--drop-partial", "--pad-last/--drop-last",
-                     help="Keep (pad with <pad>) or drop the last partial window of each chromosome."),
+        typer.Option(
+            "--keep-partial/--drop-partial",
+            "--pad-last/--drop-last",
+            help="Keep (pad with <pad>) or drop the last partial window of each chromosome.",
+        ),
     ] = False,  # fmt: skip
+    wait: Annotated[
+        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Tokenize FASTA (local, or downloaded and verified) into windows split by chromosome; prints JSON.
@@ -117,13 +237,21 @@ def prepare(
       genoctx prepare --fasta data/hg38/hg38_chr22_32000001-32300000.fa --window 16k --out prepared
       genoctx prepare --assembly hg38 --chroms chr1,chr2 --eval-chroms chr22 --window 512k --out hg38-512k
       genoctx prepare --verify hg38-512k
+
+    --window is at least 64 bases on the command line: a shorter window holds less than one KDA chunk (64
+    tokens) and no DSA key pool, and the model needs context to learn from. (The library function
+    genoctx.data.windows.prepare takes any positive window.) --stride is 1 to --window: a longer stride would
+    skip the bases between windows.
     """
     _setup_logging(verbose)
-    from .data.windows import parse_size
     from .data.windows import prepare as run_prepare
     from .data.windows import verify as verify_dir
 
     if verify is not None:
+        from .data.dataset import load_manifest
+
+        verify = _data_dir(verify, "--verify")
+        load_manifest(verify)  # the manifest's entries are well-formed before any shard is read
         problems = verify_dir(verify)
         _emit_json({"verify": str(verify), "ok": not problems, "problems": problems})
         if problems:
@@ -131,8 +259,17 @@ def prepare(
         return
     if out is None:
         raise GenoctxError("--out is required (or use --verify DIR)")
+    _out_dir(out)
     if bool(fasta) == bool(assembly):
         raise GenoctxError("give either --fasta FILE (repeatable) or --assembly NAME (e.g. hg38)")
+    w = _size("--window", window, MIN_WINDOW, MAX_WINDOW, WHY_MIN_WINDOW, " (1G: longer than any human chromosome)")
+    st = (
+        _size("--stride", stride, 1, w, why_max=f" (--window {window}: a longer stride skips bases)")
+        if stride
+        else None
+    )
+    if not 0 <= max_n_fraction <= 1:
+        raise GenoctxError(f"--max-n-fraction: must be between 0 and 1, got {max_n_fraction}")
     train_list, eval_list = _split_list(chroms), _split_list(eval_chroms)
     expected = None
     if assembly:
@@ -145,12 +282,11 @@ def prepare(
             asm, wanted or None, cache_dir=cache_dir, base_url=base_url, progress=sys.stderr.isatty()
         )
         expected = sizes
-    w = parse_size(window)
     manifest = run_prepare(
         fasta,
         out,
         window=w,
-        stride=parse_size(stride) if stride else None,
+        stride=st,
         train_chroms=train_list,
         eval_chroms=eval_list,
         max_n_fraction=max_n_fraction,
@@ -158,6 +294,7 @@ def prepare(
         drop_last=not keep_partial,
         progress=sys.stderr.isatty(),
         expected_lengths=expected,
+        wait=wait,
     )
     _emit_json(
         {
@@ -178,16 +315,13 @@ def train(
     data: Annotated[Path, typer.Option(help="Prepared data directory (genoctx prepare --out).")],
     out: Annotated[Path, typer.Option(help="Run directory: checkpoints/ and metrics.jsonl.")],
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (recipes/*.yaml).")] = None,
-    steps: Annotated[
-        int | None, typer.Option(help="Optimizer steps (overrides train.steps; 0 = save init).")
-    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (overrides train.steps; 0 = save init).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue from the run's latest checkpoint.")] = False,
     stop_after: Annotated[
-        int | None, typer.Option(help="End this invocation after step N (checkpointed); --resume continues.")
+        int | None,
+        typer.Option(help="End this invocation after step N >= 1 (checkpointed); --resume continues."),
     ] = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a recipe key: train.lr=1e-3.")
-    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: train.lr=1e-3.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
     num_workers: Annotated[
         int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
@@ -200,6 +334,9 @@ def train(
         str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
     ] = None,
     gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
@@ -213,14 +350,22 @@ def train(
     from .recipes import load_recipe
     from .train.loop import train as run_train
 
+    _at_least("--steps", steps, 0)
+    _at_least("--stop-after", stop_after, 1)
+    _at_least("--num-workers", num_workers, 1)
+    _at_least("--cp", cp, 1)
+    _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    data = _data_dir(data)
+    _out_dir(out)
     overrides = list(set_ or [])
-    if steps is not None:
+    if steps is not None:  # the flag wins over the recipe and --set (and is checked above)
         overrides.append(f"train.steps={steps}")
     rec = load_recipe(recipe, overrides)
+    dev = _device(device)
     if num_workers is None:
         if cp != 1 or address is not None or gpus_per_worker:
             raise GenoctxError("--cp, --address and --gpus-per-worker need --num-workers")
-        _emit_json(run_train(data, rec, out, resume=resume, device=_device(device), stop_after=stop_after))
+        _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
         return
     from .parallel.launch import train_distributed
 
@@ -235,6 +380,7 @@ def train(
             gpus_per_worker=gpus_per_worker,
             resume=resume,
             stop_after=stop_after,
+            wait=wait,
         )
     )
 
@@ -244,8 +390,14 @@ def _device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise GenoctxError(f"--device {name}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto")
     return name
 
 
@@ -260,9 +412,7 @@ def eval_(
             "repeatable, the first is the baseline."
         ),
     ] = None,
-    by_position: Annotated[
-        bool, typer.Option("--by-position", help="Bin the loss by context length.")
-    ] = False,
+    by_position: Annotated[bool, typer.Option("--by-position", help="Bin the loss by context length.")] = False,
     baseline: Annotated[
         Path | None, typer.Option(help="Checkpoint to compare against (same as giving it as the first --checkpoint).")
     ] = None,
@@ -281,7 +431,13 @@ def eval_(
     resamples: Annotated[int, typer.Option(help="Bootstrap resamples over windows (0 = no intervals).")] = 1000,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
     format_: Annotated[str, typer.Option("--format", help="table, json or csv (on stdout).")] = "table",
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of loss against position.")] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            help="Write a plot of loss against position (PNG; .pdf/.svg by suffix); its folder is created. "
+            "Checked before scoring; written after the result is on stdout."
+        ),
+    ] = None,
     plot_metric: Annotated[
         str, typer.Option(help="What --plot draws: loss or relative_change (vs the baseline).")
     ] = "loss",
@@ -307,35 +463,44 @@ def eval_(
         raise GenoctxError(f"--plot-metric must be loss or relative_change, got {plot_metric!r}")
     if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
-    from .data.windows import parse_size
+    chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    data = _data_dir(data)
+    from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
 
-    doc = evaluate(
-        list(checkpoint or []),
-        data,
-        split=split,
-        bins=bins,
-        baseline=baseline,
-        chunk_tokens=parse_size(chunk_tokens) if chunk_tokens else None,
-        max_windows=max_windows,
-        device=_device(device),
-        markov=markov,
-        markov_alpha=markov_alpha,
-        reverse_complement=reverse_complement,
-        split_by=split_by,
-        resamples=resamples,
-        seed=seed,
-    )
-    if plot is not None:
-        write_plot(doc, plot, metric=plot_metric)
-        logging.getLogger("genoctx.eval").info("wrote %s", plot)
+    created = prepare_plot_path(plot) if plot is not None else []  # before scoring: a bad path costs no run
+    try:
+        doc = evaluate(
+            list(checkpoint or []),
+            data,
+            split=split,
+            bins=bins,
+            baseline=baseline,
+            chunk_tokens=chunk,
+            max_windows=max_windows,
+            device=_device(device),
+            markov=markov,
+            markov_alpha=markov_alpha,
+            reverse_complement=reverse_complement,
+            split_by=split_by,
+            resamples=resamples,
+            seed=seed,
+        )
+    except BaseException:
+        remove_folders(created)  # no output of a failed run, not even --plot's empty folder
+        raise
+    # the result first: if the plot fails after all, what was computed is already out
     if format_ == "json":
         _emit_json(doc)
     elif format_ == "csv":
         sys.stdout.write(to_csv(doc))
     else:
         sys.stdout.write(to_table(doc) + "\n")
+    sys.stdout.flush()
+    if plot is not None:
+        write_plot(doc, plot, metric=plot_metric)
+        logging.getLogger("genoctx.eval").info("wrote %s", plot)
 
 
 @model_app.command("info")
@@ -344,9 +509,7 @@ def model_info(
     preset: Annotated[
         str | None, typer.Option(help="Preset name: tiny, cpu-small, glm-5.3-flash (default cpu-small).")
     ] = None,
-    recipe: Annotated[
-        Path | None, typer.Option(help="Use the model of a recipe instead of a preset.")
-    ] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Use the model of a recipe instead of a preset.")] = None,
     hf: Annotated[
         Path | None,
         typer.Option("--hf", help="Use the config.json of an HF glm5_next model directory (no weights needed)."),
@@ -366,7 +529,6 @@ def model_info(
       genoctx model info --preset glm-5.3-flash --seq-len 1M
       genoctx model info --hf path/to/GLM-5.3-Flash
     """
-    from .data.windows import parse_size
     from .model.config import DSA, KDA
     from .model.config import preset as get_preset
     from .model.model import flops_per_token
@@ -391,12 +553,7 @@ def model_info(
         except KeyError as e:
             raise GenoctxError(f"--preset: {e.args[0]}") from None
         source = {"preset": preset, "recipe": None, "hf": None}
-    try:
-        L = parse_size(seq_len)
-    except (ValueError, GenoctxError) as e:
-        raise GenoctxError(f"--seq-len: {e}") from None
-    if L < 1:
-        raise GenoctxError(f"--seq-len must be >= 1, got {seq_len!r}")
+    L = _size("--seq-len", seq_len)
     counts = _count_params_meta(cfg)  # meta device: no memory, any size
     counts.update(total_b=round(counts["total"] / 1e9, 1), active_b=round(counts["active"] / 1e9, 1))
     flops = flops_per_token(cfg, L, counts["active"])

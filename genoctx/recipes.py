@@ -10,18 +10,37 @@ A recipe has two sections::
 
 The resolved recipe (preset expanded, overrides applied) is saved beside every checkpoint, so a checkpoint
 alone says what produced it.
+
+Every error names where the bad key or value came from: the recipe file, or the ``--set key=value`` that gave it
+(with the closest real key when a key is unknown), and the offending value.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from .data.tokenizer import VOCAB
 from .errors import GenoctxError
-from .model.config import ModelConfig, preset
+from .model.config import PRESETS, ModelConfig, preset
+
+SECTIONS = ("model", "train")
+
+
+class RecipeValueError(GenoctxError):
+    """A bad value of one recipe key; ``key`` is its dotted name (``train.steps``), so the caller can say
+    whether it came from the recipe file or from ``--set``."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass
@@ -49,12 +68,45 @@ class TrainConfig:
     cp_layout: str = "contiguous"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("fp32", "bf16"):
-            raise GenoctxError(f"train.dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
-        if self.cp_layout not in ("contiguous", "zigzag"):
-            raise GenoctxError(f"train.cp_layout must be 'contiguous' or 'zigzag', got {self.cp_layout!r}")
-        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
-            raise GenoctxError("train.steps must be >= 0, train.batch_size and train.checkpoint_every >= 1")
+        """Check types and ranges; the first bad field raises :class:`RecipeValueError` naming ``train.<field>``."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _check_value(f"train.{f.name}", getattr(self, f.name), _HINTS[TrainConfig][f.name]))
+        choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                _bad(f"train.{name}", f"must be {' or '.join(map(repr, allowed))}", getattr(self, name))
+        for name, lo, hi, what in _TRAIN_RANGES:
+            v = getattr(self, name)
+            if v is not None and not ((lo is None or v >= lo) and (hi is None or v < hi)):
+                _bad(f"train.{name}", f"must be {what}", v)
+
+
+# (field, lowest allowed, first value not allowed, in words); None = unbounded
+_TRAIN_RANGES = (
+    ("steps", 0, None, ">= 0"),
+    ("batch_size", 1, None, ">= 1"),
+    ("seq_len", 1, None, ">= 1 (or null: the whole window)"),
+    ("lr", 0.0, None, ">= 0"),
+    ("min_lr_ratio", 0.0, 1.0 + 1e-12, "between 0 and 1"),
+    ("warmup_steps", 0, None, ">= 0"),
+    ("weight_decay", 0.0, None, ">= 0"),
+    ("beta1", 0.0, 1.0, "in [0, 1)"),
+    ("beta2", 0.0, 1.0, "in [0, 1)"),
+    ("grad_clip", 1e-300, None, "> 0"),
+    ("seed", 0, 2**63, "in [0, 2**63)"),
+    ("checkpoint_every", 1, None, ">= 1"),
+    ("keep_checkpoints", 0, None, ">= 0 (0 = keep all)"),
+    ("log_every", 1, None, ">= 1"),
+    ("num_threads", 1, None, ">= 1 (or null: torch's default)"),
+)
+
+# ModelConfig integer fields that may be 0 (every other integer field must be >= 1); ModelConfig checks the rest
+_MODEL_MAY_BE_ZERO = {"n_shared_experts", "qk_rope_head_dim", "pad_token_id", "bos_token_id", "eos_token_id",
+                      "hc_sinkhorn_iters"}  # fmt: skip
+# ModelConfig float fields that may be negative (every other one must be >= 0: scales, epsilons, rates)
+_MODEL_MAY_BE_NEGATIVE = {"linear_lower_bound"}
+# model fields that also take a string of letters (``--set model.layer_types=KKKD``)
+_LETTER_FIELDS = {"layer_types", "mlp_layer_types", "indexer_types"}
 
 
 @dataclass
@@ -72,6 +124,58 @@ class Recipe:
         }
 
 
+_HINTS = {cls: typing.get_type_hints(cls) for cls in (TrainConfig, ModelConfig)}
+
+
+def _short(value, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _bad(key: str, what: str, value) -> typing.NoReturn:
+    raise RecipeValueError(key, f"{key} {what}, got {_short(value)}")
+
+
+def _describe(key: str, hint) -> str:
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    parts = [words.get(a, "a list of strings") for a in args if a is not type(None)]
+    if key.split(".", 1)[1] in _LETTER_FIELDS:
+        parts.append("a string of letters")
+    return " or ".join(parts) + (" or null" if type(None) in args else "")
+
+
+def _check_value(key: str, value, hint):
+    """``value`` converted to the field's type (ints to floats, YAML 1.1's ``'1e-4'`` strings to floats), or a
+    :class:`RecipeValueError` naming ``key`` and the value."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    name = key.split(".", 1)[1]
+    if value is None and type(None) in args:
+        return None
+    for t in args:
+        if t is bool and isinstance(value, bool):
+            return value
+        if isinstance(value, bool):
+            continue
+        if t is int and isinstance(value, int):
+            return value
+        if t is float and isinstance(value, int | float | str):
+            try:
+                x = float(value)
+            except (ValueError, OverflowError):
+                continue
+            if not math.isfinite(x):
+                _bad(key, "must be a finite number", value)
+            return x
+        if t is str and isinstance(value, str):
+            return value
+        if typing.get_origin(t) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        if typing.get_origin(t) is list and isinstance(value, str) and name in _LETTER_FIELDS:
+            return value
+    _bad(key, f"must be {_describe(key, hint)}", value)
+
+
 def _coerce(value: str):
     """Parse a ``--set`` value: integers and floats (``1e-4`` included), else YAML rules (bool, null, lists)."""
     for cast in (int, float):
@@ -79,89 +183,182 @@ def _coerce(value: str):
             return cast(value)
         except ValueError:
             pass
-    return yaml.safe_load(value)
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value  # not YAML: the plain string (the field's type check names it)
 
 
-def _check_types(obj, source: str) -> None:
-    """Reject values whose type does not match the dataclass field's default (ints accepted for floats)."""
-    for f in dataclasses.fields(obj):
-        default = f.default
-        value = getattr(obj, f.name)
-        if default is None or default is dataclasses.MISSING or value is None:
-            continue
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            setattr(obj, f.name, float(value))
-        elif isinstance(default, float) and isinstance(value, str):
-            try:
-                setattr(obj, f.name, float(value))  # YAML 1.1 reads 1e-4 as a string
-            except ValueError:
-                raise GenoctxError(f"{source}: {f.name} must be a number, got {value!r}") from None
-        elif type(value) is not type(default):
-            raise GenoctxError(f"{source}: {f.name} must be {type(default).__name__}, got {value!r}")
+def _suggest(key: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _known_keys(section: str) -> set[str]:
+    cls = ModelConfig if section == "model" else TrainConfig
+    names = {f.name for f in dataclasses.fields(cls)}
+    return names | {"preset"} if section == "model" else names
+
+
+def _apply(raw: dict, overrides: list[str], source: str) -> tuple[dict, dict[str, str]]:
+    """``raw`` with the overrides applied, and where each overridden key came from (``{"train.lr": "--set
+    train.lr=1e-3"}``; a later ``--set`` of the same key wins)."""
+    out: dict = {}
+    for k, v in raw.items():
+        if k in SECTIONS and v is not None and not isinstance(v, dict):
+            raise GenoctxError(f"{source}: section {k!r} must be a mapping of keys, got {_short(v)}")
+        out[k] = dict(v or {}) if k in SECTIONS else v
+    origins: dict[str, str] = {}
+    for item in overrides:
+        where = f"--set {item}"
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise GenoctxError(f"{where}: expected section.key=value (e.g. train.steps=10)")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        section, name = key.split(".", 1)
+        if section not in SECTIONS:
+            raise GenoctxError(f"{where}: unknown section {section!r} (use model.* or train.*)")
+        if name not in _known_keys(section):
+            raise GenoctxError(f"{where}: unknown key {key}{_suggest(key, _dotted(section))}")
+        out.setdefault(section, {})[name] = _coerce(value)
+        origins[key] = where
+    return out, origins
+
+
+def _dotted(section: str) -> list[str]:
+    return [f"{section}.{k}" for k in _known_keys(section)]
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply ``section.key=value`` overrides to a raw recipe dict (a copy is returned).
 
     Raises:
-        GenoctxError: an override that is not ``a.b=c`` or names an unknown section.
+        GenoctxError: an override that is not ``a.b=c``, or names an unknown section or key (the message
+            quotes the ``--set`` and suggests the closest key).
     """
-    out = {k: dict(v or {}) for k, v in raw.items()}
-    for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise GenoctxError(f"--set expects section.key=value (e.g. train.steps=10), got {item!r}")
-        key, value = item.split("=", 1)
-        section, name = key.split(".", 1)
-        if section not in ("model", "train"):
-            raise GenoctxError(f"--set {item!r}: unknown section {section!r} (use model.* or train.*)")
-        out.setdefault(section, {})[name] = _coerce(value)
-    return out
+    return _apply(raw, overrides, "<recipe>")[0]
 
 
-def recipe_from_dict(raw: dict, source: str = "<recipe>") -> Recipe:
+def recipe_from_dict(raw: dict, source: str = "<recipe>", origins: dict[str, str] | None = None) -> Recipe:
     """Build a ``Recipe`` from a raw dict (as loaded from YAML).
 
+    Args:
+        raw: ``{"model": {...}, "train": {...}}``.
+        source: where ``raw`` came from (the recipe file), named in errors.
+        origins: dotted keys that came from elsewhere (``{"train.lr": "--set train.lr=abc"}``): errors about
+            those keys name that instead of ``source``.
+
     Raises:
-        GenoctxError: unknown sections or keys, unknown preset, invalid values (the message names ``source``).
+        GenoctxError: unknown sections or keys, unknown preset, invalid values; one line naming the file (or
+            the ``--set``), the key and the value.
     """
-    unknown = set(raw) - {"model", "train"}
+    return _build(raw, source, origins or {}, None)
+
+
+def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | None) -> Recipe:
+    def where(key: str) -> str:
+        return origins.get(key, source)
+
+    if not isinstance(raw, dict):
+        raise GenoctxError(f"{source}: a recipe must be a mapping with 'model' and 'train' sections")
+    unknown = sorted(map(str, set(raw) - set(SECTIONS)))
     if unknown:
-        raise GenoctxError(f"{source}: unknown recipe sections {sorted(unknown)} (expected model, train)")
-    model_raw = dict(raw.get("model") or {})
+        raise GenoctxError(f"{source}: unknown recipe section {unknown[0]!r} (expected model, train)")
+    sections = {}
+    for s in SECTIONS:
+        v = raw.get(s)
+        if v is not None and not isinstance(v, dict):
+            raise GenoctxError(f"{source}: section {s!r} must be a mapping of keys, got {_short(v)}")
+        sections[s] = dict(v or {})
+        bad = sorted(map(str, set(sections[s]) - _known_keys(s)))
+        if bad:
+            key = f"{s}.{bad[0]}"
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise GenoctxError(f"{where(key)}: unknown key {key}{_suggest(key, _dotted(s))}{more}")
+
+    # model: types and ranges key by key, then ModelConfig's own (cross-field) checks
+    model_raw = sections["model"]
     preset_name = model_raw.pop("preset", None)
+    if preset_name is not None and (not isinstance(preset_name, str) or preset_name not in PRESETS):
+        raise GenoctxError(
+            f"{where('model.preset')}: model.preset {_short(preset_name)} is not a preset; "
+            f"known: {', '.join(sorted(PRESETS))}"
+        )
     try:
-        if preset_name is not None:
-            model = preset(preset_name, **model_raw)
-        else:
-            model = ModelConfig.from_dict(model_raw)
-    except (KeyError, TypeError, ValueError) as e:
-        msg = e.args[0] if e.args else str(e)
-        raise GenoctxError(f"{source}: model: {msg}") from None
-    _check_types(model, f"{source}: model")
-    train_raw = dict(raw.get("train") or {})
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    bad = set(train_raw) - names
-    if bad:
-        raise GenoctxError(f"{source}: unknown train keys {sorted(bad)}")
+        _check_model_values(model_raw)
+    except RecipeValueError as e:
+        raise GenoctxError(f"{where(e.key)}: {e}") from None
     try:
-        train = TrainConfig(**train_raw)
-    except TypeError as e:
-        raise GenoctxError(f"{source}: train: {e}") from None
-    _check_types(train, f"{source}: train")
+        model = _build_model(preset_name, model_raw)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise GenoctxError(f"{_blame_model(e, origins, source, file_raw)}: model: {_msg(e)}") from None
+
+    try:
+        train = TrainConfig(**sections["train"])
+    except RecipeValueError as e:
+        raise GenoctxError(f"{where(e.key)}: {e}") from None
     return Recipe(model=model, train=train, preset=preset_name)
+
+
+def _check_model_values(model_raw: dict) -> None:
+    """Convert and check each model value in place: its type, integers in 1..2**31 - 1 (from 0 for a few;
+    ``vocab_size`` from the 8 nucleotide tokens) and numbers >= 0 (but ``linear_lower_bound``)."""
+    for name, value in list(model_raw.items()):
+        key = f"model.{name}"
+        value = model_raw[name] = _check_value(key, value, _HINTS[ModelConfig][name])
+        if isinstance(value, int) and not isinstance(value, bool):
+            lo = 0 if name in _MODEL_MAY_BE_ZERO else 1
+            if not lo <= value < 2**31:
+                _bad(key, f"must be in {lo}..2**31 - 1", value)
+            if name == "vocab_size" and value < len(VOCAB):
+                _bad(key, f"must be >= {len(VOCAB)} (the nucleotide tokens {', '.join(VOCAB)})", value)
+        elif isinstance(value, float) and name not in _MODEL_MAY_BE_NEGATIVE and value < 0:
+            _bad(key, "must be >= 0", value)
+
+
+def _msg(e: Exception) -> str:
+    return " ".join(str(e.args[0] if e.args else e).split())
+
+
+def _build_model(preset_name: str | None, model_raw: dict) -> ModelConfig:
+    if preset_name is not None:
+        return preset(preset_name, **model_raw)
+    return ModelConfig.from_dict(model_raw)
+
+
+def _blame_model(err: Exception, origins: dict[str, str], source: str, file_raw: dict | None) -> str:
+    """Who gave an inconsistent model: the file when no ``--set`` touched the model or the file alone fails too;
+    else the model ``--set`` items whose key the message names (all of them when it names none)."""
+    sets = {k: v for k, v in origins.items() if k.startswith("model.")}
+    if not sets:
+        return source
+    if file_raw is not None:
+        try:
+            file_model = dict(file_raw.get("model") or {})
+            name = file_model.pop("preset", None)
+            _check_model_values(file_model)
+            _build_model(name, file_model)
+        except Exception:  # noqa: BLE001 - the file alone is inconsistent too: the file is to blame
+            return source
+    msg = _msg(err)
+    named = [v for k, v in sets.items() if k.split(".", 1)[1] in msg]
+    return " ".join(named or sets.values())
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
     """Load a YAML recipe (or the defaults when ``path`` is None) and apply ``--set`` overrides.
 
     Raises:
-        GenoctxError: missing file, invalid YAML, unknown keys.
+        GenoctxError: missing file, invalid YAML, unknown keys, bad values; the message names the recipe file
+            or the ``--set`` item that gave the culprit.
     """
     raw: dict = {}
     source = "<defaults>"
     if path is not None:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise GenoctxError(f"recipe {p} is a directory; give a YAML file such as recipes/tiny.yaml")
         if not p.is_file():
             raise GenoctxError(f"recipe not found: {p}")
         try:
@@ -170,6 +367,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" line {line + 1}" if line is not None else ""
             raise GenoctxError(f"{p}:{where} invalid YAML") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenoctxError(f"{p}: unreadable recipe: {e}") from None
         if not isinstance(raw, dict):
             raise GenoctxError(f"{p}: a recipe must be a mapping with 'model' and 'train' sections")
-    return recipe_from_dict(apply_overrides(raw, overrides or []), source)
+    merged, origins = _apply(raw, overrides or [], source)
+    return _build(merged, source, origins, raw)

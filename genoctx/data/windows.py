@@ -58,7 +58,7 @@ FORMAT_VERSION = 1
 DEFAULT_EVAL_CHROMS = ("chr22",)
 _COUNT_BLOCK = 4096
 _WS = b" \t\r\n\v\f"
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")
+_SIZE_RE = re.compile(r"^\s*([0-9]+)\s*([kKmMgG]?)\s*$")  # ASCII digits only (\d takes any script's)
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 try:  # the distribution's version (works even where an old editable install sees genoctx as a namespace)
     GENOCTX_VERSION = _dist_version("genoctx")
@@ -84,6 +84,8 @@ def parse_size(value: int | str) -> int:
         size = int(value)
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         size = int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    elif isinstance(value, str) and re.match(r"^\s*-[0-9]+\s*[kKmMgG]?\s*$", value):
+        size = -1
     else:
         raise GenoctxError(f"invalid size {value!r}: expected a number of bases such as 16k, 512k or 1M")
     if size <= 0:

@@ -1,9 +1,74 @@
-"""PNG of held-out loss (or relative change vs the baseline) against token position, with interval bands."""
+"""An image (PNG by default) of held-out loss (or relative change vs the baseline) against token position,
+with interval bands."""
 
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
+
+from ..errors import GenoctxError
+
+# file suffixes the plot can be written as (matplotlib's Agg canvas; pgf needs LaTeX, raw/rgba are not images)
+FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
+def plot_format(path: str | Path) -> str:
+    """The image format of ``path`` from its suffix (no suffix: png).
+
+    Raises:
+        GenoctxError: a suffix that is not one of :data:`FORMATS` (named with the ``--plot`` flag).
+    """
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in FORMATS:
+        raise GenoctxError(
+            f"--plot {path}: cannot write .{suffix} images; use .png, .pdf or .svg (or {', '.join(FORMATS[3:])})"
+        )
+    return suffix
+
+
+def prepare_plot_path(path: str | Path) -> list[Path]:
+    """Check before any work that :func:`plot` can write ``path``: a known suffix, not a directory, its folder
+    created if missing (``mkdir -p``) and a file can be created in it (probed with a temporary file).
+
+    Returns:
+        The folders it created, outermost first: pass them to :func:`remove_folders` if the work fails later.
+
+    Raises:
+        GenoctxError: the message names ``--plot``, the path and the reason (nothing is left behind).
+    """
+    p = Path(path)
+    plot_format(p)
+    created: list[Path] = []
+    try:
+        if p.is_dir():
+            raise GenoctxError(f"--plot {p}: is a directory; give a file name such as {p / 'loss.png'}")
+        missing, anc = [], p.parent
+        while not anc.exists() and anc != anc.parent:
+            missing.append(anc)
+            anc = anc.parent
+        if not anc.is_dir():
+            raise GenoctxError(f"--plot {p}: cannot create its folder: {anc} is not a directory")
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+        with tempfile.TemporaryFile(dir=p.parent):
+            pass
+    except (OSError, ValueError) as e:  # permission, read-only, a NUL byte, a name too long
+        remove_folders(created)
+        raise GenoctxError(f"--plot {p}: cannot write there: {getattr(e, 'strerror', None) or e}") from None
+    return created
+
+
+def remove_folders(folders: list[Path]) -> None:
+    """Remove the (empty) folders :func:`prepare_plot_path` created, innermost first; never raises."""
+    for d in reversed(folders):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _mid(b: dict) -> float:
@@ -12,25 +77,26 @@ def _mid(b: dict) -> float:
 
 
 def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
-    """Write a PNG: one line per model (checkpoints, Markov reference) at the bins' geometric centres on a
-    log-2 position axis, with the bootstrap interval as a shaded band.
+    """Write the plot (PNG, or the format of the suffix): one line per model (checkpoints, Markov reference)
+    at the bins' geometric centres on a log-2 position axis, with the bootstrap interval as a shaded band.
 
     Args:
         doc: a document of :func:`genoctx.eval.position.evaluate` (or the bare ``bins``/``overall`` form).
-        path: output PNG; written to a temporary name and renamed (no partial file on failure).
+        path: output image, in the format of its suffix (:data:`FORMATS`; no suffix: PNG); its folder is created
+            if missing; written to a temporary name and renamed (no partial file on failure).
         metric: ``"loss"`` (nats per base) or ``"relative_change"`` (% vs the baseline; the baseline itself
             is the zero line).
 
     Raises:
-        GenoctxError: unknown metric, or relative change requested without a baseline.
+        GenoctxError: unknown metric, relative change requested without a baseline, an image format that cannot
+            be written, or a file or folder that cannot be created (the message names ``--plot`` and the path).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..errors import GenoctxError
-
+    fmt = plot_format(path)
     if metric not in ("loss", "relative_change"):
         raise GenoctxError(f"--plot-metric {metric!r}: expected loss or relative_change")
     models = doc.get("models") or [{"name": Path(doc.get("checkpoint") or "model").name, "bins": doc["bins"]}]
@@ -71,12 +137,18 @@ def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
+    tmp = path.with_name(f".{path.name}.tmp.{fmt}")
     fig.tight_layout()
     try:
-        fig.savefig(tmp, dpi=120)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, dpi=120, format=fmt)
         tmp.replace(path)
+    except OSError as e:
+        raise GenoctxError(f"--plot {path}: cannot write: {e.strerror or e}") from None
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # its folder could not be created: nothing to remove
+            pass
     return path

@@ -40,7 +40,7 @@ from ..errors import GenoctxError
 from ..model.model import shift_inputs, token_losses
 from ..train.checkpoint import load_model, resolve_checkpoint
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
-from .markov import MarkovModel, fit_markov
+from .markov import MAX_ORDER, MarkovModel, fit_markov
 from .plot import plot
 
 __all__ = [
@@ -458,6 +458,12 @@ def evaluate(
         raise GenoctxError(f"--max-windows {max_windows} must be >= 1")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise GenoctxError(f"--chunk-tokens {chunk_tokens} must be >= 1")
+    if seed < 0:
+        raise GenoctxError(f"--seed {seed} must be >= 0")
+    if markov is not None and not 0 <= markov <= MAX_ORDER:  # checked again by MarkovModel.fit; fail before scoring
+        raise GenoctxError(f"--markov {markov}: the order must be between 0 and {MAX_ORDER}")
+    if not (math.isfinite(markov_alpha) and markov_alpha >= 0):
+        raise GenoctxError(f"--markov-alpha {markov_alpha}: must be a finite number >= 0")
     ckpts_in = [] if checkpoint is None else list(checkpoint) if isinstance(checkpoint, list | tuple) else [checkpoint]
     if baseline is not None:
         ckpts_in = [baseline, *ckpts_in]

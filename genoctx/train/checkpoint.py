@@ -175,7 +175,7 @@ def read_optimizer(path: Path) -> dict:
                 "torch.load(weights_only=True))"
             ) from None
         raise GenoctxError(f"{path}: not a readable optimizer state ({_first_line(e)})") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 -- unpickling corrupt bytes raises anything (IndexError, KeyError, ...)
         raise GenoctxError(f"{path}: not a readable optimizer state, truncated or corrupt ({_first_line(e)})") from None
     if not isinstance(opt, dict) or not {"optimizer", "scheduler"} <= set(opt):
         raise GenoctxError(f"{path}: not a genoctx optimizer state (expected keys 'optimizer' and 'scheduler')")

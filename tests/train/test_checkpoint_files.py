@@ -4,6 +4,7 @@ with one line naming the file (exit 2), never a traceback and never pickle code 
 import json
 import os
 import pickle
+import random
 import shutil
 import subprocess
 import sys
@@ -67,8 +68,8 @@ def _corrupt(run2, tmp_path, name, how):
     run = tmp_path / "run"
     shutil.copytree(run2, run)
     path = run / "checkpoints" / "step_000002" / name
-    if how == "random":
-        path.write_bytes(os.urandom(4096))
+    if how.startswith("random"):  # random:SEED
+        path.write_bytes(random.Random(how).randbytes(4096))
     elif how == "truncate":
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     else:
@@ -79,10 +80,10 @@ def _corrupt(run2, tmp_path, name, how):
 @pytest.mark.parametrize(
     "name, how, verbs",
     [
-        ("model.safetensors", "random", ("eval", "resume")),
+        ("model.safetensors", "random:0", ("eval", "resume")),
         ("model.safetensors", "truncate", ("eval", "resume")),
         ("optimizer.pt", "truncate", ("resume",)),
-        ("optimizer.pt", "random", ("resume",)),
+        *[("optimizer.pt", f"random:{seed}", ("resume",)) for seed in range(3)],
         ("state.json", "{not json", ("eval", "resume")),
         ("state.json", '{"step": "two"}', ("eval", "resume")),
         ("recipe.yaml", "model: [", ("eval",)),  # resume takes the recipe given, not the stored one

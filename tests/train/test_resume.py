@@ -143,8 +143,11 @@ def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     from genoctx.parallel.launch import train_distributed
 
     run = tmp_path / "run"
-    code = ("import sys; from genoctx.lock import output_lock\n"
-            "with output_lock(sys.argv[1], what='train'):\n    print('locked', flush=True); sys.stdin.readline()\n")  # fmt: skip
+    code = (
+        "import sys; from genoctx.lock import output_lock\n"
+        "with output_lock(sys.argv[1], what='train'):\n"
+        "    print('locked', flush=True); sys.stdin.readline()\n"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)  # fmt: skip
     try:
@@ -157,3 +160,26 @@ def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     finally:
         holder.communicate("\n", timeout=30)
     assert train(prepared, _recipe(2), run)["steps_run"] == 2
+
+
+def test_train_wait_flag_waits_for_the_holder(prepared, tmp_path):
+    run = tmp_path / "run"
+    code = (
+        "import sys; from genoctx.lock import output_lock\n"
+        "with output_lock(sys.argv[1], what='prepare'):\n"
+        "    print('locked', flush=True); sys.stdin.readline()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    assert holder.stdout.readline() == "locked\n"
+    cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--data", str(prepared),
+           "--out", str(run), "--steps", "1", "--set", "train.seq_len=256", "--wait"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = ""
+    while "waiting for PID" not in line:  # it logs once, then blocks
+        line = p.stderr.readline()
+        assert line or p.poll() is None, "exited without waiting"
+    assert p.poll() is None and not (run / "metrics.jsonl").exists()
+    holder.communicate("\n", timeout=30)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and json.loads(out)["steps_run"] == 1
