@@ -322,6 +322,14 @@ def train(
         typer.Option(help="End this invocation after step N >= 1 (checkpointed); --resume continues."),
     ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: train.lr=1e-3.")] = None,
+    init: Annotated[
+        str | None,
+        typer.Option(
+            "--init",
+            help="Start from a pretrained base: an HF model directory or a Hub repo id (org/name[@revision]) "
+            "fetched by huggingface_hub into its cache (HF_HUB_OFFLINE, HF_ENDPOINT respected); = model.init.",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
     num_workers: Annotated[
         int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
@@ -360,6 +368,8 @@ def train(
     overrides = list(set_ or [])
     if steps is not None:  # the flag wins over the recipe and --set (and is checked above)
         overrides.append(f"train.steps={steps}")
+    if init is not None:
+        overrides.append(f"model.init={init}")
     rec = load_recipe(recipe, overrides)
     dev = _device(device)
     if num_workers is None:
@@ -442,6 +452,13 @@ def eval_(
         str, typer.Option(help="What --plot draws: loss or relative_change (vs the baseline).")
     ] = "loss",
     chunk_tokens: Annotated[str | None, typer.Option(help="Score windows in chunks (carried cache).")] = None,
+    loss_vocab: Annotated[
+        str | None,
+        typer.Option(
+            help="For a text-vocabulary model: softmax over the full vocabulary or the nucleotide rows "
+            "(default: the run's loss.vocab; full for an HF base)."
+        ),
+    ] = None,
     max_windows: Annotated[int | None, typer.Option(help="Score only the first N windows.")] = None,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
@@ -464,6 +481,8 @@ def eval_(
     if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
     chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    if loss_vocab not in (None, "full", "nucleotide"):
+        raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
     from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
@@ -486,6 +505,7 @@ def eval_(
             split_by=split_by,
             resamples=resamples,
             seed=seed,
+            loss_vocab=loss_vocab,
         )
     except BaseException:
         remove_folders(created)  # no output of a failed run, not even --plot's empty folder
@@ -501,6 +521,92 @@ def eval_(
     if plot is not None:
         write_plot(doc, plot, metric=plot_metric)
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
+
+
+@app.command()
+@_user_errors
+def export(
+    ckpt: Annotated[
+        Path,
+        typer.Argument(
+            help="Run directory (its latest checkpoint), checkpoint directory, or HF model directory (a re-export)."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="Output HF model directory (config.json + safetensors).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out.")] = False,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
+    ] = False,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            help="HF directory the model came from: its config, vision tower, MTP layer and tokenizer files are kept. "
+            "Default: the run's init model (state.json `init.path`), or CKPT itself when it is an HF directory."
+        ),
+    ] = None,
+    no_base: Annotated[
+        bool, typer.Option("--no-base", help="Write the model's own config and nothing else (ignore any base).")
+    ] = False,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Most tensor bytes per safetensors file: 5GB (10^9 bytes), 500MB, 2GiB, or bytes.")
+    ] = "5GB",
+    dtype: Annotated[
+        str, typer.Option(help="Stored dtype: keep (as trained), bf16 or fp32; fp32 islands stay fp32.")
+    ] = "keep",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Write a checkpoint as a Hugging Face model directory that transformers loads
+    (Glm5NextForConditionalGeneration.from_pretrained); prints a JSON summary. See docs/checkpoints.md, "Export".
+
+    Examples:
+      genoctx export runs/demo --out export/demo --dtype bf16
+      genoctx export runs/hg38-512k --out export/glm-dna --base models/GLM-5.3-Flash --max-shard-size 5GB
+      genoctx export export/demo --out export/demo-1gb --max-shard-size 1GB
+    """
+    _setup_logging(verbose)
+    import os
+
+    import torch
+
+    from .model.hf import base_config, check_export_dir, is_hf_dir, load_hf, parse_bytes, read_config, save_hf
+    from .train.checkpoint import load_model, load_recipe_of, read_state, resolve_checkpoint
+
+    dtypes = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+    if dtype not in dtypes:
+        raise GenoctxError(f"--dtype must be keep, bf16 or fp32, got {dtype!r}")
+    if base is not None and no_base:
+        raise GenoctxError("give --base DIR or --no-base, not both")
+    shard = parse_bytes(max_shard_size, "--max-shard-size")
+    _out_dir(out)
+    check_export_dir(out, force)
+    path = resolve_checkpoint(ckpt)
+    hf = not (path / "state.json").is_file()
+    src, dst = Path(os.path.realpath(path)), Path(os.path.realpath(out))
+    if src.is_relative_to(dst) and not (hf and src == dst):
+        raise GenoctxError(f"--out {out} holds the checkpoint {path}: replacing it would delete it; choose another")
+    log = logging.getLogger("genoctx")
+    base_dir = base
+    if base is None and not no_base:
+        if hf:
+            base_dir = path  # a re-export keeps what the directory holds besides the text model
+        else:
+            init = read_state(path).get("init")
+            if isinstance(init, dict) and init.get("path"):
+                if is_hf_dir(init["path"]):
+                    base_dir = Path(init["path"])
+                    log.info("base: %s, the model the run started from (state.json init)", base_dir)
+                else:
+                    log.warning(
+                        "the run started from %s, but %s is no longer an HF directory: exporting without a base "
+                        "(no vision tower, MTP layer or tokenizer files); pass --base DIR to keep them",
+                        init.get("source") or init["path"], init["path"],
+                    )  # fmt: skip
+    cfg = read_config(path)[0] if hf else load_recipe_of(path).model
+    if base_dir is not None:
+        base_config(cfg, base_dir)  # a base of another architecture fails now, before loading weights
+    model = load_hf(path) if hf else load_model(path)[0]
+    summary = save_hf(model, out, base_dir=base_dir, max_shard_bytes=shard, force=force, dtype=dtypes[dtype], wait=wait)
+    _emit_json({"checkpoint": str(path), **summary})
 
 
 @model_app.command("info")

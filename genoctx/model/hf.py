@@ -1,4 +1,4 @@
-"""GLM-5.3-Flash checkpoints in the Hugging Face format: names, shards, the VL layout, fp8 blocks; loading.
+"""GLM-5.3-Flash checkpoints in the Hugging Face format: names, shards, the VL layout, fp8 blocks; load and export.
 
 A glm5_next checkpoint directory holds ``config.json`` (a ``glm5_next`` VL config with ``text_config``, or a flat
 ``glm5_next_text`` config) and one or many safetensors files (``model.safetensors``, or shards listed by
@@ -33,10 +33,19 @@ float8 comes with ``<name>_scale_inv`` ``[ceil(out / b0), ceil(in / b1)]`` and i
 
 Loading reads one tensor at a time into a model whose parameters were allocated once (on the meta device, then
 ``to_empty``): peak memory is the model plus one tensor, never two copies of the model.
+
+Export (``save_hf``) is the same table read backwards: every genoctx tensor goes out under its published name
+(stacked experts split per expert, ``conv1d`` into ``q/k/v_conv1d``, ``attn_hc.*`` -> ``hc_attn_*``), under
+``model.language_model.``, into shards of at most ``max_shard_bytes`` named as transformers names them. With a base
+(the HF directory the model came from) its config, vision tower, MTP layer and tokenizer files are kept; without,
+the config is the model's own with a placeholder vision tower (``export_config``). The folder is written under a
+temporary sibling name and swapped into place (``_exchange``); peak memory is the model plus one shard.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -119,6 +128,29 @@ def checkpoint_layout(cfg: ModelConfig) -> dict[str, Slot]:
     return out
 
 
+_MTP = re.compile(r"^layers\.(\d+)\.|\.shared_head\.")
+
+
+def _short_name(key: str) -> str:
+    """A checkpoint key without its ``model.language_model.`` / ``model.`` prefix."""
+    for pre in PREFIXES:
+        if key.startswith(pre):
+            return key[len(pre) :]
+    return key
+
+
+def not_text_model(key: str, num_hidden_layers: int) -> str | None:
+    """``"vision"`` for a vision-tower tensor (``model.visual.*``), ``"mtp"`` for a multi-token-prediction tensor
+    (``layers.{i}.*`` with ``i >= num_hidden_layers``, or any ``shared_head``), else None: what ``load_hf`` skips and
+    ``save_hf`` carries over from a base, by one rule."""
+    if key.startswith(("model.visual.", "visual.")):
+        return "vision"
+    m = _MTP.search(_short_name(key))
+    if m and (m.group(1) is None or int(m.group(1)) >= num_hidden_layers):
+        return "mtp"
+    return None
+
+
 def read_config(path: str | Path) -> tuple[ModelConfig, dict]:
     """``(ModelConfig, the raw config.json dict)`` of an HF model directory.
 
@@ -184,7 +216,7 @@ def _dequant_fp8(
     return w.float() * s
 
 
-def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | None = None) -> HybridLM:
     """Load a glm5_next HF model directory into a ``HybridLM`` (module docstring: names, skips, fp8).
 
     Args:
@@ -192,6 +224,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
         dtype: parameter dtype; None = the checkpoint's (``dtype``/``torch_dtype`` of config.json, else the stored
             dtype; bf16 for fp8 checkpoints). The fp32 islands (``FP32_PARAMETERS``) stay fp32 (fp64 when
             ``dtype`` is fp64).
+        runtime: genoctx compute knobs (``ModelConfig._runtime`` fields: chunk sizes, ``dsa_mode``, ...) to set;
+            config.json has none.
 
     Returns:
         ``HybridLM`` on the CPU, in training mode; ``forward`` returns logits over the whole vocabulary. Its
@@ -203,6 +237,8 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
     """
     root = Path(path)
     cfg, raw = read_config(root)
+    if runtime:  # genoctx compute knobs (ModelConfig._runtime): not in config.json
+        cfg = dataclasses.replace(cfg, **runtime)
     files = weight_files(root)
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
     block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None
@@ -236,24 +272,16 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
                 where[k] = f
         filled: set[tuple[str, str]] = set()  # (parameter, repr(index)); index None: loaded whole
         skipped = {"vision": 0, "mtp": 0}
-        mtp = re.compile(r"^layers\.(\d+)\.|\.shared_head\.")
         for key, f in where.items():
             if key.endswith("_scale_inv"):
                 if block is None:
                     raise GenoctxError(f"{f}: {key} but config.json declares no quantization_config.weight_block_size")
                 continue
-            if key.startswith("model.visual.") or key.startswith("visual."):
-                skipped["vision"] += 1
+            kind = not_text_model(key, cfg.num_hidden_layers)
+            if kind is not None:
+                skipped[kind] += 1
                 continue
-            short = key
-            for pre in PREFIXES:
-                if key.startswith(pre):
-                    short = key[len(pre) :]
-                    break
-            m = mtp.search(short)
-            if m and (m.group(1) is None or int(m.group(1)) >= cfg.num_hidden_layers):
-                skipped["mtp"] += 1
-                continue
+            short = _short_name(key)
             if short == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             slot = layout.get(short)
@@ -292,3 +320,425 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
         )  # fmt: skip
     model.hf_source = {"path": str(root), "files": [f.name for f in files], "skipped": skipped, "dtype": str(dtype)}
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export: a HybridLM back into a directory that transformers' Glm5NextForConditionalGeneration loads
+# ---------------------------------------------------------------------------------------------------------------
+
+VL_PREFIX = "model.language_model."
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_DTYPE_NAMES = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+# Weight files of other formats, never copied from a base (its safetensors are read tensor by tensor instead).
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt",
+                    ".h5", ".msgpack", ".gguf")  # fmt: skip
+# The vision tower of the config written without a base: Glm5NextForConditionalGeneration always builds one, so
+# the config must describe one; this is the smallest that transformers builds and runs (one block of width 16).
+PLACEHOLDER_VISION = dict(model_type="glm5_next_vision", depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
+                          projection_intermediate_size=16)  # fmt: skip
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
+          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: str, flag: str = "--max-shard-size") -> int:
+    """A byte count as transformers' ``max_shard_size`` spells it: ``5GB`` (10^9), ``500MB``, ``2GiB`` (2^30),
+    ``1.5GB``, ``123`` (bytes).
+
+    Raises:
+        GenoctxError: not a size, or below 1 byte (the message names ``flag`` and the value).
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise GenoctxError(f"{flag}: {value!r} is not a size (e.g. 5GB, 500MB, 2GiB or a number of bytes)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise GenoctxError(f"{flag}: {value!r} is less than one byte")
+    return n
+
+
+def _entries(path: Path) -> list[str]:
+    """Names in folder ``path`` other than its lock file (empty when ``path`` does not exist)."""
+    from ..lock import LOCK_NAME
+
+    try:
+        return sorted(p.name for p in path.iterdir() if p.name != LOCK_NAME)
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise GenoctxError(f"{path}: exists and is not a folder; give a folder for the export") from None
+
+
+def check_export_dir(out: str | Path, force: bool) -> None:
+    """Refuse an export into a folder that holds anything (a lock file aside) unless ``force``.
+
+    Raises:
+        GenoctxError: ``out`` is a file, or is not empty and ``force`` is False (naming it and ``--force``).
+    """
+    out = Path(out)
+    names = _entries(out)
+    if names and not force:
+        raise GenoctxError(f"{out} is not empty (holds {names[0]}{' ...' if len(names) > 1 else ''}); pass --force to "
+                           "replace it, or choose another --out")  # fmt: skip
+
+
+def base_config(cfg: ModelConfig, base_dir: str | Path) -> dict:
+    """The raw ``config.json`` of the base HF directory ``base_dir``, checked to describe the architecture ``cfg``
+    (every field of ``ModelConfig.to_hf_dict``, ``tie_word_embeddings`` included).
+
+    Raises:
+        GenoctxError: ``base_dir`` is not an HF model directory, or its config differs (the first differing key is
+            named with both values).
+    """
+    base = Path(base_dir)
+    if not is_hf_dir(base):
+        raise GenoctxError(f"base {base}: not an HF model directory (config.json and model.safetensors or an index)")
+    base_cfg, raw = read_config(base)
+    ours, theirs = cfg.to_hf_dict(), base_cfg.to_hf_dict()
+    diff = [k for k in ours if theirs.get(k) != ours[k]]
+    if diff:
+        k = diff[0]
+        raise GenoctxError(
+            f"base {base}/config.json does not describe this model: {k} is {theirs.get(k)!r} there and {ours[k]!r} "
+            f"in the model ({len(diff)} field(s) differ); export without a base (--no-base) or give the right --base"
+        )
+    return raw
+
+
+def export_config(cfg: ModelConfig, dtype_name: str, base_raw: dict | None = None) -> dict:
+    """The ``config.json`` of an export.
+
+    With ``base_raw`` (a base's config, checked by ``base_config``): that config unchanged except what the new
+    weights change: ``dtype`` (and ``torch_dtype`` where present) at the top level and in ``text_config``, and no
+    ``quantization_config`` (the export is not fp8). Without: the ``glm5_next`` VL config transformers'
+    ``Glm5NextForConditionalGeneration`` loads, ``text_config = cfg.to_hf_dict()`` and the
+    ``PLACEHOLDER_VISION`` tower (no weights are written for it: transformers initialises it at random and lists
+    its tensors as MISSING when loading; DNA input has no image tokens, so it is never run).
+    """
+    if base_raw is None:
+        text = {**cfg.to_hf_dict(), "dtype": dtype_name}
+        return {
+            "architectures": ["Glm5NextForConditionalGeneration"],
+            "model_type": "glm5_next",
+            "dtype": dtype_name,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "text_config": text,
+            "vision_config": {**PLACEHOLDER_VISION, "out_hidden_size": cfg.hidden_size},
+        }
+    raw = json.loads(json.dumps(base_raw))  # a deep copy
+    for d in (raw, raw.get("text_config")):
+        if not isinstance(d, dict):
+            continue
+        d.pop("quantization_config", None)
+        if d is raw or "dtype" in d or "torch_dtype" in d:
+            d["dtype"] = dtype_name
+        if "torch_dtype" in d:
+            d["torch_dtype"] = dtype_name
+    return raw
+
+
+@dataclass
+class _Tensor:
+    """One tensor of the export: its checkpoint ``key``, stored ``shape`` and ``dtype``, and ``get()`` that
+    materialises it (a contiguous copy of its own)."""
+
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+    get: object  # () -> torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _model_tensors(model: HybridLM, dtype: torch.dtype | None) -> list[_Tensor]:
+    """The text model's tensors under their published names (``checkpoint_layout`` inverted: stacked experts split
+    per expert, ``conv1d`` into ``q/k/v_conv1d``, ``attn_hc.fn`` -> ``hc_attn_fn``, ...), VL prefix, in ``dtype``
+    (None: as held), the fp32 islands (``FP32_PARAMETERS``) never below fp32, as transformers stores them."""
+    from .model import FP32_PARAMETERS
+
+    sd = model.state_dict()
+    out = []
+    for ck, slot in checkpoint_layout(model.cfg).items():
+        t = sd[slot.name] if slot.index is None else sd[slot.name][slot.index]
+        want = t.dtype
+        if dtype is not None and t.is_floating_point():
+            want = torch.promote_types(dtype, torch.float32) if slot.name.endswith(FP32_PARAMETERS) else dtype
+        key = ck if ck == "lm_head.weight" else VL_PREFIX + ck
+        out.append(
+            _Tensor(key, tuple(t.shape), want, lambda t=t, w=want: t.detach().to("cpu", w, copy=True).contiguous())
+        )
+    return out
+
+
+def _carried_tensors(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[_Tensor], dict]:
+    """The base's vision-tower and multi-token-prediction tensors (``not_text_model``), stored unchanged; a
+    block-fp8 one (base ``quantization_config.weight_block_size``) is dequantized to ``dtype`` (its
+    ``_scale_inv`` dropped), as the export carries no quantization config. Returns (tensors, counts)."""
+    from safetensors import safe_open
+
+    raw = json.loads((base / "config.json").read_text())
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None
+    where: dict[str, Path] = {}
+    for f in weight_files(base):
+        with safe_open(str(f), framework="pt") as h:
+            where.update(dict.fromkeys(h.keys(), f))
+    counts = {"vision": 0, "mtp": 0, "dequantized": 0}
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(where[key]), framework="pt") as h:
+            return h.get_tensor(key)
+
+    def dequantized(key: str) -> torch.Tensor:
+        return _dequant_fp8(read(key), read(key + "_scale_inv"), block, key, where[key]).to(dtype).contiguous()
+
+    out = []
+    for key, f in where.items():
+        kind = not_text_model(key, cfg.num_hidden_layers)
+        if kind is None or (block is not None and key.endswith("_scale_inv")):
+            continue
+        # a flat base's ``model.layers.N.*`` goes under the VL prefix, like the rest of the export
+        name = (
+            key if key.startswith((VL_PREFIX, "model.visual.")) or not key.startswith("model.") else VL_PREFIX + key[6:]
+        )
+        with safe_open(str(f), framework="pt") as h:
+            sl = h.get_slice(key)
+            shape, stored = tuple(sl.get_shape()), sl.get_dtype()
+        if block is not None and stored in ("F8_E4M3", "F8_E5M2"):
+            if key + "_scale_inv" not in where:
+                raise GenoctxError(f"{f.name}: fp8 tensor {key} has no {key}_scale_inv")
+            out.append(_Tensor(name, shape, dtype, lambda k=key: dequantized(k)))
+            counts["dequantized"] += 1
+        else:
+            tdtype = _SAFETENSORS_DTYPES.get(stored)
+            if tdtype is None:
+                raise GenoctxError(f"{f.name}: tensor {key} has dtype {stored}, which the export cannot carry")
+            out.append(_Tensor(name, shape, tdtype, lambda k=key: read(k)))
+        counts[kind] += 1
+    return out, counts
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, **{n: getattr(torch, a) for n, a in (("F8_E4M3", "float8_e4m3fn"),
+                       ("F8_E5M2", "float8_e5m2")) if hasattr(torch, a)}}  # fmt: skip
+
+
+def _plan_shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """Greedy, in order, as huggingface_hub's ``split_torch_state_dict_into_shards`` (what ``save_pretrained``
+    uses): a shard holds at most ``max_shard_bytes`` of tensor data, except a tensor larger than that, which gets a
+    shard of its own."""
+    shards: list[list[_Tensor]] = []
+    cur: list[_Tensor] = []
+    size = 0
+    for t in tensors:
+        if t.nbytes > max_shard_bytes:
+            shards.append([t])
+            continue
+        if cur and size + t.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def _write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file (metadata ``format: pt``, which transformers expects)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _copy_files(base: Path, dst: Path) -> list[str]:
+    """Copy the base's non-weight, non-config files (tokenizer, generation config, chat template, ...) into
+    ``dst``: regular files at the top level, hidden ones (``.genoctx.lock``, ``.gitattributes``) aside. Returns
+    their names; sub-folders are not copied (logged)."""
+    import shutil
+
+    copied, skipped_dirs = [], []
+    for p in sorted(base.iterdir()):
+        if p.name.startswith(".") or p.name == "config.json" or p.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if p.is_dir():
+            skipped_dirs.append(p.name)
+        elif p.is_file():
+            shutil.copy2(p, dst / p.name)
+            copied.append(p.name)
+    if skipped_dirs:
+        log.info("%s: folders not copied: %s", base, ", ".join(skipped_dirs))
+    return copied
+
+
+def _exchange(a: Path, b: Path, atomic: bool = True) -> None:
+    """Swap folders ``a`` and ``b`` (afterwards ``b`` holds what ``a`` held, and the reverse): one atomic
+    ``renameat2(RENAME_EXCHANGE)`` on Linux, so ``b`` always exists; elsewhere, on a file system without it, or
+    with ``atomic=False``, three renames, during which ``b`` is briefly absent."""
+    import ctypes
+    import errno
+    import os
+
+    f = None
+    if atomic:
+        try:
+            f = ctypes.CDLL(None, use_errno=True).renameat2
+        except (AttributeError, OSError):
+            pass
+    if f is not None:
+        f.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        at_fdcwd, rename_exchange = -100, 2
+        if f(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(b))
+    side = a.with_name(a.name + ".old")
+    os.rename(b, side)
+    try:
+        os.rename(a, b)
+    except BaseException:
+        os.rename(side, b)
+        raise
+    os.rename(side, a)
+
+
+def save_hf(
+    model: HybridLM,
+    out_dir: str | Path,
+    *,
+    base_dir: str | Path | None = None,
+    max_shard_bytes: int = 5_000_000_000,
+    force: bool = False,
+    dtype: torch.dtype | None = None,
+    wait: bool = False,
+) -> dict:
+    """Write ``model`` as an HF directory that transformers 5.23.0 ``Glm5NextForConditionalGeneration
+    .from_pretrained`` loads (and ``load_hf`` reads back to identical tensors): the published tensor names of
+    ``checkpoint_layout`` under ``model.language_model.`` (``lm_head.weight`` unprefixed, omitted when tied),
+    ``config.json`` (``export_config``) and, with a base, the base's vision tower, MTP layer and tokenizer files.
+
+    Args:
+        model: the model to export (any device; tensors are copied to the CPU one shard at a time).
+        out_dir: the output folder. Written under a temporary sibling name (``.NAME.export-XXXX``) and swapped into
+            place at the end (``_exchange``), so a failed or killed export leaves ``out_dir`` as it was (a folder this
+            call created is removed again); temporaries of killed exports are removed by the next export. One
+            writer at a time (``genoctx.lock.output_lock``, ``what="export"``); the finished folder has no lock file.
+        base_dir: the HF directory the model came from. Its ``config.json`` must describe the same architecture
+            (``base_config``) and is kept (``export_config``); its vision-tower (``model.visual.*``) and
+            multi-token-prediction tensors (``layers.{num_hidden_layers}.*``, ``shared_head``: what ``load_hf``
+            skips) are carried over unchanged (fp8 ones dequantized to ``dtype``); its other files (tokenizer,
+            ``generation_config.json``, chat template, ...) are copied. None: the model's own config
+            (``export_config``), nothing carried.
+        max_shard_bytes: most bytes of tensor data per file (as transformers' ``max_shard_size``; a tensor larger
+            than that gets a file of its own). One file ``model.safetensors`` when everything fits, else
+            ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json`` (``metadata.total_size``
+            in bytes, ``weight_map``).
+        force: replace a non-empty ``out_dir`` (default: refuse).
+        dtype: stored dtype of the model's tensors (None: as held); the fp32 islands (``FP32_PARAMETERS``) are never
+            below fp32, as ``save_pretrained`` stores them. Carried tensors keep theirs.
+        wait: if another genoctx process writes ``out_dir``, wait for it (default: raise).
+
+    Returns:
+        ``{"out", "files" (names written), "tensors", "bytes" (tensor data), "shards", "dtype", "base",
+        "carried": {"vision", "mtp", "dequantized"}, "copied" (base files copied), "config" ("base" | "model")}``.
+
+    Raises:
+        GenoctxError: ``out_dir`` not empty without ``force``, a file, or locked by another writer; ``out_dir``
+            holds ``base_dir``; a base that is not an HF directory or describes another architecture;
+            ``max_shard_bytes`` < 1.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from ..lock import LOCK_NAME, output_lock
+
+    if max_shard_bytes < 1:
+        raise GenoctxError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out = Path(os.path.abspath(out_dir))
+    if out.is_symlink():
+        out = out.resolve()
+    base = Path(os.path.abspath(base_dir)) if base_dir is not None else None
+    if base is not None and base != out and base.resolve().is_relative_to(out.resolve()):
+        raise GenoctxError(f"{out} holds the base {base}: replacing it would delete the base; choose another folder")
+    raw = base_config(model.cfg, base) if base is not None else None
+    held = model.embed_tokens.weight.dtype
+    name = _DTYPE_NAMES.get(dtype or held)
+    if name is None:
+        raise GenoctxError(f"cannot export dtype {dtype or held}; use bfloat16, float16 or float32")
+    config = export_config(model.cfg, name, raw)
+    check_export_dir(out, force)
+    existed = out.exists()
+    with output_lock(out, wait=wait, what="export") as lock:
+        tmp = None
+        try:
+            check_export_dir(out, force)  # again, now that no other writer can fill it
+            for stale in out.parent.iterdir():  # temporaries of killed exports (no live writer: we hold the lock)
+                if stale.name.startswith(f".{out.name}.export-") and stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+            with output_lock(tmp, what="export"):  # its lock file becomes out's when the folders are swapped
+                tensors = _model_tensors(model, dtype)
+                counts = {"vision": 0, "mtp": 0, "dequantized": 0}
+                copied: list[str] = []
+                if base is not None:
+                    carried, counts = _carried_tensors(base, model.cfg, dtype or held)
+                    tensors += carried
+                shards = _plan_shards(tensors, max_shard_bytes)
+                n = len(shards)
+                names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+                for fname, shard in zip(names, shards, strict=True):
+                    _write_shard(tmp / fname, {t.key: t.get() for t in shard})
+                total = sum(t.nbytes for t in tensors)
+                if n > 1:
+                    weight_map = {t.key: f for f, shard in zip(names, shards, strict=True) for t in shard}
+                    index = {
+                        "metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors), "total_size": total},
+                        "weight_map": dict(sorted(weight_map.items())),
+                    }
+                    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                if base is not None:
+                    copied = _copy_files(base, tmp)
+                _exchange(tmp, out)  # out: the export (its lock file the one held here); tmp: what out held
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp = None
+                (out / LOCK_NAME).unlink(missing_ok=True)  # still held until the block ends; waiters re-lock
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if lock.created:
+                lock.discard()
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        out.rmdir()
+            raise
+    if counts["vision"] or counts["mtp"]:
+        log.info(
+            "%s: carried over %d MTP tensors and %d vision-tower tensors unchanged from %s%s", out, counts["mtp"],
+            counts["vision"], base, f" ({counts['dequantized']} fp8 ones dequantized)" if counts["dequantized"] else "",
+        )  # fmt: skip
+    if base is None:
+        log.info("%s: no base: config.json is the model's own, with a placeholder vision tower without weights", out)
+    return {
+        "out": str(out),
+        "files": _entries(out),
+        "tensors": len(tensors),
+        "bytes": total,
+        "shards": n,
+        "dtype": name,
+        "base": str(base) if base is not None else None,
+        "carried": counts,
+        "copied": copied,
+        "config": "base" if base is not None else "model",
+    }
