@@ -31,7 +31,7 @@ from .data.tokenizer import VOCAB
 from .errors import GenoctxError
 from .model.config import PRESETS, ModelConfig, preset
 
-SECTIONS = ("model", "train")
+SECTIONS = ("model", "train", "data", "loss")
 
 
 class RecipeValueError(GenoctxError):
@@ -110,17 +110,59 @@ _LETTER_FIELDS = {"layer_types", "mlp_layer_types", "indexer_types"}
 
 
 @dataclass
+class DataConfig:
+    """How windows are fed to a base with a text vocabulary (``genoctx.model.vocab``)."""
+
+    # the base token that starts each window (<bos>); None = tokenizer_config.json's bos_token, else its eos_token
+    window_start_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.window_start_token is not None and not (
+            isinstance(self.window_start_token, str) and self.window_start_token
+        ):
+            _bad("data.window_start_token", "must be a token of the base's tokenizer", self.window_start_token)
+
+
+@dataclass
+class LossConfig:
+    """The next-token loss (``genoctx.model.vocab``): over the base's ``full`` vocabulary (default) or the
+    ``nucleotide`` rows only (a different objective), with the head computed ``chunk_tokens`` tokens at a time."""
+
+    vocab: str = "full"
+    chunk_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        self.vocab = _check_value("loss.vocab", self.vocab, str)
+        self.chunk_tokens = _check_value("loss.chunk_tokens", self.chunk_tokens, int)
+        if self.vocab not in ("full", "nucleotide"):
+            _bad("loss.vocab", "must be 'full' or 'nucleotide'", self.vocab)
+        if self.chunk_tokens < 1:
+            _bad("loss.chunk_tokens", "must be >= 1", self.chunk_tokens)
+
+
+@dataclass
 class Recipe:
-    """A resolved recipe: the model architecture, the training settings and the preset it started from."""
+    """A resolved recipe: the model architecture, the training settings and the preset it started from.
+
+    ``init`` (recipe key ``model.init``, CLI ``--init``): a pretrained base (an HF model directory or a Hub repo
+    id) to start from; its config.json then fixes the architecture and ``model`` may set compute knobs only
+    (``genoctx.train.init.resolve_init`` fills ``model`` in).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    init: str | None = None
+    model_knobs: dict = field(default_factory=dict)  # the compute knobs the recipe set (with init)
 
     def to_dict(self) -> dict:
         return {
-            "model": {"preset": self.preset, **dataclasses.asdict(self.model)},
+            "model": {"preset": self.preset, "init": self.init, **dataclasses.asdict(self.model)},
             "train": dataclasses.asdict(self.train),
+            "data": dataclasses.asdict(self.data),
+            "loss": dataclasses.asdict(self.loss),
         }
 
 
@@ -195,9 +237,9 @@ def _suggest(key: str, known: typing.Iterable[str]) -> str:
 
 
 def _known_keys(section: str) -> set[str]:
-    cls = ModelConfig if section == "model" else TrainConfig
+    cls = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig, "loss": LossConfig}[section]
     names = {f.name for f in dataclasses.fields(cls)}
-    return names | {"preset"} if section == "model" else names
+    return names | {"preset", "init"} if section == "model" else names
 
 
 def _apply(raw: dict, overrides: list[str], source: str) -> tuple[dict, dict[str, str]]:
@@ -217,7 +259,7 @@ def _apply(raw: dict, overrides: list[str], source: str) -> tuple[dict, dict[str
         key = key.strip()
         section, name = key.split(".", 1)
         if section not in SECTIONS:
-            raise GenoctxError(f"{where}: unknown section {section!r} (use model.* or train.*)")
+            raise GenoctxError(f"{where}: unknown section {section!r} (use {', '.join(s + '.*' for s in SECTIONS)})")
         if name not in _known_keys(section):
             raise GenoctxError(f"{where}: unknown key {key}{_suggest(key, _dotted(section))}")
         out.setdefault(section, {})[name] = _coerce(value)
@@ -263,7 +305,7 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
         raise GenoctxError(f"{source}: a recipe must be a mapping with 'model' and 'train' sections")
     unknown = sorted(map(str, set(raw) - set(SECTIONS)))
     if unknown:
-        raise GenoctxError(f"{source}: unknown recipe section {unknown[0]!r} (expected model, train)")
+        raise GenoctxError(f"{source}: unknown recipe section {unknown[0]!r} (expected {', '.join(SECTIONS)})")
     sections = {}
     for s in SECTIONS:
         v = raw.get(s)
@@ -284,20 +326,43 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
             f"{where('model.preset')}: model.preset {_short(preset_name)} is not a preset; "
             f"known: {', '.join(sorted(PRESETS))}"
         )
+    init = model_raw.pop("init", None)
+    if init is not None and (not isinstance(init, str) or not init.strip()):
+        raise GenoctxError(f"{where('model.init')}: model.init must be an HF model directory or Hub repo id, got "
+                           f"{_short(init)}")  # fmt: skip
+    knobs: dict = {}
+    if init is not None:
+        if preset_name is not None:
+            raise GenoctxError(
+                f"{where('model.preset')}: model.preset {preset_name!r} with model.init {init!r}: the base's "
+                "config.json fixes the architecture; drop model.preset"
+            )
+        arch = sorted(k for k in model_raw if k not in ModelConfig._runtime)
+        if arch:
+            key = f"model.{arch[0]}"
+            raise GenoctxError(
+                f"{where(key)}: {key} cannot change the architecture of the initialised model (model.init {init!r});"
+                f" only compute knobs may be set: {', '.join(ModelConfig._runtime)}"
+            )
     try:
         _check_model_values(model_raw)
     except RecipeValueError as e:
         raise GenoctxError(f"{where(e.key)}: {e}") from None
+    if init is not None:
+        knobs = dict(model_raw)
+        model_raw = {}
     try:
         model = _build_model(preset_name, model_raw)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise GenoctxError(f"{_blame_model(e, origins, source, file_raw)}: model: {_msg(e)}") from None
 
-    try:
-        train = TrainConfig(**sections["train"])
-    except RecipeValueError as e:
-        raise GenoctxError(f"{where(e.key)}: {e}") from None
-    return Recipe(model=model, train=train, preset=preset_name)
+    built = {}
+    for name, cls in (("train", TrainConfig), ("data", DataConfig), ("loss", LossConfig)):
+        try:
+            built[name] = cls(**sections[name])
+        except RecipeValueError as e:
+            raise GenoctxError(f"{where(e.key)}: {e}") from None
+    return Recipe(model=model, preset=preset_name, init=init, model_knobs=knobs, **built)
 
 
 def _check_model_values(model_raw: dict) -> None:

@@ -190,7 +190,8 @@ def test_eval_reads_an_hf_model_directory(pipeline, hf_dir):
     assert doc["overall"]["loss"] == pytest.approx(float(ce.double().mean()), rel=1e-5)
 
 
-def test_eval_refuses_an_hf_model_with_a_text_vocabulary(pipeline, hf_dir, tmp_path):
+def test_eval_refuses_a_text_vocabulary_without_a_tokenizer(pipeline, hf_dir, tmp_path):
+    """A text vocabulary is read through the base's tokenizer.json (genoctx.model.vocab); without one: one line."""
     import shutil
 
     src, _ = hf_dir
@@ -202,7 +203,7 @@ def test_eval_refuses_an_hf_model_with_a_text_vocabulary(pipeline, hf_dir, tmp_p
     r = genoctx("eval", "--by-position", "--checkpoint", path, "--data", pipeline / "data", check=False)
     assert r.returncode == 2 and r.stdout == ""
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "vocab_size 154880" in lines[0] and "genoctx train --init" in lines[0], r.stderr
+    assert len(lines) == 1 and f"{path}/tokenizer.json: no tokenizer.json" in lines[0], r.stderr
 
 
 def test_model_info_reads_an_hf_config(hf_dir, tmp_path):

@@ -340,44 +340,68 @@ def _annotate(
     return block
 
 
-def load_eval_model(path: str | Path, device: str | torch.device = "cpu"):
+def load_eval_model(path: str | Path, device: str | torch.device = "cpu", loss_vocab: str | None = None):
     """The model of a genoctx checkpoint (or run directory: its latest checkpoint) or of an HF model directory
-    (``config.json`` + safetensors: ``genoctx.model.load_hf``), on ``device``, in eval mode.
+    (``config.json`` + safetensors: ``genoctx.model.load_hf``), on ``device``, in eval mode, with the chunk contract
+    of :func:`position_losses` over genoctx's ids.
 
-    An HF model is loaded in fp32 on the CPU and in the checkpoint's dtype elsewhere. Its vocabulary must be the
-    nucleotide one (``vocab_size`` == ``len(VOCAB)``): token ids are genoctx's.
+    A model with the 8 nucleotide tokens is returned as is. A model with a text vocabulary (a pretrained base, or a
+    run started from one with ``--init``) is wrapped in ``genoctx.model.vocab.MappedLM``: its token map is the run's
+    (state.json) or, for an HF directory, built from its tokenizer.json; its loss vocabulary is ``loss_vocab`` when
+    given, else the run's ``loss.vocab``, else ``full``. An HF model is loaded in fp32 on the CPU and in the
+    checkpoint's dtype elsewhere.
 
     Raises:
-        GenoctxError: no such checkpoint, unreadable files, or an HF model with another vocabulary size.
+        GenoctxError: no such checkpoint, unreadable files, a text vocabulary without a usable tokenizer.json.
     """
     from ..model.hf import load_hf
+    from ..model.vocab import MappedLM, TokenMap, VocabHead
 
     ck = resolve_checkpoint(path)
-    if not _check_hf_vocabulary(ck):
-        model, _, _ = load_model(ck, device)
+    token_map = _hf_token_map(ck)
+    if token_map is None and not _is_hf(ck):
+        model, recipe, state = load_model(ck, device)
+        if state.get("token_map") and not TokenMap.from_dict(state["token_map"]).is_identity:
+            vocab = loss_vocab or state.get("loss_vocab") or recipe.loss.vocab
+            head = VocabHead(TokenMap.from_dict(state["token_map"]), vocab, recipe.loss.chunk_tokens)
+            return MappedLM(model, head).eval()
         return model.eval()
     dtype = torch.float32 if torch.device(device).type == "cpu" else None
-    return load_hf(ck, dtype=dtype).to(device).eval()
+    model = load_hf(ck, dtype=dtype).to(device).eval()
+    if token_map is None:
+        return model
+    return MappedLM(model, VocabHead(token_map, loss_vocab or "full")).eval()
 
 
-def _check_hf_vocabulary(ck: Path) -> bool:
-    """True when ``ck`` (resolved) is an HF model directory whose vocabulary is the nucleotide one; False for a
-    genoctx checkpoint. Reads config.json only.
+def loss_vocab_of(model) -> str | None:
+    """``full`` or ``nucleotide`` for a model read through a token map (``load_eval_model``), None for a model of
+    the 8 nucleotide tokens."""
+    head = getattr(model, "head", None)
+    return getattr(head, "vocab", None)
+
+
+def _is_hf(ck: Path) -> bool:
+    from ..model.hf import is_hf_dir
+
+    return is_hf_dir(ck) and not (ck / "state.json").is_file()
+
+
+def _hf_token_map(ck: Path):
+    """The token map of an HF model directory with a text vocabulary (from its tokenizer.json); None for a genoctx
+    checkpoint or a nucleotide model. Reads config.json and tokenizer files only.
 
     Raises:
-        GenoctxError: an HF model with another ``vocab_size`` (or an unreadable config.json).
+        GenoctxError: an unreadable config.json, or a text vocabulary without a usable tokenizer.json.
     """
-    from ..model.hf import is_hf_dir, read_config
+    from ..model.hf import read_config
+    from ..model.vocab import build_token_map
 
-    if not is_hf_dir(ck) or (ck / "state.json").is_file():
-        return False
+    if not _is_hf(ck):
+        return None
     cfg, _ = read_config(ck)
-    if cfg.vocab_size != len(VOCAB):
-        raise GenoctxError(
-            f"{ck}/config.json: vocab_size {cfg.vocab_size} is not the {len(VOCAB)}-token nucleotide vocabulary; "
-            "vocabulary mapping onto a text base comes with `genoctx train --init`"
-        )
-    return True
+    if cfg.vocab_size == len(VOCAB):
+        return None
+    return build_token_map(ck / "tokenizer.json", cfg.vocab_size)
 
 
 def _label(ck: Path, taken: set[str]) -> str:
@@ -407,6 +431,7 @@ def evaluate(
     seed: int = 0,
     level: float = 0.95,
     models: list | None = None,
+    loss_vocab: str | None = None,
 ) -> dict:
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
@@ -427,6 +452,8 @@ def evaluate(
             ``*/unmasked``); None for no split.
         resamples, seed, level: percentile bootstrap over windows (B resamples, numpy seed, two-sided level).
         models: extra ``(name, chunk-contract model)`` pairs scored after the checkpoints (tests, notebooks).
+        loss_vocab: ``full`` or ``nucleotide`` for models with a text vocabulary (``genoctx.model.vocab``); None =
+            each checkpoint's own (``full`` for an HF base). Each model entry records its ``loss_vocab``.
 
     Returns:
         The document described in ``docs/eval_schema.md``: ``{"bins": [...], "overall": {...}, "checkpoint",
@@ -469,7 +496,7 @@ def evaluate(
         ckpts_in = [baseline, *ckpts_in]
     ckpts = [resolve_checkpoint(c) for c in ckpts_in]
     for ck in ckpts:  # fail before scoring anything
-        _check_hf_vocabulary(ck)
+        _hf_token_map(ck)
     if not ckpts and markov is None and not models:
         raise GenoctxError("nothing to evaluate: give --checkpoint (one or more) or --markov K")
     ds = WindowDataset(data_dir, split)
@@ -480,10 +507,13 @@ def evaluate(
     scored: list[_Scored] = []
     taken: set[str] = set()
     for ck in ckpts:
-        model = load_eval_model(ck, device)
-        log.info("scoring %d %s windows of %d tokens with %s", n, split, ds.window, ck)
+        model = load_eval_model(ck, device, loss_vocab)
+        vocab = loss_vocab_of(model)
+        log.info("scoring %d %s windows of %d tokens with %s%s", n, split, ds.window, ck,
+                 f" (softmax over the {vocab} vocabulary)" if vocab else "")  # fmt: skip
         res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
-        scored.append(_Scored({"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck)}, res))
+        entry = {"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck), "loss_vocab": vocab}
+        scored.append(_Scored(entry, res))
         del model
     for name, model in models or []:
         res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)

@@ -49,6 +49,7 @@ MODEL = {
         "order": {"type": "integer", "minimum": 0},
         "alpha": {"type": "number", "minimum": 0},
         "train_tokens": {"type": "integer", "minimum": 0},
+        "loss_vocab": {"enum": ["full", "nucleotide", None]},
         "baseline": {"type": "boolean"},
         "reported": {"type": "boolean"},
         "bins": {"type": "array", "items": BIN},

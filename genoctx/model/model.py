@@ -153,6 +153,21 @@ class HybridLM(nn.Module):
         Returns:
             (logits [B, T, vocab_size] fp32 (fp64 for an fp64 model), the cache for the next chunk).
         """
+        h, cache = self.hidden(tokens, cache)
+        logits = self.lm_head(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return logits, cache
+
+    def hidden(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache]:
+        """``forward`` without the head: the final hidden states (after the stream collapse and the final RMSNorm),
+        for a head applied in chunks over a large vocabulary (``genoctx.model.head.head_token_losses``).
+
+        Args:
+            tokens: [B, T] int64 token ids; cache: as for ``forward``.
+
+        Returns:
+            (hidden [B, T, hidden_size] in the model's dtype, the cache for the next chunk).
+        """
         layer_caches = cache.layers if cache is not None else [None] * len(self.layers)
         position = cache.position if cache is not None else 0
         x = expand_streams(self.embed_tokens(tokens), self.cfg.hc_mult)
@@ -160,9 +175,7 @@ class HybridLM(nn.Module):
         for layer, c in zip(self.layers, layer_caches, strict=True):
             x, c, selection = layer(x, c, selection)
             new_caches.append(c)
-        logits = self.lm_head(self.norm(reduce_streams(x)))
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return logits, ModelCache(new_caches, position + tokens.shape[1])
+        return self.norm(reduce_streams(x)), ModelCache(new_caches, position + tokens.shape[1])
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses the layers produced in the last forward (indexer KL, MoE balance), or None."""

@@ -78,8 +78,10 @@ def _train_worker(config: dict) -> None:
 
     from ..data.dataset import WindowDataset
     from ..model.model import HybridLM
+    from ..model.vocab import TokenMap, VocabHead
     from ..recipes import recipe_from_dict
     from ..train.faults import DRIVER_ENV, ENV, maybe_kill
+    from ..train.init import load_base_weights
     from ..train.loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
     from .context import apply_cp, init_parallel
 
@@ -100,11 +102,17 @@ def _train_worker(config: dict) -> None:
     torch.set_num_threads(cfg.num_threads or config["threads"])
     dev = ray.train.torch.get_device() if config["gpus_per_worker"] > 0 else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    model = HybridLM(recipe.model).to(dev)
+    picked = _choose_checkpoint(out, rank)
+    extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
+    base = extra.get("init")  # loaded only when no checkpoint is (a fresh run from a base)
+    model = (load_base_weights(base, recipe) if base is not None and picked is None else HybridLM(recipe.model)).to(dev)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if dims.cp > 1:
         apply_cp(model, dims.cp_group, dims.cp_layout)
-    start, loaded, attempt = _resume(out, model, optimizer, scheduler, rank, world, config["invocation"])
+    head = None
+    if extra.get("token_map"):
+        head = VocabHead(TokenMap.from_dict(extra["token_map"]), extra["loss_vocab"], recipe.loss.chunk_tokens)
+    start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"])
     ds = WindowDataset(data_dir, "train")
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
@@ -116,7 +124,7 @@ def _train_worker(config: dict) -> None:
                 t0 = time.perf_counter()
                 tokens, data_state = sample_batch(ds, cfg, step, dims.dp, dims.dp_rank)
                 model.train()
-                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims)
+                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims, head=head)
                 steps_run += 1
                 dt = time.perf_counter() - t0
                 mine = {"rank": rank, "cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank}
@@ -141,7 +149,8 @@ def _train_worker(config: dict) -> None:
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                     report = {"step": step + 1, "loss": m["loss"]}
                     if rank == 0:
-                        path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims)
+                        path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims,
+                                                   extra=extra)  # fmt: skip
                         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
                     else:
                         ray.train.report(report, checkpoint=None)
@@ -151,18 +160,41 @@ def _train_worker(config: dict) -> None:
             end_attempt(out, attempt, status, steps_run)
 
 
-def _resume(
-    out: Path, model, optimizer, scheduler, rank: int, world: int, invocation: str
-) -> tuple[int, Path | None, dict]:
+def _choose_checkpoint(out: Path, rank: int) -> tuple[int, str, str | None] | None:
     """Where this attempt of the worker group starts: the newest complete checkpoint, Ray's
     (``ray.train.get_checkpoint()``, restored from ``RUN/ray`` on ``--resume``) or the run's own
-    (``RUN/checkpoints``), whichever holds the later step.
+    (``RUN/checkpoints``), whichever holds the later step; None when there is none.
 
     Ray registers a reported checkpoint only once the controller has collected every worker's report; a worker
     killed soon after a save, or a driver killed during one, leaves newer complete checkpoints in
-    ``RUN/checkpoints`` than Ray knows of. Rank 0 chooses and broadcasts the choice; every rank loads it (a
-    ``RUN/checkpoints`` choice must be visible to every rank: RUN on a shared filesystem). Rank 0 then records the
-    attempt (``genoctx.train.loop.begin_attempt``: partial saves removed, metrics cut back, ``start`` event).
+    ``RUN/checkpoints`` than Ray knows of. Rank 0 chooses and broadcasts ``(step, "ray" | "run", path)``.
+    """
+    import ray.train
+    import torch.distributed as dist
+
+    from ..train.checkpoint import latest_checkpoint, read_state
+
+    choice = [None]
+    if rank == 0:
+        ray_ckpt = ray.train.get_checkpoint()
+        candidates = []
+        if ray_ckpt is not None:
+            with ray_ckpt.as_directory() as d:
+                candidates.append((int(read_state(Path(d))["step"]), "ray", None))
+        own = latest_checkpoint(out)
+        if own is not None:
+            candidates.append((int(read_state(own)["step"]), "run", str(own)))
+        choice = [max(candidates, key=lambda c: (c[0], c[1] == "run")) if candidates else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def _resume(
+    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str
+) -> tuple[int, Path | None, dict]:
+    """Load the checkpoint ``_choose_checkpoint`` picked on every rank (a ``RUN/checkpoints`` choice must be visible
+    to every rank: RUN on a shared filesystem); rank 0 then records the attempt
+    (``genoctx.train.loop.begin_attempt``: partial saves removed, metrics cut back, ``start`` event).
 
     Returns:
         (step loaded, 0 for none; the checkpoint loaded or None; the ``start`` event of the attempt).
@@ -173,27 +205,14 @@ def _resume(
     import ray.train
     import torch.distributed as dist
 
-    from ..train.checkpoint import latest_checkpoint, load_training_state, read_state
+    from ..train.checkpoint import load_training_state
     from ..train.loop import begin_attempt
 
-    ray_ckpt = ray.train.get_checkpoint()
-    choice = [None]
-    if rank == 0:
-        candidates = []
-        if ray_ckpt is not None:
-            with ray_ckpt.as_directory() as d:
-                candidates.append((int(read_state(Path(d))["step"]), "ray", None))
-        own = latest_checkpoint(out)
-        if own is not None:
-            candidates.append((int(read_state(own)["step"]), "run", str(own)))
-        choice = [max(candidates, key=lambda c: (c[0], c[1] == "run")) if candidates else None]
-    dist.broadcast_object_list(choice, src=0)
-    picked = choice[0]
     start, loaded = 0, None
     if picked is not None:
         step, source, path = picked
         if source == "ray":
-            with ray_ckpt.as_directory() as d:
+            with ray.train.get_checkpoint().as_directory() as d:
                 load_training_state(Path(d), model, optimizer, scheduler)
             loaded = out / "checkpoints" / f"step_{step:06d}"
         else:
@@ -301,6 +320,7 @@ def train_distributed(
     """
     from ..data.dataset import WindowDataset
     from ..lock import output_lock
+    from ..train.init import resolve_init, vocab_head
     from ..train.loop import _check_manifest
     from .context import cp_pieces
 
@@ -308,6 +328,8 @@ def train_distributed(
         raise GenoctxError(f"--cp {cp} must be >= 1 and divide --num-workers {num_workers}")
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
+    recipe, base = resolve_init(recipe)  # resolved once here (a Hub download); the workers read the local path
+    vocab_head(recipe, base)  # a bad tokenizer: an error before --out is touched
     L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
     layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
     pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.linear_conv_kernel_dim - 1
@@ -318,22 +340,27 @@ def train_distributed(
             f"of at least {tail} tokens"
         )
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
-        return _launch(data_dir, recipe, out, num_workers, cp, address, gpus_per_worker, resume, stop_after,
+        return _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_worker, resume, stop_after,
                        max_failures)  # fmt: skip
 
 
-def _launch(data_dir, recipe, out, num_workers, cp, address, gpus_per_worker, resume, stop_after, max_failures):
+def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_worker, resume, stop_after, max_failures):
     from ..train.checkpoint import latest_checkpoint, validate_checkpoint
     from ..train.faults import ENV as FAULT_ENV
     from ..train.faults import parse_fault
+    from ..train.init import describe, vocab_head
 
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
+    state = None
     if resume and latest is not None:
-        validate_checkpoint(latest)  # an unreadable checkpoint is a one-line error here, not a failed worker group
+        state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
+    extra = describe(base, vocab_head(recipe, base, state))
+    if state is not None and state.get("init") and base is None:
+        extra["init"] = state["init"]
     out.mkdir(parents=True, exist_ok=True)
     fault = os.environ.get(FAULT_ENV)  # genoctx.train.faults: kill a worker (or a save) once, for restart tests
     parse_fault(fault)
@@ -349,6 +376,7 @@ def _launch(data_dir, recipe, out, num_workers, cp, address, gpus_per_worker, re
         "fault": fault or None,
         "driver_pid": os.getpid(),
         "invocation": invocation,
+        "extra": extra,
     }
     import ray
     from ray.train.torch import TorchTrainer

@@ -40,6 +40,7 @@ from ..parallel.context import ParallelDims, all_reduce_grads, all_reduce_moe_lo
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import latest_checkpoint, load_training_state, remove_partial_checkpoints, save_checkpoint
 from .faults import maybe_kill
+from .init import describe, load_base_weights, resolve_init, vocab_head
 
 log = logging.getLogger("genoctx.train")
 
@@ -153,7 +154,7 @@ def sample_batch(
 
 
 def forward_backward(
-    model: HybridLM, tokens: torch.Tensor, autocast, dims: ParallelDims | None = None
+    model: HybridLM, tokens: torch.Tensor, autocast, dims: ParallelDims | None = None, head=None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One forward and backward over a batch of windows.
 
@@ -173,13 +174,15 @@ def forward_backward(
     The ranks' objectives add up to the one-process objective (the auxiliary losses are means over queries),
     so the gradients equal one process's over the whole batch. A rank with no scored token (an all-N slice)
     contributes 0 / count_g: no NaN.
+
+    ``head`` (a ``genoctx.model.vocab.VocabHead``, for a base with a text vocabulary): inputs are mapped to the
+    base's ids and the loss runs through its chunked head (``full`` or ``nucleotide`` vocabulary); None = the
+    model's own logits over the 8 nucleotide tokens.
     """
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
     if dims is None or not dims.is_distributed:
-        with autocast:
-            logits, _ = model(inputs)
-        losses = token_losses(logits, tokens, scored)
+        losses = _token_losses(model, inputs, tokens, scored, autocast, head)
         loss_sum = losses.sum()
         count = scored.sum()
         loss = loss_sum / count.clamp(min=1)
@@ -194,9 +197,7 @@ def forward_backward(
     group = dims.dp_cp_group
     count = scored.sum()
     count_g = all_reduce_sum(count, group)
-    with autocast:
-        logits, _ = model(inputs)
-    loss_sum = token_losses(logits, tokens, scored).sum()
+    loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
     share = 1.0 / dims.world  # q_local / q_g: every rank holds B x L / cp positions
     aux = model.aux_loss()
     total = loss_sum / count_g.clamp(min=1)
@@ -214,8 +215,17 @@ def forward_backward(
     return sums[0], count_g, float(sums[1])
 
 
+def _token_losses(model, inputs, tokens, scored, autocast, head) -> torch.Tensor:
+    """Per-token losses [B, T] fp32 (nats, 0 where not scored): the model's logits, or ``head``'s chunked loss."""
+    with autocast:
+        if head is not None:
+            return head.token_losses(model, inputs, tokens, scored).float()
+        logits, _ = model(inputs)
+    return token_losses(logits, tokens, scored)
+
+
 def train_step(
-    model, optimizer, scheduler, tokens, cfg: TrainConfig, autocast, dims: ParallelDims | None = None
+    model, optimizer, scheduler, tokens, cfg: TrainConfig, autocast, dims: ParallelDims | None = None, head=None
 ) -> dict:
     """Forward, backward, clip, optimizer and schedule step, router-bias update. Returns step metrics.
 
@@ -223,7 +233,7 @@ def train_step(
     are all-reduced over CP x DP before the router-bias update, so every rank takes the same step.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims)
+    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head)
     if dims is not None and dims.is_distributed:
         all_reduce_moe_loads(model, dims.dp_cp_group)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -268,11 +278,13 @@ def log_step(step: int, steps: int, m: dict, tokens_per_s: float, extra: str = "
 
 
 def save_run_checkpoint(
-    out: Path, step: int, model, optimizer, scheduler, recipe: Recipe, data_state: dict, dims=None
+    out: Path, step: int, model, optimizer, scheduler, recipe: Recipe, data_state: dict, dims=None,
+    extra: dict | None = None,
 ) -> Path:
-    """``RUN/checkpoints/step_{step}`` with the data position and seed (and the CP x DP sizes of ``dims``), keeping
+    """``RUN/checkpoints/step_{step}`` with the data position and seed (and the CP x DP sizes of ``dims``; ``extra``:
+    the base, token map and loss vocabulary of ``genoctx.train.init.describe``), keeping
     ``recipe.train.keep_checkpoints``; see ``genoctx.train.checkpoint.save_checkpoint``. Returns its directory."""
-    state = {"data": data_state, "seed": recipe.train.seed}
+    state = {"data": data_state, "seed": recipe.train.seed, **(extra or {})}
     if dims is not None:
         state.update(cp=dims.cp, dp=dims.dp)
     return save_checkpoint(out, step, model, optimizer, scheduler, recipe, state, keep=recipe.train.keep_checkpoints)
@@ -297,8 +309,10 @@ def train(
     from ..lock import output_lock
 
     _check_manifest(Path(data_dir))
+    recipe, base = resolve_init(recipe)  # a bad base or tokenizer: an error before --out is touched
+    vocab_head(recipe, base)
     with output_lock(out, wait=wait, what="train"):
-        return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after)
+        return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base)
 
 
 def train_unlocked(
@@ -308,19 +322,23 @@ def train_unlocked(
     resume: bool = False,
     device: str = "cpu",
     stop_after: int | None = None,
+    base: dict | None = None,
 ) -> dict:
     """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``.
 
     ``recipe.train.steps == 0`` writes the untrained (initialised) model as checkpoint ``step_000000``.
     ``stop_after`` ends this invocation after that step (with a checkpoint), as a scheduler time limit would;
     the learning-rate schedule still spans ``recipe.train.steps``, so ``resume`` continues the same run.
+    ``recipe.init`` (or ``base``, its record as ``genoctx.train.init.resolve_init`` returns it, with ``recipe``
+    already resolved) starts from a pretrained base: its weights, and for a text vocabulary its token map and the
+    ``recipe.loss`` head (``genoctx.model.vocab``), all recorded in each checkpoint's state.json.
 
     Returns:
         A summary dict (run dir, steps, final loss in nats/token, tokens/s, last checkpoint).
 
     Raises:
-        GenoctxError: bad data dir, a run dir that already holds checkpoints without ``resume``, or a
-            ``resume`` from a run whose recipe differs.
+        GenoctxError: bad data dir, a run dir that already holds checkpoints without ``resume``, an unusable base
+            (``genoctx.train.init``), or a ``resume`` from a run whose model differs.
     """
     cfg = recipe.train
     data_dir, out = Path(data_dir), Path(out)
@@ -331,19 +349,29 @@ def train_unlocked(
     torch.manual_seed(cfg.seed)
     dev = torch.device(device)
 
-    model = HybridLM(recipe.model).to(dev)
-    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
-    start, loaded = 0, None
+    if recipe.init is not None:  # a pretrained base fixes the architecture (genoctx.train.init)
+        recipe, base = resolve_init(recipe)
+    start, loaded, state = 0, None, None
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
-    if resume and latest is not None:
+    resuming = resume and latest is not None
+    model = (load_base_weights(base, recipe) if base is not None and not resuming else HybridLM(recipe.model)).to(dev)
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
+    if resuming:
         state = load_training_state(latest, model, optimizer, scheduler)
         start, loaded = int(state["step"]), latest
         log.info("resuming from %s (step %d)", latest, start)
-    elif resume:
+    head = vocab_head(recipe, base, state)
+    extra = describe(base, head)
+    if resuming and state.get("init") and base is None:
+        extra["init"] = state["init"]  # keep the record of where the run started
+    if head is not None:
+        log.info("token map %s (window start %r), loss over the %s vocabulary", head.token_map.ids[:5],
+                 head.token_map.window_start_token, head.vocab)  # fmt: skip
+    if not resuming and resume:
         log.info("--resume: %s holds no complete checkpoint yet; starting at step 0", out)
     out.mkdir(parents=True, exist_ok=True)
     attempt = begin_attempt(out, start, loaded, invocation=uuid.uuid4().hex[:12])
@@ -374,7 +402,7 @@ def train_unlocked(
                 t0 = time.perf_counter()
                 tokens, data_state = sample_batch(ds, cfg, step)
                 model.train()
-                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast)
+                m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, head=head)
                 steps_run += 1
                 dt = time.perf_counter() - t0
                 tokens_seen += tokens.numel()
@@ -393,9 +421,10 @@ def train_unlocked(
                     paths = ",".join(s.get("path", "?") for s in last["layers"])
                     log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                    ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state)
+                    ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state,
+                                               extra=extra)  # fmt: skip
         if ckpt is None:  # nothing trained and nothing on disk: write the initial model (steps == 0)
-            ckpt = save_run_checkpoint(out, start, model, optimizer, scheduler, recipe, data_state)
+            ckpt = save_run_checkpoint(out, start, model, optimizer, scheduler, recipe, data_state, extra=extra)
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"

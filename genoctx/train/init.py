@@ -1,0 +1,160 @@
+"""Starting from a pretrained base: ``genoctx train --init SRC`` (recipe key ``model.init``).
+
+SRC is a local HF model directory (``config.json`` + safetensors, ``genoctx.model.hf.is_hf_dir``) or a Hub repo id
+(``org/name``, optionally ``org/name@revision``) resolved by ``huggingface_hub.snapshot_download`` into the usual
+HF cache: ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1`` (the cache only) and ``HF_ENDPOINT`` (a mirror) are
+huggingface_hub's own settings, respected as they are. genoctx never fetches weights any other way.
+
+The base's config.json fixes the architecture (a recipe may set compute knobs only: ``genoctx.recipes``); the run
+records, in every checkpoint's state.json, ``init``: the source as given, the resolved directory, the Hub revision
+(commit hash) and a fingerprint of the base's files (sha256 of config and tokenizer files and of each safetensors
+header: names, dtypes, shapes and offsets, not the gigabytes of values), plus the ``token_map`` and ``loss_vocab``
+that train and eval use (``genoctx.model.vocab``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import struct
+from pathlib import Path
+
+import torch
+
+from ..data.tokenizer import VOCAB
+from ..errors import GenoctxError
+from ..model.hf import is_hf_dir, load_hf, read_config, weight_files
+from ..model.vocab import TokenMap, VocabHead, build_token_map
+from ..recipes import Recipe
+
+log = logging.getLogger("genoctx.train")
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
+
+
+def resolve_base(src: str) -> tuple[Path, dict]:
+    """The local directory of a base and its record ``{"source", "path", "revision"}``.
+
+    Args:
+        src: an HF model directory, or a Hub repo id ``org/name[@revision]``.
+
+    Raises:
+        GenoctxError: a directory that is not an HF model directory; a repo id that cannot be resolved (not in the
+            cache with ``HF_HUB_OFFLINE=1``, unknown repo or revision, network failure); anything else.
+    """
+    p = Path(src).expanduser()
+    if p.exists():
+        if not is_hf_dir(p):
+            raise GenoctxError(f"--init {src}: not an HF model directory (config.json and safetensors weights)")
+        return p.resolve(), {"source": src, "path": str(p.resolve()), "revision": None}
+    if not _REPO_ID.match(src):
+        raise GenoctxError(f"--init {src}: no such directory, and not a Hub repo id (org/name[@revision])")
+    repo, _, revision = src.partition("@")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo, revision=revision or None))
+    except LocalEntryNotFoundError:
+        raise GenoctxError(
+            f"--init {src}: not in the Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE is set or "
+            f"no network); fetch it first: hf download {repo}"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GenoctxError(f"--init {src}: cannot resolve on the Hub ({first})") from None
+    if not is_hf_dir(path):
+        raise GenoctxError(f"--init {src}: {path} has no config.json and safetensors weights")
+    return path, {"source": src, "path": str(path), "revision": path.name if path.parent.name == "snapshots" else None}
+
+
+def fingerprint(path: Path) -> dict[str, str]:
+    """sha256 of the base's small files and of each safetensors header (``{file name: hex}``)."""
+    out = {}
+    for name in _SMALL_FILES:
+        f = path / name
+        if f.is_file():
+            out[name] = hashlib.sha256(f.read_bytes()).hexdigest()
+    for f in weight_files(path):
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+            out[f.name + ":header"] = hashlib.sha256(raw + fh.read(min(n, 1 << 30))).hexdigest()
+    return out
+
+
+def resolve_init(recipe: Recipe) -> tuple[Recipe, dict | None]:
+    """The recipe with ``model`` set from the base's config.json (plus the recipe's compute knobs) and the base's
+    record (``resolve_base`` + ``fingerprint``); ``(recipe, None)`` when it has no ``init``.
+
+    Raises:
+        GenoctxError: as ``resolve_base``, or a config.json that is not a glm5_next model (named).
+    """
+    if recipe.init is None:
+        return recipe, None
+    path, info = resolve_base(recipe.init)
+    cfg, _ = read_config(path)
+    cfg = dataclasses.replace(cfg, **recipe.model_knobs)
+    info["files"] = fingerprint(path)
+    return dataclasses.replace(recipe, model=cfg, init=None, model_knobs={}), info
+
+
+def vocab_head(recipe: Recipe, base: dict | None, state: dict | None = None) -> VocabHead | None:
+    """The ``VocabHead`` a run trains through: None for a nucleotide model (``vocab_size`` == 8, identity map);
+    for a text base, its token map (from ``state`` when resuming, else built from the base's tokenizer.json).
+
+    Raises:
+        GenoctxError: a text vocabulary without a base to read the tokenizer from, or a bad tokenizer
+            (``build_token_map``).
+    """
+    cfg = recipe.model
+    if cfg.vocab_size == len(VOCAB) and base is None:
+        return None
+    if state is not None and state.get("token_map"):
+        token_map = TokenMap.from_dict(state["token_map"])
+    elif base is not None:
+        token_map = build_token_map(Path(base["path"]) / "tokenizer.json", cfg.vocab_size,
+                                    recipe.data.window_start_token)  # fmt: skip
+    else:
+        raise GenoctxError(
+            f"model.vocab_size {cfg.vocab_size} is not the {len(VOCAB)} nucleotide tokens: a text vocabulary needs a "
+            "base with a tokenizer (--init)"
+        )
+    if token_map.is_identity:
+        return None
+    return VocabHead(token_map, recipe.loss.vocab, recipe.loss.chunk_tokens)
+
+
+def load_base_weights(base: dict, recipe: Recipe) -> torch.nn.Module:
+    """The base model with its weights (fp32, as the master copy AdamW updates), with the recipe's compute knobs.
+
+    Raises:
+        GenoctxError: unreadable, missing or misshapen tensors (``genoctx.model.load_hf``).
+    """
+    knobs = {k: getattr(recipe.model, k) for k in type(recipe.model)._runtime}
+    model = load_hf(base["path"], dtype=torch.float32, runtime=knobs)
+    log.info("initialised from %s (%s)", base["source"], base["revision"] or base["path"])
+    return model
+
+
+def describe(base: dict | None, head: VocabHead | None) -> dict:
+    """What goes into state.json: ``init`` (the base record), ``token_map`` and ``loss_vocab``."""
+    out: dict = {}
+    if base is not None:
+        out["init"] = base
+    if head is not None:
+        out["token_map"] = head.token_map.to_dict()
+        out["loss_vocab"] = head.vocab
+    return out
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file as a dict. Raises: GenoctxError naming the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise GenoctxError(f"{path}: not readable JSON ({e})") from None

@@ -1,0 +1,212 @@
+"""``genoctx train --init``: post-training a pretrained glm5_next with a text vocabulary (built here with transformers
+and a small character-level tokenizer), read through its token map, scored over its full vocabulary or the
+nucleotide rows; the Hub path through a pre-populated HF cache, offline."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from genoctx.data.dataset import WindowDataset, scored_mask
+from genoctx.data.tokenizer import BOS
+from genoctx.errors import GenoctxError
+from genoctx.model.model import shift_inputs
+from genoctx.recipes import load_recipe
+from genoctx.train.checkpoint import latest_checkpoint, load_model
+from genoctx.train.loop import sample_batch, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from glm5_reference import build, logits, save, text_config  # noqa: E402
+
+sys.path.pop(0)
+
+# a character-level tokenizer whose ids for A C G T N are scattered through a text vocabulary of 40 tokens
+CHARS = list("xyzTqwGerNtuiopCasdfghjklA") + [f"tok{i}" for i in range(12)]
+SPECIAL = ["<|endoftext|>", "<sop>"]
+VOCAB = len(CHARS) + len(SPECIAL)
+
+
+def _write_tokenizer(path: Path, chars=CHARS) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+
+    vocab = {t: i for i, t in enumerate(chars)}
+    for t in SPECIAL:
+        vocab[t] = len(vocab)
+    tok = Tokenizer(WordLevel(vocab, unk_token="x"))
+    tok.pre_tokenizer = Split("", "isolated")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny glm5_next base with a 40-token text vocabulary (A = 25, C = 15, G = 6, T = 3, N = 9,
+    <|endoftext|> = 38), its tokenizer files, and the transformers model."""
+    path = tmp_path_factory.mktemp("base") / "glm-tiny"
+    ref = build(text_config(vocab_size=VOCAB), seed=3)
+    save(ref, path)
+    _write_tokenizer(path)
+    return path, ref
+
+
+IDS = {"A": 25, "C": 15, "G": 6, "T": 3, "N": 9}
+START = len(CHARS)  # <|endoftext|>, tokenizer_config.json's eos_token
+
+
+def _recipe(init, *extra):
+    return load_recipe(None, [f"model.init={init}", "train.steps=2", "train.seq_len=128", "train.warmup_steps=1",
+                              "train.checkpoint_every=1", "train.lr=1e-3", *extra])  # fmt: skip
+
+
+def _reference_loss(ref, tokens, rows=None):
+    """Mean next-base loss (nats) of the transformers base on genoctx tokens [B, L], mapped by hand."""
+    table = torch.tensor([IDS["A"], IDS["C"], IDS["G"], IDS["T"], IDS["N"], START, START, START])
+    lg = logits(ref, table[shift_inputs(tokens, BOS)]).double()
+    scored = scored_mask(tokens)
+    if rows is None:
+        ce = torch.nn.functional.cross_entropy(lg[scored], table[tokens][scored], reduction="none")
+    else:
+        ce = torch.nn.functional.cross_entropy(lg[..., rows][scored], tokens[scored], reduction="none")
+    return float(ce.mean())
+
+
+@pytest.mark.parametrize("vocab", ["full", "nucleotide"])
+def test_init_trains_the_base_through_its_token_map(prepared, base, tmp_path, vocab):
+    path, ref = base
+    run = tmp_path / "run"
+    # 16-token crops: every pool is selected (index_topk 16), so the loss does not hinge on how top-k breaks the
+    # ties that 5 distinct input tokens make in the indexer's scores (genoctx: the most recent pool; torch.topk:
+    # unspecified)
+    rec = _recipe(path, f"loss.vocab={vocab}", "loss.chunk_tokens=5", "train.seq_len=16")
+    summary = train(prepared, rec, run)
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    # step 1's loss is the base's own loss on that batch: its weights, the map, the window start, the vocabulary
+    tokens, _ = sample_batch(WindowDataset(prepared, "train"), rec.train, 0)
+    rows_ids = None if vocab == "full" else [IDS[b] for b in "ACGTN"]
+    assert rows[0]["loss"] == pytest.approx(_reference_loss(ref, tokens, rows_ids), rel=1e-5)
+    assert rows[1]["loss"] < rows[0]["loss"] + 0.5 and summary["steps_run"] == 2
+    state = json.loads((latest_checkpoint(run) / "state.json").read_text())
+    assert state["token_map"]["ids"] == [25, 15, 6, 3, 9, 38, 38, 38]
+    assert state["token_map"]["window_start_token"] == "<|endoftext|>" and state["loss_vocab"] == vocab
+    init = state["init"]
+    assert init["source"] == str(path) and init["revision"] is None
+    assert set(init["files"]) >= {"config.json", "tokenizer.json", "model.safetensors:header"}
+    model, recipe, _ = load_model(run)
+    assert recipe.model.vocab_size == VOCAB == 40 and recipe.init is None  # the resolved architecture
+    assert model.cfg.hidden_size == 32
+
+
+def test_eval_scores_base_and_post_trained_alike(prepared, base, tmp_path):
+    """The base (HF dir, full vocabulary) and its post-trained run (the run's loss.vocab) through the same token
+    map; the base's eval loss equals transformers' own full-vocabulary loss on the same windows."""
+    from genoctx.eval.position import evaluate
+
+    path, ref = base
+    run = tmp_path / "run"
+    train(prepared, _recipe(path), run)
+    doc = evaluate([path, run], prepared, max_windows=2, resamples=0, chunk_tokens=700, bins="16")
+    base_entry, post = doc["models"]
+    assert (base_entry["loss_vocab"], post["loss_vocab"]) == ("full", "full")
+    ds = WindowDataset(prepared, "eval")
+    tokens = torch.stack([ds[i]["tokens"][:16] for i in range(2)]).long()
+
+    def first16(entry):  # bin [0, 16): positions where every pool is selected (no top-k ties)
+        assert (entry["bins"][0]["start"], entry["bins"][0]["end"], entry["bins"][0]["tokens"]) == (0, 16, 32)
+        return entry["bins"][0]["loss"]
+
+    assert first16(base_entry) == pytest.approx(_reference_loss(ref, tokens), rel=1e-5)
+    nuc = evaluate([path], prepared, max_windows=2, resamples=0, loss_vocab="nucleotide", bins="16")
+    assert nuc["models"][0]["loss_vocab"] == "nucleotide"
+    assert first16(nuc["models"][0]) == pytest.approx(_reference_loss(ref, tokens, [IDS[b] for b in "ACGTN"]), rel=1e-5)
+    assert nuc["overall"]["loss"] < base_entry["overall"]["loss"]  # 5-way softmax: a different, easier objective
+
+
+def test_init_refuses_architecture_keys_and_presets(base):
+    path, _ = base
+    with pytest.raises(GenoctxError, match=r"--set model.hidden_size=64: model.hidden_size cannot change the arch"):
+        _recipe(path, "model.hidden_size=64")
+    with pytest.raises(GenoctxError, match="drop model.preset"):
+        _recipe(path, "model.preset=tiny")
+    rec = _recipe(path, "model.kda_chunk_size=16")  # a compute knob is fine
+    assert rec.model_knobs == {"kda_chunk_size": 16}
+
+
+def _hub_cache(root: Path, repo: str, src: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """The layout huggingface_hub's cache uses: models--org--name/{refs/main, snapshots/<commit>/files}."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    snap = folder / "snapshots" / commit
+    shutil.copytree(src, snap)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    return snap
+
+
+def _cli(args, env):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "genoctx", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)  # fmt: skip
+
+
+def test_init_from_a_hub_repo_id_offline(prepared, base, tmp_path):
+    path, _ = base
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    _hub_cache(cache, "zai-org/GLM-tiny", path, commit)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    common = ["train", "--data", prepared, "--steps", "1", "--set", "train.seq_len=128"]
+    r = _cli([*common, "--init", "zai-org/GLM-tiny", "--out", tmp_path / "run"], env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    state = json.loads((latest_checkpoint(tmp_path / "run") / "state.json").read_text())
+    assert state["init"]["source"] == "zai-org/GLM-tiny" and state["init"]["revision"] == commit
+    assert state["init"]["path"] == str(cache / "models--zai-org--GLM-tiny" / "snapshots" / commit)
+    # an offline cache miss: one line naming the id, nothing written
+    r = _cli([*common, "--init", "zai-org/GLM-missing", "--out", tmp_path / "miss"], env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()
+    assert len(last) == 1 and "--init zai-org/GLM-missing: not in the Hugging Face cache" in last[0]
+    assert not (tmp_path / "miss").exists()
+
+
+def _broken(base_path: Path, tmp_path: Path, how: str) -> Path:
+    p = tmp_path / how
+    shutil.copytree(base_path, p)
+    if how == "no-tokenizer":
+        (p / "tokenizer.json").unlink()
+    elif how == "no-base-tokens":
+        _write_tokenizer(p, [c for c in CHARS if c != "G"] + ["g"])
+    elif how == "llama":
+        cfg = json.loads((p / "config.json").read_text())
+        cfg["model_type"] = "llama"
+        (p / "config.json").write_text(json.dumps(cfg))
+    elif how == "missing-shard":
+        (p / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+        )
+        (p / "model.safetensors").unlink()
+    return p
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("no-tokenizer", "tokenizer.json: no tokenizer.json"),
+        ("no-base-tokens", "tokenizer.json: no single-character token for 'G'"),
+        ("llama", "llama"),
+        ("missing-shard", "model-00002-of-00002.safetensors is missing"),
+    ],
+)
+def test_a_bad_base_is_one_line_and_writes_nothing(prepared, base, tmp_path, how, message):
+    p = _broken(base[0], tmp_path, how)
+    out = tmp_path / "out"
+    r = _cli(["train", "--data", prepared, "--steps", "1", "--init", p, "--out", out], {})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
+    assert message in lines[0] and lines[0].startswith("genoctx: error:")
+    assert not out.exists()
