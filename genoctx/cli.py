@@ -591,7 +591,8 @@ def export(
             base_dir = path  # a re-export keeps what the directory holds besides the text model
         else:
             init = read_state(path).get("init")
-            if isinstance(init, dict) and init.get("path"):
+            if isinstance(init, dict) and (init.get("hf_base") or init.get("path")):
+                init["path"] = init.get("hf_base") or init["path"]  # the HF root of a chain of --init runs
                 if is_hf_dir(init["path"]):
                     base_dir = Path(init["path"])
                     log.info("base: %s, the model the run started from (state.json init)", base_dir)

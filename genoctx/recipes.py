@@ -158,8 +158,11 @@ class Recipe:
     model_knobs: dict = field(default_factory=dict)  # the compute knobs the recipe set (with init)
 
     def to_dict(self) -> dict:
+        """The recipe as YAML would hold it; an unresolved ``init`` recipe holds the base and its knobs only."""
+        model = {"init": self.init, **self.model_knobs} if self.init is not None else {
+            "preset": self.preset, "init": None, **dataclasses.asdict(self.model)}  # fmt: skip
         return {
-            "model": {"preset": self.preset, "init": self.init, **dataclasses.asdict(self.model)},
+            "model": model,
             "train": dataclasses.asdict(self.train),
             "data": dataclasses.asdict(self.data),
             "loss": dataclasses.asdict(self.loss),

@@ -4,7 +4,7 @@ import pytest
 
 from genoctx.errors import GenoctxError
 from genoctx.model.config import PRESETS
-from genoctx.recipes import load_recipe
+from genoctx.recipes import load_recipe, recipe_from_dict
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 
@@ -12,7 +12,7 @@ RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_loads(path):
     r = load_recipe(path)
-    assert r.preset in PRESETS
+    assert r.preset in PRESETS or r.init is not None  # a preset, or a pretrained base (model.init)
     assert r.train.steps >= 0
     # the resolved recipe round-trips through its dict form
     from genoctx.recipes import recipe_from_dict
@@ -39,11 +39,15 @@ def test_layer_types_as_letters():
     assert recipe_from_dict(r.to_dict()) == r
 
 
-def test_big_recipes_are_glm_5_3_flash():
+def test_big_recipes_post_train_glm_5_3_flash():
+    """The published experiment: from zai-org/GLM-5.3-Flash (its config.json fixes the architecture: the
+    glm-5.3-flash preset is that architecture), 80 steps, full-vocabulary loss in chunks."""
+    assert PRESETS["glm-5.3-flash"].num_hidden_layers == 45 and PRESETS["glm-5.3-flash"].n_routed_experts == 288
     for name in ("hg38-512k.yaml", "hg38-1m.yaml"):
         r = load_recipe(RECIPES[0].parent / name)
-        assert r.preset == "glm-5.3-flash" and r.model == PRESETS["glm-5.3-flash"]
-        assert r.model.num_hidden_layers == 45 and r.model.n_routed_experts == 288
+        assert r.init == "zai-org/GLM-5.3-Flash" and r.preset is None and r.model_knobs == {}
+        assert (r.train.steps, r.loss.vocab, r.loss.chunk_tokens, r.train.dtype) == (80, "full", 8192, "bf16")
+        assert recipe_from_dict(r.to_dict()) == r
 
 
 @pytest.mark.parametrize(

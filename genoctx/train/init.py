@@ -1,9 +1,11 @@
 """Starting from a pretrained base: ``genoctx train --init SRC`` (recipe key ``model.init``).
 
-SRC is a local HF model directory (``config.json`` + safetensors, ``genoctx.model.hf.is_hf_dir``) or a Hub repo id
-(``org/name``, optionally ``org/name@revision``) resolved by ``huggingface_hub.snapshot_download`` into the usual
-HF cache: ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1`` (the cache only) and ``HF_ENDPOINT`` (a mirror) are
-huggingface_hub's own settings, respected as they are. genoctx never fetches weights any other way.
+SRC is a local HF model directory (``config.json`` + safetensors, ``genoctx.model.hf.is_hf_dir``), a genoctx
+checkpoint or run directory (its weights, architecture and token map, with a fresh optimizer: what an export of it
+given to ``--init`` also gives), or a Hub repo id (``org/name``, optionally ``org/name@revision``) resolved by
+``huggingface_hub.snapshot_download`` into the usual HF cache: ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``
+(the cache only) and ``HF_ENDPOINT`` (a mirror) are huggingface_hub's own settings, respected as they are.
+genoctx never fetches weights any other way.
 
 The base's config.json fixes the architecture (a recipe may set compute knobs only: ``genoctx.recipes``); the run
 records, in every checkpoint's state.json, ``init``: the source as given, the resolved directory, the Hub revision
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import re
 import struct
@@ -37,20 +38,31 @@ _SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model
 
 
 def resolve_base(src: str) -> tuple[Path, dict]:
-    """The local directory of a base and its record ``{"source", "path", "revision"}``.
+    """The local directory of a base and its record ``{"source", "path", "revision", "kind", "hf_base"}``: ``kind``
+    ``hf`` or ``genoctx`` (a checkpoint: ``path`` is its directory), ``hf_base`` the HF directory at the root of the
+    lineage (what ``genoctx export`` takes the VL config, vision tower, MTP and tokenizer files from), or None.
 
     Args:
-        src: an HF model directory, or a Hub repo id ``org/name[@revision]``.
+        src: an HF model directory, a genoctx checkpoint or run directory, or a Hub repo id ``org/name[@revision]``.
 
     Raises:
         GenoctxError: a directory that is not an HF model directory; a repo id that cannot be resolved (not in the
             cache with ``HF_HUB_OFFLINE=1``, unknown repo or revision, network failure); anything else.
     """
     p = Path(src).expanduser()
+    if p.exists() and not is_hf_dir(p) and ((p / "state.json").is_file() or (p / "checkpoints").is_dir()):
+        from .checkpoint import read_state, resolve_checkpoint
+
+        ck = resolve_checkpoint(p).resolve()
+        parent = read_state(ck).get("init") or {}
+        info = {"source": src, "path": str(ck), "revision": None, "kind": "genoctx",
+                "hf_base": parent.get("hf_base") or parent.get("path")}  # fmt: skip
+        return ck, info
     if p.exists():
         if not is_hf_dir(p):
             raise GenoctxError(f"--init {src}: not an HF model directory (config.json and safetensors weights)")
-        return p.resolve(), {"source": src, "path": str(p.resolve()), "revision": None}
+        return p.resolve(), {"source": src, "path": str(p.resolve()), "revision": None, "kind": "hf",
+                             "hf_base": str(p.resolve())}  # fmt: skip
     if not _REPO_ID.match(src):
         raise GenoctxError(f"--init {src}: no such directory, and not a Hub repo id (org/name[@revision])")
     repo, _, revision = src.partition("@")
@@ -69,7 +81,8 @@ def resolve_base(src: str) -> tuple[Path, dict]:
         raise GenoctxError(f"--init {src}: cannot resolve on the Hub ({first})") from None
     if not is_hf_dir(path):
         raise GenoctxError(f"--init {src}: {path} has no config.json and safetensors weights")
-    return path, {"source": src, "path": str(path), "revision": path.name if path.parent.name == "snapshots" else None}
+    revision = path.name if path.parent.name == "snapshots" else None
+    return path, {"source": src, "path": str(path), "revision": revision, "kind": "hf", "hf_base": str(path)}
 
 
 def fingerprint(path: Path) -> dict[str, str]:
@@ -79,7 +92,14 @@ def fingerprint(path: Path) -> dict[str, str]:
         f = path / name
         if f.is_file():
             out[name] = hashlib.sha256(f.read_bytes()).hexdigest()
-    for f in weight_files(path):
+    out.update(_header_hashes(weight_files(path)))
+    return out
+
+
+def _header_hashes(files) -> dict[str, str]:
+    """sha256 of each safetensors file's header (its first 8 bytes and the JSON they size)."""
+    out = {}
+    for f in files:
         with open(f, "rb") as fh:
             raw = fh.read(8)
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
@@ -97,9 +117,16 @@ def resolve_init(recipe: Recipe) -> tuple[Recipe, dict | None]:
     if recipe.init is None:
         return recipe, None
     path, info = resolve_base(recipe.init)
-    cfg, _ = read_config(path)
+    if info["kind"] == "genoctx":
+        from .checkpoint import load_recipe_of
+
+        cfg = load_recipe_of(path).model
+        info["files"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in ("state.json",)}
+        info["files"].update(_header_hashes([path / "model.safetensors"]))
+    else:
+        cfg, _ = read_config(path)
+        info["files"] = fingerprint(path)
     cfg = dataclasses.replace(cfg, **recipe.model_knobs)
-    info["files"] = fingerprint(path)
     return dataclasses.replace(recipe, model=cfg, init=None, model_knobs={}), info
 
 
@@ -114,6 +141,12 @@ def vocab_head(recipe: Recipe, base: dict | None, state: dict | None = None) -> 
     cfg = recipe.model
     if cfg.vocab_size == len(VOCAB) and base is None:
         return None
+    if state is None and base is not None and base.get("kind") == "genoctx":
+        from .checkpoint import read_state
+
+        state = read_state(Path(base["path"]))  # the source run's token map
+        if not state.get("token_map"):
+            return None
     if state is not None and state.get("token_map"):
         token_map = TokenMap.from_dict(state["token_map"])
     elif base is not None:
@@ -135,6 +168,15 @@ def load_base_weights(base: dict, recipe: Recipe) -> torch.nn.Module:
     Raises:
         GenoctxError: unreadable, missing or misshapen tensors (``genoctx.model.load_hf``).
     """
+    if base.get("kind") == "genoctx":
+        from ..model.model import HybridLM
+        from .checkpoint import load_model_tensors, read_tensors
+
+        model = HybridLM(recipe.model)
+        weights = Path(base["path"]) / "model.safetensors"
+        load_model_tensors(model, read_tensors(weights), weights)
+        log.info("initialised from the genoctx checkpoint %s", base["path"])
+        return model
     knobs = {k: getattr(recipe.model, k) for k in type(recipe.model)._runtime}
     model = load_hf(base["path"], dtype=torch.float32, runtime=knobs)
     log.info("initialised from %s (%s)", base["source"], base["revision"] or base["path"])
@@ -152,9 +194,3 @@ def describe(base: dict | None, head: VocabHead | None) -> dict:
     return out
 
 
-def read_json(path: Path) -> dict:
-    """A JSON file as a dict. Raises: GenoctxError naming the file."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise GenoctxError(f"{path}: not readable JSON ({e})") from None

@@ -20,7 +20,7 @@ from genoctx.train.checkpoint import latest_checkpoint, load_model
 from genoctx.train.loop import sample_batch, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from glm5_reference import build, logits, save, text_config  # noqa: E402
+from glm5_reference import build, logits, reference_modules, save, text_config  # noqa: E402
 
 sys.path.pop(0)
 
@@ -210,3 +210,35 @@ def test_a_bad_base_is_one_line_and_writes_nothing(prepared, base, tmp_path, how
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
     assert message in lines[0] and lines[0].startswith("genoctx: error:")
     assert not out.exists()
+
+
+def test_export_then_init_equals_init_from_the_checkpoint(prepared, base, tmp_path):
+    """Post-train from the base, export to HF (the base's tokenizer and config carried), reload the export in
+    transformers (same logits), then one more step from the export (--init HF dir) equals one more step from the
+    genoctx checkpoint itself (--init RUN): the same loss and the same weights after the step."""
+    path, _ = base
+    run = tmp_path / "run"
+    train(prepared, _recipe(path, "train.seq_len=16"), run)
+    hf = tmp_path / "hf"
+    r = _cli(["export", run, "--out", hf], {})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["base"] == str(path) and (hf / "tokenizer.json").read_bytes() == (
+        path / "tokenizer.json"
+    ).read_bytes()
+    model, _, _ = load_model(run)
+    _, Model = reference_modules()
+    ref = Model.from_pretrained(str(hf)).eval()
+    ids = torch.tensor([[START, IDS["A"], IDS["C"], IDS["G"], IDS["T"], IDS["N"], IDS["A"], IDS["A"]] * 2])
+    assert torch.allclose(logits(ref, ids), model(ids)[0].detach(), atol=1e-5)
+
+    one = ["train.steps=1", "train.seq_len=16"]
+    a = train(prepared, _recipe(hf, *one), tmp_path / "from-export")
+    b = train(prepared, _recipe(run, *one), tmp_path / "from-run")
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-6)
+    sa, sb = (load_model(tmp_path / x)[0].state_dict() for x in ("from-export", "from-run"))
+    assert set(sa) == set(sb) and all(torch.allclose(sa[k], sb[k], atol=1e-6) for k in sa)
+    ia = json.loads((latest_checkpoint(tmp_path / "from-export") / "state.json").read_text())
+    ib = json.loads((latest_checkpoint(tmp_path / "from-run") / "state.json").read_text())
+    assert ia["token_map"]["ids"] == ib["token_map"]["ids"] == [25, 15, 6, 3, 9, 38, 38, 38]
+    assert (ia["init"]["kind"], ib["init"]["kind"]) == ("hf", "genoctx")
+    assert ib["init"]["hf_base"] == str(path)  # the lineage's HF root: what export takes the tokenizer from

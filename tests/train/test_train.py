@@ -52,7 +52,7 @@ def test_steps_zero_writes_the_untrained_model(prepared, tmp_path):
     from genoctx.model.config import ModelConfig
 
     raw = yaml.safe_load((ck / "recipe.yaml").read_text())
-    assert set(raw["model"]) == {f.name for f in dataclasses.fields(ModelConfig)} | {"preset"}
+    assert set(raw["model"]) == {f.name for f in dataclasses.fields(ModelConfig)} | {"preset", "init"}
     assert raw["model"]["layer_types"] == ["linear_attention", "indexed_attention"]
     assert recipe.model == model.cfg == load_recipe("recipes/tiny.yaml").model
     # model.safetensors is the state dict: persistent buffers (router biases) included
