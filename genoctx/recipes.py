@@ -129,7 +129,7 @@ class LossConfig:
     ``nucleotide`` rows only (a different objective), with the head computed ``chunk_tokens`` tokens at a time."""
 
     vocab: str = "full"
-    chunk_tokens: int = 8192
+    chunk_tokens: int = 2048  # 2048 x 154,880 fp32 logits = 1.18 GiB: bench/lm_head.py
 
     def __post_init__(self) -> None:
         self.vocab = _check_value("loss.vocab", self.vocab, str)

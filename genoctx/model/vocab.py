@@ -153,7 +153,7 @@ class VocabHead:
         GenoctxError: an unknown ``vocab``.
     """
 
-    def __init__(self, token_map: TokenMap, vocab: str = "full", chunk_tokens: int = 8192):
+    def __init__(self, token_map: TokenMap, vocab: str = "full", chunk_tokens: int = 2048):
         if vocab not in LOSS_VOCABS:
             raise GenoctxError(f"loss.vocab must be one of {', '.join(LOSS_VOCABS)}, got {vocab!r}")
         self.token_map, self.vocab, self.chunk_tokens = token_map, vocab, chunk_tokens
