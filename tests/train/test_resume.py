@@ -136,6 +136,17 @@ def test_a_failed_save_then_resume_logs_each_step_once(prepared, tmp_path, monke
     assert [e["status"] for e in read_events(run) if e["event"] == "end"] == ["failed", "completed"]
 
 
+def _holder(folder, what):
+    """A process that holds ``output_lock(folder)`` (as ``genoctx WHAT``) until a line arrives on its stdin."""
+    code = (
+        "import sys; from genoctx.lock import output_lock\n"
+        "with output_lock(sys.argv[1], what=sys.argv[2]):\n"
+        "    print('locked', flush=True); sys.stdin.readline()\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code, str(folder), what], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+
 def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     """A run folder held by another genoctx process (here a helper holding ``output_lock``) is refused, one
     process or Ray, naming the holder's PID, before anything is written; it is free again once the holder ends."""
@@ -143,13 +154,7 @@ def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     from genoctx.parallel.launch import train_distributed
 
     run = tmp_path / "run"
-    code = (
-        "import sys; from genoctx.lock import output_lock\n"
-        "with output_lock(sys.argv[1], what='train'):\n"
-        "    print('locked', flush=True); sys.stdin.readline()\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    holder = _holder(run, "train")
     try:
         assert holder.stdout.readline() == "locked\n"
         for attempt in (lambda: train(prepared, _recipe(2), run),
@@ -164,13 +169,7 @@ def test_one_writer_per_run_folder(prepared, tmp_path, counted):
 
 def test_train_wait_flag_waits_for_the_holder(prepared, tmp_path):
     run = tmp_path / "run"
-    code = (
-        "import sys; from genoctx.lock import output_lock\n"
-        "with output_lock(sys.argv[1], what='prepare'):\n"
-        "    print('locked', flush=True); sys.stdin.readline()\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    holder = _holder(run, "prepare")
     assert holder.stdout.readline() == "locked\n"
     cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--data", str(prepared),
            "--out", str(run), "--steps", "1", "--set", "train.seq_len=256", "--wait"]  # fmt: skip
