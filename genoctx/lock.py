@@ -187,3 +187,17 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     fst = os.fstat(fd)
     return (st.st_ino, st.st_dev) == (fst.st_ino, fst.st_dev)
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give ``folder`` (made by ``tempfile.mkdtemp``: 0700) and everything in it the modes a plain ``mkdir`` and
+    ``open`` would have under the process umask (0755 / 0644 under 022), so that collaborators on a shared
+    cluster can read a finished checkpoint or export. Call before renaming a temporary folder into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            p = os.path.join(root, name)
+            if not os.path.islink(p) and name != LOCK_NAME:
+                os.chmod(p, 0o666 & ~umask)

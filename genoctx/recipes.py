@@ -338,7 +338,7 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
         if preset_name is not None:
             raise GenoctxError(
                 f"{where('model.preset')}: model.preset {preset_name!r} with model.init {init!r}: the base's "
-                "config.json fixes the architecture; drop model.preset"
+                "config.json fixes the architecture; drop model.preset (--set model.preset=null)"
             )
         arch = sorted(k for k in model_raw if k not in ModelConfig._runtime)
         if arch:

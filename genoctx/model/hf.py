@@ -661,7 +661,7 @@ def save_hf(
     import shutil
     import tempfile
 
-    from ..lock import LOCK_NAME, output_lock
+    from ..lock import LOCK_NAME, output_lock, share_like_umask
 
     if max_shard_bytes < 1:
         raise GenoctxError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
@@ -710,6 +710,7 @@ def save_hf(
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
                 if base is not None:
                     copied = _copy_files(base, tmp)
+                share_like_umask(tmp)  # mkdtemp made it 0700: readable by collaborators, as a plain mkdir would be
                 _exchange(tmp, out)  # out: the export (its lock file the one held here); tmp: what out held
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp = None

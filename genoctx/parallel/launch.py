@@ -321,7 +321,7 @@ def train_distributed(
     from ..data.dataset import WindowDataset
     from ..lock import output_lock
     from ..train.init import resolve_init, vocab_head
-    from ..train.loop import _check_manifest
+    from ..train.loop import _check_manifest, check_seq_len
     from .context import cp_pieces
 
     if num_workers < 1 or cp < 1 or num_workers % cp:
@@ -330,7 +330,9 @@ def train_distributed(
     _check_manifest(data_dir)
     recipe, base = resolve_init(recipe)  # resolved once here (a Hub download); the workers read the local path
     vocab_head(recipe, base)  # a bad tokenizer: an error before --out is touched
-    L = recipe.train.seq_len or WindowDataset(data_dir, "train").window
+    window = WindowDataset(data_dir, "train").window
+    check_seq_len(recipe.train, window, data_dir)
+    L = recipe.train.seq_len or window
     layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
     pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.linear_conv_kernel_dim - 1
     if L % pieces or L // pieces < tail:
@@ -349,6 +351,7 @@ def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_work
     from ..train.faults import ENV as FAULT_ENV
     from ..train.faults import parse_fault
     from ..train.init import describe, vocab_head
+    from ..train.loop import check_resume
 
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
@@ -358,6 +361,7 @@ def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_work
     state = None
     if resume and latest is not None:
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
+        check_resume(recipe, latest, state, base)
     extra = describe(base, vocab_head(recipe, base, state))
     if state is not None and state.get("init") and base is None:
         extra["init"] = state["init"]

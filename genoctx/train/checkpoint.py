@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import __version__
 from ..errors import GenoctxError
+from ..lock import share_like_umask
 from ..model.hf import is_hf_dir
 from ..model.model import HybridLM
 from ..recipes import Recipe, recipe_from_dict
@@ -87,6 +88,7 @@ def save_checkpoint(
             json.dumps({"step": step, "genoctx_version": __version__, **state}, indent=1)
         )
         maybe_kill("save", 0, step, Path(run_dir))
+        share_like_umask(tmp)  # mkdtemp made it 0700: readable by collaborators, as a plain mkdir would be
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -18,6 +18,7 @@ attempt ran). Every metrics row names the attempt that computed it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -38,7 +39,13 @@ from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..parallel.context import ParallelDims, all_reduce_grads, all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..recipes import Recipe, TrainConfig
-from .checkpoint import latest_checkpoint, load_training_state, remove_partial_checkpoints, save_checkpoint
+from .checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    read_state,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from .faults import maybe_kill
 from .init import describe, load_base_weights, resolve_init, vocab_head
 
@@ -253,6 +260,63 @@ def train_step(
     }
 
 
+# what a resume must keep (the run's data order, objective and window start); other train keys may change
+_RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"), ("loss", "vocab"),
+                 ("data", "window_start_token"))  # fmt: skip
+
+
+def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
+    """Refuse a ``--resume`` whose recipe changes what the run is: the model architecture (any ``ModelConfig`` field
+    but the compute knobs), the seed, batch, crop length, loss vocabulary or window-start token. A changed step
+    budget or learning rate is allowed and logged (the schedule then differs from an uninterrupted run's).
+
+    Raises:
+        GenoctxError: one line naming the key, both values, the run's recipe.yaml and, for a run that started from
+            a base (``--init``) resumed without it, the ``--init`` to pass.
+    """
+    from .checkpoint import load_recipe_of
+
+    saved = load_recipe_of(ckpt)
+    where = f"{Path(ckpt) / 'recipe.yaml'}"
+    started = state.get("init") or {}
+    for f in dataclasses.fields(type(recipe.model)):
+        if f.name in type(recipe.model)._runtime:
+            continue
+        new, old = getattr(recipe.model, f.name), getattr(saved.model, f.name)
+        if new != old:
+            hint = (f"; the run started from --init {started['source']}: pass it again"
+                    if started.get("source") and base is None else "; resume with the run's recipe")  # fmt: skip
+            raise GenoctxError(
+                f"--resume: model.{f.name} is {_short(new)} but the run's is {_short(old)} ({where}){hint}"
+            )
+    for section, key in _RESUME_KEEPS:
+        new, old = getattr(getattr(recipe, section), key), getattr(getattr(saved, section), key)
+        if new != old:
+            raise GenoctxError(
+                f"--resume: {section}.{key} is {new!r} but the run was trained with {old!r} ({where}); a resume "
+                "continues the same run: use the run's value, or start a new --out (--init RUN starts from its weights)"
+            )
+    for key in ("steps", "lr", "min_lr_ratio", "warmup_steps"):
+        new, old = getattr(recipe.train, key), getattr(saved.train, key)
+        if new != old:
+            log.warning("--resume: train.%s changed from %s to %s: the schedule differs from an uninterrupted run",
+                        key, old, new)  # fmt: skip
+
+
+def check_seq_len(cfg: TrainConfig, window: int, data_dir: Path) -> None:
+    """Raises: GenoctxError when ``train.seq_len`` (a crop, in tokens) is longer than the data's windows."""
+    if cfg.seq_len is not None and cfg.seq_len > window:
+        raise GenoctxError(
+            f"train.seq_len {cfg.seq_len} is longer than the {window}-token windows of {data_dir}; use at most "
+            f"{window} (or null: whole windows)"
+        )
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _check_manifest(data_dir: Path) -> dict:
     manifest = load_manifest(data_dir)
     if list(manifest.get("vocabulary", [])) != list(VOCAB):
@@ -308,7 +372,8 @@ def train(
     """
     from ..lock import output_lock
 
-    _check_manifest(Path(data_dir))
+    manifest = _check_manifest(Path(data_dir))
+    check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
     recipe, base = resolve_init(recipe)  # a bad base or tokenizer: an error before --out is touched
     vocab_head(recipe, base)
     with output_lock(out, wait=wait, what="train"):
@@ -344,6 +409,7 @@ def train_unlocked(
     data_dir, out = Path(data_dir), Path(out)
     _check_manifest(data_dir)
     ds = WindowDataset(data_dir, "train")
+    check_seq_len(cfg, ds.window, data_dir)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
@@ -358,6 +424,8 @@ def train_unlocked(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
     resuming = resume and latest is not None
+    if resuming:
+        check_resume(recipe, latest, read_state(latest), base)
     model = (load_base_weights(base, recipe) if base is not None and not resuming else HybridLM(recipe.model)).to(dev)
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if resuming:

@@ -242,3 +242,16 @@ def test_export_then_init_equals_init_from_the_checkpoint(prepared, base, tmp_pa
     assert ia["token_map"]["ids"] == ib["token_map"]["ids"] == [25, 15, 6, 3, 9, 38, 38, 38]
     assert (ia["init"]["kind"], ib["init"]["kind"]) == ("hf", "genoctx")
     assert ib["init"]["hf_base"] == str(path)  # the lineage's HF root: what export takes the tokenizer from
+
+
+def test_resume_of_an_init_run_without_init_names_it(prepared, base, tmp_path):
+    path, _ = base
+    run = tmp_path / "run"
+    train(prepared, _recipe(path, "train.seq_len=16"), run, stop_after=1)
+    plain = load_recipe("recipes/tiny.yaml", ["train.steps=2", "train.seq_len=16", "train.warmup_steps=1",
+                                              "train.checkpoint_every=1", "train.lr=1e-3"])  # fmt: skip
+    with pytest.raises(GenoctxError, match=f"the run started from --init {path}: pass it again"):
+        train(prepared, plain, run, resume=True)
+    with pytest.raises(GenoctxError, match="data.window_start_token is '<sop>' but the run was trained with None"):
+        train(prepared, _recipe(path, "train.seq_len=16", "data.window_start_token=<sop>"), run, resume=True)
+    assert train(prepared, _recipe(path, "train.seq_len=16"), run, resume=True)["resumed_from"] == 1

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import genoctx.train.loop as loop
+from genoctx.errors import GenoctxError
 from genoctx.recipes import load_recipe
 from genoctx.train.checkpoint import list_checkpoints
 from genoctx.train.loop import read_events, train
@@ -150,7 +151,6 @@ def _holder(folder, what):
 def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     """A run folder held by another genoctx process (here a helper holding ``output_lock``) is refused, one
     process or Ray, naming the holder's PID, before anything is written; it is free again once the holder ends."""
-    from genoctx.errors import GenoctxError
     from genoctx.parallel.launch import train_distributed
 
     run = tmp_path / "run"
@@ -182,3 +182,37 @@ def test_train_wait_flag_waits_for_the_holder(prepared, tmp_path):
     holder.communicate("\n", timeout=30)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0 and json.loads(out)["steps_run"] == 1
+
+
+def test_resume_refuses_a_recipe_that_changes_the_run(prepared, tmp_path, counted):
+    run = tmp_path / "run"
+    train(prepared, _recipe(4), run, stop_after=2)
+    for extra, message in [
+        ("model.hidden_size=64", r"--resume: model.hidden_size is 64 but the run's is 32 \(.*000002/recipe.yaml\)"),
+        ("model.tie_word_embeddings=true", "model.tie_word_embeddings is True but the run's is False"),
+        ("train.seed=7", "train.seed is 7 but the run was trained with 0"),
+        ("loss.vocab=nucleotide", "loss.vocab is 'nucleotide' but the run was trained with 'full'"),
+    ]:
+        with pytest.raises(GenoctxError, match=message):
+            train(prepared, _recipe(4, extra), run, resume=True)
+    assert len(counted) == 2
+    # a longer budget is allowed (logged): the run goes on from step 2
+    assert train(prepared, _recipe(5), run, resume=True)["resumed_from"] == 2 and len(counted) == 5
+
+
+def test_a_crop_longer_than_the_windows_is_refused(prepared, tmp_path):
+    with pytest.raises(GenoctxError, match="train.seq_len 100000 is longer than the 2048-token windows"):
+        train(prepared, _recipe(1, "train.seq_len=100000"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoints_are_readable_by_collaborators(prepared, tmp_path):
+    """mkdtemp makes 0700 folders; a finished checkpoint has the modes of the umask (022: 0755 and 0644)."""
+    old = os.umask(0o022)
+    try:
+        train(prepared, _recipe(1), tmp_path / "run")
+    finally:
+        os.umask(old)
+    ck = list_checkpoints(tmp_path / "run")[-1]
+    assert ck.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in ck.iterdir()} == {0o644}
