@@ -7,6 +7,9 @@ PyTorch fallbacks (``chunk_kimi_delta_attention`` & co.), the code the reference
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 _PATCHED = False
@@ -96,3 +99,20 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Reference logits ``[B, T, V]`` fp32 for token ids ``[B, T]``."""
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
+
+
+@contextlib.contextmanager
+def genoctx_log():
+    """Records of the "genoctx" logger at INFO and above (whatever its propagation)."""
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("genoctx")
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)

@@ -9,16 +9,14 @@ must be identical.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from glm5_reference import build, reference_modules, save, text_config
+from glm5_reference import build, genoctx_log, reference_modules, save, text_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -64,22 +62,6 @@ def _same_model(a: HybridLM, b: HybridLM) -> None:
 
 def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-@contextlib.contextmanager
-def _genoctx_log():
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("genoctx")
-    old = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
 
 
 class Source:
@@ -216,7 +198,7 @@ def test_base_carries_vision_mtp_and_tokenizer(src, tmp_path):
     base, mtp = _vl_base(src, tmp_path)
     vision = {k: t for k, t in _tensors(base).items() if k.startswith("model.visual.")}
     out = tmp_path / "out"
-    with _genoctx_log() as records:
+    with genoctx_log() as records:
         summary = save_hf(src.model, out, base_dir=base, dtype=torch.bfloat16)
     assert summary["carried"] == {"vision": len(vision), "mtp": len(mtp), "dequantized": 0} and len(vision) > 10
     assert f"carried over {len(mtp)} MTP tensors" in " ".join(r.getMessage() for r in records)

@@ -7,16 +7,14 @@ fp8 quantized by hand). Relative error = ``max |ours - ref| / max |ref|`` over a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import logging
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from glm5_reference import build, logits, save, text_config
+from glm5_reference import build, genoctx_log, logits, save, text_config
 from safetensors.torch import load_file, save_file
 
 from genoctx.errors import GenoctxError
@@ -81,29 +79,12 @@ def _our_logits(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(ids)[0]
 
 
-@contextlib.contextmanager
-def _genoctx_log():
-    """Records of the "genoctx" logger at INFO and above (whatever its propagation)."""
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("genoctx")
-    old = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old)
-
-
 def test_save_pretrained_vl_checkpoint(base):
     """The transformers-saved VL checkpoint (``text_config`` + vision tower) loads to the reference's logits; the
     vision tensors are skipped and the skip is logged."""
     assert is_hf_dir(base.path) and weight_files(base.path) == [base.path / "model.safetensors"]
     assert base.config["model_type"] == "glm5_next" and "text_config" in base.config
-    with _genoctx_log() as records:
+    with genoctx_log() as records:
         model = load_hf(base.path)
     assert rel(_our_logits(model, base.ids), base.want) <= 1e-5
     n_vision = sum(k.startswith("model.visual.") for k in base.tensors)
@@ -152,7 +133,7 @@ def test_mtp_layer_and_vision_skipped_and_logged(base, tmp_path):
     mtp[f"{PRE}layers.{n}.eh_proj.weight"] = torch.randn(32, 64)
     mtp[f"{PRE}layers.{n}.shared_head.head.weight"] = torch.randn(16, 32)
     tensors.update(mtp)
-    with _genoctx_log() as records:
+    with genoctx_log() as records:
         model = load_hf(_write(tmp_path / "mtp", tensors, base.config))
     _assert_same_model(model, base.ours)
     n_vision = sum(k.startswith("model.visual.") for k in base.tensors)
