@@ -358,14 +358,14 @@ def load_eval_model(path: str | Path, device: str | torch.device = "cpu", loss_v
     from ..model.vocab import MappedLM, TokenMap, VocabHead
 
     ck = resolve_checkpoint(path)
-    token_map = _hf_token_map(ck)
-    if token_map is None and not _is_hf(ck):
+    if not _is_hf(ck):
         model, recipe, state = load_model(ck, device)
-        if state.get("token_map") and not TokenMap.from_dict(state["token_map"]).is_identity:
-            vocab = loss_vocab or state.get("loss_vocab") or recipe.loss.vocab
-            head = VocabHead(TokenMap.from_dict(state["token_map"]), vocab, recipe.loss.chunk_tokens)
-            return MappedLM(model, head).eval()
-        return model.eval()
+        token_map = TokenMap.from_dict(state["token_map"]) if state.get("token_map") else None
+        if token_map is None or token_map.is_identity:
+            return model.eval()
+        vocab = loss_vocab or state.get("loss_vocab") or recipe.loss.vocab
+        return MappedLM(model, VocabHead(token_map, vocab, recipe.loss.chunk_tokens)).eval()
+    token_map = _hf_token_map(ck)
     dtype = torch.float32 if torch.device(device).type == "cpu" else None
     model = load_hf(ck, dtype=dtype).to(device).eval()
     if token_map is None:
