@@ -59,15 +59,13 @@ process with both windows batched, to fp32 rounding. A rank whose pieces are all
 the count: no NaN. (The optional MoE sequence-wise balance loss, ``moe_aux_loss_coef > 0``, is a product of
 per-sequence means and is only approximated under CP.)
 
-Process groups come from Megatron-core (``initialize_model_parallel(context_parallel_size=cp)``), on gloo
-(CPU) or NCCL (CUDA); ``ParallelDims`` answers which dims are on and which layout CP uses.
+Process groups come from the one device mesh of ``genoctx.parallel.mesh`` (``init_parallel``), on gloo (CPU) or
+NCCL (CUDA); ``ParallelDims`` answers which dims are on and which layout CP uses.
 """
 
 from __future__ import annotations
 
 import types
-import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -78,37 +76,9 @@ from ..model.config import DSA
 from ..model.dsa import SENTINEL, DSACache, DSASelection
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
+from .mesh import ParallelDims, destroy_parallel, init_parallel  # noqa: F401  (re-exported)
 
 LAYOUTS = ("contiguous", "zigzag")
-
-
-@dataclass
-class ParallelDims:
-    """Which parallel dims are on, and the groups that serve them.
-
-    Attributes:
-        cp, dp: context- and data-parallel sizes (``cp * dp`` = world size; tensor/pipeline parallel = 1).
-        cp_rank, dp_rank: this process's rank inside its CP group and its DP group.
-        cp_group: the CP group (None when ``cp == 1``).
-        dp_cp_group: the group over which loss, gradients and MoE loads are reduced (all CP x DP ranks).
-        cp_layout: how a window is split over the CP ranks, ``"contiguous"`` or ``"zigzag"`` (``cp_pieces``).
-    """
-
-    cp: int = 1
-    dp: int = 1
-    cp_rank: int = 0
-    dp_rank: int = 0
-    cp_group: object | None = None
-    dp_cp_group: object | None = None
-    cp_layout: str = "contiguous"
-
-    @property
-    def world(self) -> int:
-        return self.cp * self.dp
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world > 1
 
 
 def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
@@ -129,52 +99,6 @@ def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
     if layout == "zigzag":
         return [[r, 2 * cp - 1 - r] for r in range(cp)]
     raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-
-
-def init_parallel(cp: int, layout: str = "contiguous") -> ParallelDims:
-    """Megatron-core process groups for ``cp`` x ``world / cp`` on an initialised default process group.
-
-    Args:
-        cp: context-parallel size; must divide the world size.
-        layout: the CP layout recorded in the returned dims (``cp_pieces``; ignored when ``cp == 1``).
-
-    Returns:
-        ``ParallelDims`` whose groups come from ``megatron.core.parallel_state``.
-
-    Raises:
-        ValueError: torch.distributed is not initialised, ``cp`` does not divide the world size, or an
-            unknown layout.
-    """
-    cp_pieces(max(cp, 1), layout)  # validates the layout
-    if not dist.is_initialized():
-        raise ValueError("init_parallel needs torch.distributed initialised (gloo on CPU, nccl on CUDA)")
-    world = dist.get_world_size()
-    if cp < 1 or world % cp:
-        raise ValueError(f"--cp {cp} must divide the number of workers ({world})")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" on CPU
-        from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(context_parallel_size=cp)
-    return ParallelDims(
-        cp=ps.get_context_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-        cp_rank=ps.get_context_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        cp_group=ps.get_context_parallel_group() if cp > 1 else None,
-        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
-        cp_layout=layout,
-    )
-
-
-def destroy_parallel() -> None:
-    """Tear down Megatron-core's groups (the default process group is left to its owner)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
 
 
 def shard_sequence(x: Tensor, cp: int, cp_rank: int, layout: str = "contiguous") -> Tensor:
@@ -201,13 +125,36 @@ def shard_sequence(x: Tensor, cp: int, cp_rank: int, layout: str = "contiguous")
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _all_gather(x: Tensor, group) -> list[Tensor]:
-    """Autograd-aware all-gather: backward sums each rank's gradient contributions back to its owner."""
-    from torch.distributed.nn.functional import all_gather
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 0 whose backward sends each rank the sum of every rank's gradient for its part.
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        return list(all_gather(x.contiguous(), group=group))
+    Forward: ``x`` [n, ...] on each of the P ranks -> [P n, ...] (rank-major). Backward: ``all_to_all_single`` of
+    the [P n, ...] gradient (part q goes to rank q), then the P received parts are summed: a reduce-scatter built
+    from the one collective gloo and NCCL both have for subgroups (torch.distributed.nn.functional.all_gather's
+    backward calls ``scatter`` with group ranks as global ranks and fails on a subgroup such as a CP group of a
+    larger mesh).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        P = dist.get_world_size(group)
+        out = x.new_empty((P * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        P = dist.get_world_size(ctx.group)
+        recv = torch.empty_like(grad)
+        dist.all_to_all_single(recv, grad.contiguous(), group=ctx.group)
+        return recv.view(P, grad.shape[0] // P, *grad.shape[1:]).sum(0), None
+
+
+def _all_gather(x: Tensor, group) -> list[Tensor]:
+    """Autograd-aware all-gather: ``x`` [n, ...] -> the P ranks' tensors (a list, rank order); backward sums each
+    rank's gradient contributions back to its owner (``_AllGather``)."""
+    return list(_AllGather.apply(x, group).chunk(dist.get_world_size(group), dim=0))
 
 
 class CPLayout:
@@ -487,25 +434,6 @@ def all_reduce_sum(x: Tensor, group) -> Tensor:
     y = x.detach().clone()
     dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
     return y
-
-
-def all_reduce_grads(model: nn.Module, group) -> None:
-    """Sum every parameter's gradient over ``group`` in one flat buffer (missing gradients count as 0).
-
-    With each rank's objective ``local loss sum / global count`` the sum is the gradient of the global
-    mean loss: no further division.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    off = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[off : off + n].view_as(p.grad))
-        off += n
 
 
 def all_reduce_moe_loads(model: nn.Module, group) -> None:

@@ -37,7 +37,8 @@ from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
-from ..parallel.context import ParallelDims, all_reduce_grads, all_reduce_moe_loads, all_reduce_sum, shard_sequence
+from ..parallel.context import ParallelDims, all_reduce_moe_loads, all_reduce_sum, shard_sequence
+from ..parallel.fsdp import clip_grad_norm, reduce_gradients
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
     latest_checkpoint,
@@ -170,13 +171,15 @@ def forward_backward(
     Returns (sum of token losses in nats, scored-token count, aux loss), all over the global batch.
 
     Single process (``dims`` None or one rank): the backward pass uses loss = sum / max(count, 1) + aux.
-    Distributed (``dims.world > 1``, ``apply_cp`` already applied when ``dims.cp > 1``):
+    Distributed (``dims.world > 1``, ``genoctx.parallel.fsdp.apply_parallel`` already applied):
 
-        count_g  = all-reduce_{CP x DP}(count)                       scored tokens of the global batch
+        count_g  = all-reduce_{mesh}(count)                          scored tokens of the global batch
         q_local  = B x (L / cp)                                      queries (positions) on this rank, either layout
-        q_g      = q_local x cp x dp
+        q_g      = q_local x world                                   (world = cp x dp; EP ranks are data ranks)
         objective_rank = loss_sum_rank / max(count_g, 1) + aux_rank x q_local / q_g
-        grad     = all-reduce_{CP x DP}(grad objective_rank)        summed, never divided again
+        grad     = sum over the ranks holding each parameter of grad objective_rank     never divided again
+                   (FSDP: reduce-scatter + replica all-reduce in backward, divide factor 1; replicated: all-reduce
+                   over the mesh, routed experts over the ranks holding the same block: ``reduce_gradients``)
 
     The ranks' objectives add up to the one-process objective (the auxiliary losses are means over queries),
     so the gradients equal one process's over the whole batch. A rank with no scored token (an all-N slice)
@@ -211,7 +214,7 @@ def forward_backward(
     if aux is not None:
         total = total + aux * share
     total.backward()
-    all_reduce_grads(model, group)
+    reduce_gradients(model, dims)  # a sum over the ranks holding each parameter (FSDP: done in backward)
     sums = torch.stack(
         [
             loss_sum.detach().double(),
@@ -236,14 +239,17 @@ def train_step(
 ) -> dict:
     """Forward, backward, clip, optimizer and schedule step, router-bias update. Returns step metrics.
 
-    With ``dims`` (distributed), gradients are all-reduced in ``forward_backward`` and the MoE expert loads
-    are all-reduced over CP x DP before the router-bias update, so every rank takes the same step.
+    With ``dims`` (distributed), gradients are summed in ``forward_backward`` (FSDP: in backward), clipped by their
+    global norm (``genoctx.parallel.fsdp.clip_grad_norm``) and the MoE expert loads are all-reduced over the mesh
+    before the router-bias update, so every rank takes the same step.
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head)
     if dims is not None and dims.is_distributed:
         all_reduce_moe_loads(model, dims.dp_cp_group)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip, dims)  # the global norm over sharded/EP gradients
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
@@ -342,7 +348,14 @@ def log_step(step: int, steps: int, m: dict, tokens_per_s: float, extra: str = "
 
 
 def save_run_checkpoint(
-    out: Path, step: int, model, optimizer, scheduler, recipe: Recipe, data_state: dict, dims=None,
+    out: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    recipe: Recipe,
+    data_state: dict,
+    dims=None,
     extra: dict | None = None,
 ) -> Path:
     """``RUN/checkpoints/step_{step}`` with the data position and seed (and the CP x DP sizes of ``dims``; ``extra``:

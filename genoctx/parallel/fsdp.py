@@ -1,0 +1,231 @@
+"""FSDP2, activation checkpointing and gradient reduction, applied from outside the model (torchtitan style).
+
+``apply_parallel(model, dims)`` is the one place where parallelism is applied, in this order:
+
+1. expert parallel (``genoctx.parallel.experts.apply_ep``): every MoE keeps its rank's block of routed experts;
+2. context parallel (``genoctx.parallel.context.apply_cp``): the mixing layers take their pieces' caches;
+3. activation checkpointing (``apply_ac``, optional): each decoder layer recomputed in backward;
+4. FSDP2 (``apply_fsdp``, when ``dp_shard > 1``): ``fully_shard`` per decoder layer, then the root.
+
+The optimizer is built afterwards, on the sharded parameters (DTensors): its state is sharded as they are.
+
+Sharding (``genoctx.parallel.layout``): dense parameters are sharded over ``ep x dp_shard x cp`` (every rank of a
+replica sees different tokens) and replicated over ``dp_replicate`` (HSDP); each rank's block of routed experts
+(its own FSDP group, wrapped first) over ``dp_shard x cp``. Every FSDP module divides gradients by 1
+(``set_gradient_divide_factor(1.0)``): each rank back-propagates ``local loss sum / global token count``
+(``genoctx.train.loop.forward_backward``), so the reduction must be a sum, never a mean.
+
+Mixed precision (``MixedPrecisionPolicy``): with ``param_dtype=bf16`` the all-gathered parameters are bf16, the
+sharded masters, gradients' reduction (``reduce_dtype``) and optimizer state fp32. The fp32 islands (KDA decay gate,
+short convolution and output norm, MoE router, mHC mixing) are wrapped as their own groups with fp32 parameters, so
+they compute exactly as on one device.
+
+Without FSDP (``dp_shard == 1``) parameters are replicated and ``reduce_gradients`` all-reduces (sums) them: dense
+ones over the whole mesh, routed experts over the ranks holding the same block (``dims.expert_group``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..model.kda import KimiDeltaAttention
+from ..model.moe import MoE
+from .mesh import ParallelDims
+
+ISLAND_DTYPE = torch.float32
+
+
+def is_expert_parameter(p: nn.Parameter) -> bool:
+    """True for a routed expert's parameter under expert parallelism (marked by ``apply_ep``)."""
+    return bool(getattr(p, "_genoctx_expert", False))
+
+
+def apply_ac(model: nn.Module) -> int:
+    """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``). Returns layers wrapped.
+
+    The layer's ``forward`` is overridden on the instance (parameter names do not change). Memory per layer falls to
+    its input (``[B, T, hc_mult, D]`` residual streams); the cost is one more forward of each layer. Collectives
+    inside a layer (CP gathers, EP dispatch) run again in backward, in the same order on every rank.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        fwd = layer.forward
+
+        def recomputed(*args, _fwd=fwd, **kwargs):
+            if not torch.is_grad_enabled():
+                return _fwd(*args, **kwargs)
+            return checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = recomputed
+    return len(model.layers)
+
+
+def _islands(layer: nn.Module) -> list[nn.Module]:
+    """The fp32-island submodules of one decoder layer (kept fp32 under a bf16 ``MixedPrecisionPolicy``)."""
+    mods = []
+    attn = layer.self_attn
+    if isinstance(attn, KimiDeltaAttention):
+        mods += [attn.forget_gate, attn.conv1d, attn.o_norm]
+    if isinstance(layer.mlp, MoE):
+        mods.append(layer.mlp.gate)
+    mods += [layer.attn_hc, layer.ffn_hc]
+    return mods
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dims: ParallelDims,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    offload_optimizer: bool = False,
+) -> list[nn.Module]:
+    """``fully_shard`` the model over ``dims.dense_mesh`` (routed experts over ``dims.expert_mesh``).
+
+    Args:
+        model: a ``HybridLM`` (after ``apply_ep``/``apply_cp``/``apply_ac``), parameters still full tensors.
+        dims: from ``init_parallel`` with ``dp_shard > 1``.
+        param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32).
+        reduce_dtype: dtype of the gradient reduce-scatter/all-reduce (fp32).
+        offload_optimizer: keep sharded parameters, gradients and optimizer state in CPU memory
+            (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+
+    Returns:
+        The FSDP modules, innermost first (each with gradient divide factor 1: reductions are sums).
+
+    Raises:
+        ValueError: ``dims`` has no FSDP mesh (``dp_shard == 1``).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if not dims.fsdp or dims.dense_mesh is None:
+        raise ValueError("apply_fsdp needs dp_shard > 1 (init_parallel(dp_shard=...))")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
+                                     reduce_dtype=reduce_dtype)  # fmt: skip
+    offload = CPUOffloadPolicy() if offload_optimizer else OffloadPolicy()
+    wrapped = []
+    for layer in model.layers:
+        inner = layer
+        if isinstance(inner.mlp, MoE) and any(is_expert_parameter(p) for p in inner.mlp.experts.parameters()):
+            wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload))
+        if param_dtype is not None:
+            wrapped.append(fully_shard(_islands(inner), mesh=dims.dense_mesh, mp_policy=mp_island,
+                                       offload_policy=offload))  # fmt: skip
+        wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
+    wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
+    for m in wrapped:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; NCCL zero-copy wants SUM)
+    _register_methods(model)
+    return wrapped
+
+
+def _register_methods(model: nn.Module) -> None:
+    """Let ``model.hidden`` (the chunked-head path) unshard the root's parameters as ``forward`` does."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if hasattr(model, "hidden"):
+        register_fsdp_forward_method(model, "hidden")
+
+
+def all_reduce_grads(params: list[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one flat buffer (a missing gradient counts as 0)."""
+    if group is None or not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off : off + n].view_as(p.grad))
+        off += n
+
+
+def reduce_gradients(model: nn.Module, dims: ParallelDims) -> None:
+    """Sum gradients over the ranks that hold each parameter, after backward.
+
+    Under FSDP this already happened in backward (reduce-scatter and replica all-reduce, divide factor 1). Without
+    it: dense parameters are all-reduced over the whole mesh (``dims.dp_cp_group``), routed experts under EP over
+    ``dims.expert_group`` (their owner already holds every EP rank's tokens' contribution).
+    """
+    if dims.fsdp or not dims.is_distributed:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    all_reduce_grads([p for p in params if not is_expert_parameter(p)], dims.dp_cp_group)
+    all_reduce_grads([p for p in params if is_expert_parameter(p)], dims.expert_group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_norm(model: nn.Module, dims: ParallelDims | None) -> torch.Tensor:
+    """The global L2 norm of the gradients (fp64 scalar), whatever the sharding.
+
+    Each rank sums the squares of the gradient pieces it holds, weighted by 1 / (ranks holding the same piece):
+    a dense piece has ``world / dense_shard`` copies, a routed-expert piece ``world / (ep x expert_shard)``
+    (``genoctx.parallel.layout``); one all-reduce over the mesh adds them up.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if dims is None or not dims.is_distributed:
+        sq = sum((p.grad.detach().double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
+        return sq.sqrt()
+    lay = dims.layout
+    dense_copies = lay.world / lay.dense_shard
+    expert_copies = lay.world / (lay.ep * lay.expert_shard)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    for p in params:
+        copies = expert_copies if is_expert_parameter(p) else dense_copies
+        sq = sq + _local(p.grad.detach()).double().pow(2).sum() / copies
+    sq = sq.to(torch.float64)
+    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims | None) -> float:
+    """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s rule) with
+    the global norm of ``grad_norm``. Returns the norm before clipping (float)."""
+    norm = grad_norm(model, dims)
+    coef = float(max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return float(norm) if math.isfinite(float(norm)) else float("nan")
+
+
+def apply_parallel(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    activation_checkpointing: bool = False,
+    param_dtype: torch.dtype | None = None,
+    offload_optimizer: bool = False,
+) -> list:
+    """Apply every parallel dimension of ``dims`` to ``model`` in the documented order (module docstring).
+
+    Returns the handles of ``apply_cp``/``apply_ep`` (their ``.remove()`` restores the class forwards).
+    """
+    from .context import apply_cp
+
+    handles = []
+    if dims.ep > 1:
+        from .experts import apply_ep
+
+        handles += apply_ep(model, dims.ep_group, dims.ep, dims.ep_rank)
+    if dims.cp > 1:
+        handles += apply_cp(model, dims.cp_group, dims.cp_layout)
+    if activation_checkpointing:
+        apply_ac(model)
+    if dims.fsdp:
+        apply_fsdp(model, dims, param_dtype=param_dtype, offload_optimizer=offload_optimizer)
+    return handles

@@ -1,0 +1,143 @@
+"""One device mesh for every parallel dimension: ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.layout``).
+
+Every process group genoctx uses comes from this mesh (``torch.distributed.device_mesh.init_device_mesh``, gloo on
+CPU, NCCL on CUDA), so no dimension has two owners:
+
+    dims            mesh dimension(s)                      used for
+    cp_group        cp                                     KDA state fold, DSA key all-gathers (apply_cp)
+    ep_group        ep                                     token dispatch to experts (apply_ep)
+    dp (data rank)  dp_replicate x ep x dp_shard           which windows a rank reads (sample_batch)
+    world_group     all four                               loss count, MoE loads, gradient norm, dense grads
+    expert_group    dp_replicate x dp_shard x cp           expert grads without FSDP (ranks holding one block)
+    dense_mesh      (dp_replicate, ep x dp_shard x cp)     FSDP2 mesh of dense parameters (HSDP when replicated)
+    expert_mesh     (dp_replicate, dp_shard x cp)          FSDP2 mesh of each rank's block of routed experts
+
+The model is written for one device; parallelism is applied from outside in this order (``apply_parallel``):
+expert parallel (``apply_ep``: keep this rank's experts), context parallel (``apply_cp``: mixing layers see their
+pieces' caches), activation checkpointing (``apply_ac``), FSDP2 (``apply_fsdp``), then the optimizer is built on the
+sharded parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .layout import DIMS, Layout
+
+
+@dataclass
+class ParallelDims:
+    """Which parallel dims are on, this rank's coordinates and the groups that serve them (see the module table).
+
+    Attributes:
+        layout: the sizes (``Layout``); ``cp``, ``dp``, ``ep``, ``world``, ``fsdp`` are read from it.
+        cp_rank, dp_rank, ep_rank: this rank's index in its CP group, among the data-parallel ranks, in its EP group.
+        cp_group, ep_group: None when that size is 1.
+        dp_cp_group: the whole mesh (loss count, MoE loads, dense gradients without FSDP).
+        expert_group: ranks holding the same block of experts (expert gradients without FSDP); None when 1 rank.
+        dense_mesh, expert_mesh: the FSDP2 meshes (None without FSDP).
+        cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.context.cp_pieces``).
+    """
+
+    layout: Layout = field(default_factory=Layout)
+    cp_rank: int = 0
+    dp_rank: int = 0
+    ep_rank: int = 0
+    cp_group: object | None = None
+    ep_group: object | None = None
+    dp_cp_group: object | None = None
+    expert_group: object | None = None
+    dense_mesh: object | None = None
+    expert_mesh: object | None = None
+    cp_layout: str = "contiguous"
+    mesh: object | None = None
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def fsdp(self) -> bool:
+        return self.layout.fsdp
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world > 1
+
+    def coordinates(self) -> dict:
+        """This rank's place in the mesh, for metrics: ``{"cp_rank", "dp_rank", "ep_rank"}``."""
+        return {"cp_rank": self.cp_rank, "dp_rank": self.dp_rank, "ep_rank": self.ep_rank}
+
+
+def init_parallel(
+    cp: int = 1, layout: str = "contiguous", *, ep: int = 1, dp_shard: int = 1, device_type: str | None = None
+) -> ParallelDims:
+    """Build the mesh ``dp_replicate x ep x dp_shard x cp`` over the initialised default process group.
+
+    Args:
+        cp, ep, dp_shard: sizes; ``dp_replicate`` is the rest of the world size.
+        layout: the CP layout recorded in the returned dims (``cp_pieces``; ignored when ``cp == 1``).
+        device_type: ``"cpu"`` or ``"cuda"``; default from the backend (NCCL: cuda, else cpu).
+
+    Returns:
+        ``ParallelDims`` with its groups and meshes.
+
+    Raises:
+        ValueError: torch.distributed is not initialised, ``ep x dp_shard x cp`` does not divide the world size,
+            or an unknown CP layout.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .context import cp_pieces
+
+    cp_pieces(max(cp, 1), layout)  # validates the layout
+    if not dist.is_initialized():
+        raise ValueError("init_parallel needs torch.distributed initialised (gloo on CPU, nccl on CUDA)")
+    lay = Layout.for_world(dist.get_world_size(), ep=ep, dp_shard=dp_shard, cp=cp)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, tuple(getattr(lay, d) for d in DIMS), mesh_dim_names=DIMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "slicing a flattened dim from root mesh will be deprecated"
+        dp_mesh = mesh["dp_replicate", "ep", "dp_shard"]._flatten("dp")
+        world_mesh = mesh[DIMS]._flatten("world")
+        expert_rep = mesh["dp_replicate", "dp_shard", "cp"]._flatten("expert_replicas")
+        dense_mesh = expert_mesh = None
+        if lay.fsdp:
+            mesh["ep", "dp_shard", "cp"]._flatten("dense_shard")
+            mesh["dp_shard", "cp"]._flatten("expert_shard")
+            dense_mesh = mesh["dp_replicate", "dense_shard"]
+            expert_mesh = mesh["dp_replicate", "expert_shard"]
+    return ParallelDims(
+        layout=lay,
+        cp_rank=mesh["cp"].get_local_rank(),
+        dp_rank=dp_mesh.get_local_rank(),
+        ep_rank=mesh["ep"].get_local_rank(),
+        cp_group=mesh["cp"].get_group() if cp > 1 else None,
+        ep_group=mesh["ep"].get_group() if ep > 1 else None,
+        dp_cp_group=world_mesh.get_group(),
+        expert_group=expert_rep.get_group() if expert_rep.size() > 1 else None,
+        dense_mesh=dense_mesh,
+        expert_mesh=expert_mesh,
+        cp_layout=layout if cp > 1 else "contiguous",
+        mesh=mesh,
+    )
+
+
+def destroy_parallel() -> None:
+    """Nothing to tear down: the mesh's groups live with the default process group (kept for callers' symmetry)."""

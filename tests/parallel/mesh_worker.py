@@ -1,0 +1,144 @@
+"""Run by tests/parallel/test_mesh.py: gloo processes train two steps in each layout of the 4-D mesh.
+
+Usage: python tests/parallel/mesh_worker.py OUT_DIR WINDOWS.pt WORLD CASE[,CASE...]
+WINDOWS.pt holds {"windows": [4, L] int64} real-DNA windows. A case names a layout (``CASES``); the data ranks
+(dp_replicate x ep x dp_shard) take windows 0..dp-1, one each. Each rank writes OUT_DIR/rank{r}.pt with, per case
+and step: the step metrics (loss, grad norm), every gradient gathered to full size (a routed expert block: its rows,
+with its offset), the router biases after the step, and this rank's coordinates and MoE EP statistics.
+"""
+
+import sys
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from genoctx.model.config import DSA, KDA, ModelConfig, preset
+from genoctx.model.model import HybridLM
+from genoctx.recipes import TrainConfig
+
+# layout name -> (ep, dp_shard, cp); dp_replicate is the rest of the world
+CASES = {
+    "fsdp2": (1, 2, 1),
+    "ep2": (2, 1, 1),
+    "dp2": (1, 1, 1),
+    "ep2_cp2": (2, 1, 2),
+    "fsdp2_cp2": (1, 2, 2),
+    "dp2_ep2": (2, 1, 1),
+    "fsdp2_ep2": (2, 2, 1),
+    "hsdp2_2": (1, 2, 1),
+}
+STEPS = 2
+
+
+def mesh_config() -> ModelConfig:
+    """The tiny preset with KDA, a full DSA layer and a shared one, a dense MLP then two MoE layers of 8 routed experts
+    (top-2), and moe_chunk_tokens 32 (several dispatch chunks per window)."""
+    return preset(
+        "tiny",
+        num_hidden_layers=3,
+        layer_types=[KDA, DSA, DSA],
+        indexer_types=["full", "full", "shared"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        n_routed_experts=8,
+        moe_chunk_tokens=32,
+    )
+
+
+def mesh_model() -> HybridLM:
+    """Seeded model whose zero-initialised parameters and buffers are re-drawn (mHC base, router bias), so every
+    path carries signal."""
+    torch.manual_seed(0)
+    model = HybridLM(mesh_config())
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("hc.base", "e_score_correction_bias")):
+                t.copy_(torch.randn_like(t.float()).to(t.dtype) * 0.1)
+    return model
+
+
+def train_config() -> TrainConfig:
+    return TrainConfig(steps=STEPS, lr=1e-2, warmup_steps=0, min_lr_ratio=1.0, grad_clip=0.05, weight_decay=0.1)
+
+
+def _full_grads(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name] = g.detach().clone()
+    return out
+
+
+def _expert_offsets(model) -> dict:
+    out = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "expert_offset"):
+            out[name] = int(m.expert_offset)
+    return out
+
+
+def run_case(name: str, windows: torch.Tensor) -> dict:
+    from genoctx.parallel.fsdp import apply_parallel
+    from genoctx.parallel.mesh import init_parallel
+    from genoctx.train.loop import build_optimizer, train_step
+
+    ep, dp_shard, cp = CASES[name]
+    dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
+    model = mesh_model()
+    apply_parallel(model, dims)
+    cfg = train_config()
+    opt, sched = build_optimizer(model, cfg, cfg.steps)
+    tokens = windows[dims.dp_rank][None]
+    steps = []
+    for _ in range(STEPS):
+        m = train_step(model, opt, sched, tokens, cfg, nullcontext(), dims)
+        # the gradients left by the step: summed over the ranks and clipped by the global norm, as one process's
+        steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return {
+        "local_numel": local,  # parameters this rank holds (sharded: about full / shard size)
+        "optimizer_numel": sum(
+            t.numel() if not hasattr(t, "to_local") else t.to_local().numel()
+            for st in opt.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim()
+        ),
+        "layout": dims.layout.to_dict(),
+        "coords": dims.coordinates(),
+        "offsets": _expert_offsets(model),
+        "steps": steps,
+    }
+
+
+def _biases(model) -> dict:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
+def _moe_stats(model) -> dict:
+    out = {}
+    for i, layer in enumerate(model.layers):
+        stats = getattr(layer.mlp, "stats", None) or {}
+        out[i] = {k: v for k, v in stats.items() if k.startswith("ep_")}
+    return out
+
+
+def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, cases: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    windows = torch.load(windows_path)["windows"]
+    res = {name: run_case(name, windows) for name in cases}
+    dist.destroy_process_group()
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    init = tempfile.mktemp(prefix="genoctx-gloo-")
+    world = int(sys.argv[3])
+    mp.spawn(run, args=(world, init, sys.argv[1], sys.argv[2], sys.argv[4].split(",")), nprocs=world)
