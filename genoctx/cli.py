@@ -335,9 +335,21 @@ def train(
         int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
     ] = None,
     cp: Annotated[
-        int,
-        typer.Option(help="Context-parallel size: workers sharing one window (train.cp_layout: contiguous|zigzag)."),
-    ] = 1,
+        int | None,
+        typer.Option(
+            help="Context-parallel size: workers sharing one window (train.cp_layout: contiguous|zigzag); = train.cp."
+        ),
+    ] = None,
+    ep: Annotated[
+        int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts; = train.ep.")
+    ] = None,
+    fsdp: Annotated[
+        int | None,
+        typer.Option(help="FSDP2 size: workers sharding parameters and optimizer state; = train.fsdp."),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
+    ] = False,
     address: Annotated[
         str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
     ] = None,
@@ -362,6 +374,8 @@ def train(
     _at_least("--stop-after", stop_after, 1)
     _at_least("--num-workers", num_workers, 1)
     _at_least("--cp", cp, 1)
+    _at_least("--ep", ep, 1)
+    _at_least("--fsdp", fsdp, 1)
     _at_least("--gpus-per-worker", gpus_per_worker, 0)
     data = _data_dir(data)
     _out_dir(out)
@@ -370,11 +384,14 @@ def train(
         overrides.append(f"train.steps={steps}")
     if init is not None:
         overrides.append(f"model.init={init}")
+    for key, value in (("cp", cp), ("ep", ep), ("fsdp", fsdp)):
+        if value is not None:
+            overrides.append(f"train.{key}={value}")
     rec = load_recipe(recipe, overrides)
     dev = _device(device)
     if num_workers is None:
-        if cp != 1 or address is not None or gpus_per_worker:
-            raise GenoctxError("--cp, --address and --gpus-per-worker need --num-workers")
+        if any(v not in (None, 1) for v in (cp, ep, fsdp)) or address is not None or gpus_per_worker:
+            raise GenoctxError("--cp, --ep, --fsdp, --address and --gpus-per-worker need --num-workers")
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
         return
     from .parallel.launch import train_distributed
@@ -385,7 +402,10 @@ def train(
             rec,
             out,
             num_workers=num_workers,
-            cp=cp,
+            cp=rec.train.cp,
+            ep=rec.train.ep,
+            fsdp=rec.train.fsdp,
+            force=force,
             address=address,
             gpus_per_worker=gpus_per_worker,
             resume=resume,

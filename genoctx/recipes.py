@@ -66,6 +66,13 @@ class TrainConfig:
     # how --cp splits a window over ranks: "contiguous" (slice r on rank r) or "zigzag" (2 x cp pieces, rank r
     # holds pieces r and 2 cp - 1 - r: equal DSA work per rank); ignored by one-process training
     cp_layout: str = "contiguous"
+    # the parallel layout of a Ray run (genoctx.parallel.layout; --cp/--ep/--fsdp override): context-parallel,
+    # expert-parallel and FSDP2 sizes; the rest of --num-workers is dp_replicate (replicas)
+    cp: int = 1
+    ep: int = 1
+    fsdp: int = 1
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (Ray runs)
+    offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
 
     def __post_init__(self) -> None:
         """Check types and ranges; the first bad field raises :class:`RecipeValueError` naming ``train.<field>``."""
@@ -98,6 +105,9 @@ _TRAIN_RANGES = (
     ("keep_checkpoints", 0, None, ">= 0 (0 = keep all)"),
     ("log_every", 1, None, ">= 1"),
     ("num_threads", 1, None, ">= 1 (or null: torch's default)"),
+    ("cp", 1, None, ">= 1"),
+    ("ep", 1, None, ">= 1"),
+    ("fsdp", 1, None, ">= 1"),
 )
 
 # ModelConfig integer fields that may be 0 (every other integer field must be >= 1); ModelConfig checks the rest

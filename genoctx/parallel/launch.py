@@ -83,7 +83,9 @@ def _train_worker(config: dict) -> None:
     from ..train.faults import DRIVER_ENV, ENV, maybe_kill
     from ..train.init import load_base_weights
     from ..train.loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
-    from .context import apply_cp, init_parallel
+    from ..train.sharded import save_sharded
+    from .fsdp import apply_parallel
+    from .mesh import init_parallel
 
     glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
     if not glog.handlers:
@@ -97,7 +99,7 @@ def _train_worker(config: dict) -> None:
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
-    dims = init_parallel(config["cp"], layout=cfg.cp_layout)
+    dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.num_threads or config["threads"])
     dev = ray.train.torch.get_device() if config["gpus_per_worker"] > 0 else torch.device("cpu")
@@ -106,13 +108,14 @@ def _train_worker(config: dict) -> None:
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
     base = extra.get("init")  # loaded only when no checkpoint is (a fresh run from a base)
     model = (load_base_weights(base, recipe) if base is not None and picked is None else HybridLM(recipe.model)).to(dev)
-    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
-    if dims.cp > 1:
-        apply_cp(model, dims.cp_group, dims.cp_layout)
+    bf16_params = torch.bfloat16 if cfg.dtype == "bf16" and dev.type == "cuda" else None  # FSDP MixedPrecisionPolicy
+    apply_parallel(model, dims, activation_checkpointing=cfg.activation_checkpointing, param_dtype=bf16_params,
+                   offload_optimizer=cfg.offload_optimizer)  # fmt: skip
+    optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
     head = None
     if extra.get("token_map"):
         head = VocabHead(TokenMap.from_dict(extra["token_map"]), extra["loss_vocab"], recipe.loss.chunk_tokens)
-    start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"])
+    start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"], dims)
     ds = WindowDataset(data_dir, "train")
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
@@ -127,7 +130,7 @@ def _train_worker(config: dict) -> None:
                 m = train_step(model, optimizer, scheduler, tokens.to(dev), cfg, autocast, dims, head=head)
                 steps_run += 1
                 dt = time.perf_counter() - t0
-                mine = {"rank": rank, "cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank}
+                mine = {"rank": rank, **dims.coordinates()}
                 mine.update(_rank_stats(model, tokens.numel() // dims.cp, dt, dev))
                 ranks = [None] * world
                 dist.all_gather_object(ranks, mine)
@@ -145,12 +148,17 @@ def _train_worker(config: dict) -> None:
                     mf.write(json.dumps(row, default=str) + "\n")
                     mf.flush()
                     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                        log_step(step + 1, cfg.steps, m, row["tokens_per_s"], f"{world} workers (cp {dims.cp})")
+                        log_step(step + 1, cfg.steps, m, row["tokens_per_s"], dims.layout.describe())
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                     report = {"step": step + 1, "loss": m["loss"]}
-                    if rank == 0:
+                    if world > 1:  # every rank writes its shards (genoctx.train.sharded)
+                        state = {"data": data_state, "seed": cfg.seed, **extra, "cp": dims.cp, "dp": dims.dp}
+                        path = save_sharded(out, step + 1, model, optimizer, scheduler, recipe, state, dims,
+                                            keep=cfg.keep_checkpoints)  # fmt: skip
+                    elif rank == 0:
                         path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims,
                                                    extra=extra)  # fmt: skip
+                    if rank == 0:
                         ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
                     else:
                         ray.train.report(report, checkpoint=None)
@@ -190,7 +198,7 @@ def _choose_checkpoint(out: Path, rank: int) -> tuple[int, str, str | None] | No
 
 
 def _resume(
-    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str
+    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str, dims=None
 ) -> tuple[int, Path | None, dict]:
     """Load the checkpoint ``_choose_checkpoint`` picked on every rank (a ``RUN/checkpoints`` choice must be visible
     to every rank: RUN on a shared filesystem); rank 0 then records the attempt
@@ -207,20 +215,27 @@ def _resume(
 
     from ..train.checkpoint import load_training_state
     from ..train.loop import begin_attempt
+    from ..train.sharded import load_any
+
+    def load(path: Path) -> None:  # any layout into this one (a collective when distributed)
+        if world > 1:
+            load_any(path, model, optimizer, scheduler, dims)
+        else:
+            load_training_state(path, model, optimizer, scheduler)
 
     start, loaded = 0, None
     if picked is not None:
         step, source, path = picked
         if source == "ray":
             with ray.train.get_checkpoint().as_directory() as d:
-                load_training_state(Path(d), model, optimizer, scheduler)
+                load(Path(d))
             loaded = out / "checkpoints" / f"step_{step:06d}"
         else:
             if not Path(path).is_dir():
                 raise GenoctxError(
                     f"rank {rank}: checkpoint {path} is not visible on this node; put --out on a shared filesystem"
                 )
-            load_training_state(Path(path), model, optimizer, scheduler)
+            load(Path(path))
             loaded = Path(path)
         start = step
     attempt = [0]
@@ -285,6 +300,9 @@ def train_distributed(
     *,
     num_workers: int,
     cp: int = 1,
+    ep: int = 1,
+    fsdp: int = 1,
+    force: bool = False,
     address: str | None = None,
     gpus_per_worker: float = 0,
     resume: bool = False,
@@ -292,16 +310,19 @@ def train_distributed(
     max_failures: int = 2,
     wait: bool = False,
 ) -> dict:
-    """Train with ``num_workers`` Ray workers: ``cp``-way context parallel x ``num_workers / cp`` data parallel.
+    """Train with ``num_workers`` Ray workers on the mesh ``dp_replicate x ep x dp_shard x cp``
+    (``genoctx.parallel.layout``; ``dp_shard`` = ``fsdp``, ``dp_replicate`` = ``num_workers / (ep fsdp cp)``).
 
     Args:
         data_dir: prepared data directory (``genoctx prepare --out``).
         recipe: the resolved recipe; ``train.batch_size`` is per DP rank.
         out: run directory (``checkpoints/``, ``metrics.jsonl``, ``ray/``).
         num_workers: Ray workers (processes), one rank each.
-        cp: context-parallel size; divides ``num_workers``; the window (or ``train.seq_len``) in tokens must
-            split into ``cp`` pieces (``2 cp`` with ``train.cp_layout: zigzag``) of at least
-            ``linear_conv_kernel_dim - 1`` tokens.
+        cp: context-parallel size; the window (or ``train.seq_len``) in tokens must split into ``cp`` pieces
+            (``2 cp`` with ``train.cp_layout: zigzag``) of at least ``linear_conv_kernel_dim - 1`` tokens.
+        ep: expert-parallel size; divides ``n_routed_experts``.
+        fsdp: FSDP2 shard size (``dp_shard``); ``ep x fsdp x cp`` must divide ``num_workers``.
+        force: launch even when the memory planner (``genoctx.plan``) predicts that the layout does not fit.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
         resume: continue the run in ``out`` from its latest checkpoint.
@@ -323,13 +344,21 @@ def train_distributed(
     from ..train.init import resolve_init, vocab_head
     from ..train.loop import _check_manifest, check_seq_len
     from .context import cp_pieces
+    from .layout import Layout
 
-    if num_workers < 1 or cp < 1 or num_workers % cp:
-        raise GenoctxError(f"--cp {cp} must be >= 1 and divide --num-workers {num_workers}")
+    try:
+        mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp)
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
     recipe, base = resolve_init(recipe)  # resolved once here (a Hub download); the workers read the local path
     vocab_head(recipe, base)  # a bad tokenizer: an error before --out is touched
+    if ep > 1 and recipe.model.n_routed_experts % ep:
+        raise GenoctxError(
+            f"--ep {ep} must divide model.n_routed_experts ({recipe.model.n_routed_experts}): each rank holds "
+            "an equal block of experts"
+        )
     window = WindowDataset(data_dir, "train").window
     check_seq_len(recipe.train, window, data_dir)
     L = recipe.train.seq_len or window
@@ -341,12 +370,13 @@ def train_distributed(
             f"--cp {cp}{how}: the {L}-token training window does not split into {pieces} equal slices "
             f"of at least {tail} tokens"
         )
+    _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
-        return _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_worker, resume, stop_after,
+        return _launch(data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume, stop_after,
                        max_failures)  # fmt: skip
 
 
-def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_worker, resume, stop_after, max_failures):
+def _launch(data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after, max_failures):
     from ..train.checkpoint import latest_checkpoint, validate_checkpoint
     from ..train.faults import ENV as FAULT_ENV
     from ..train.faults import parse_fault
@@ -373,10 +403,12 @@ def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_work
         "recipe": recipe.to_dict(),
         "out": str(out),
         "data": str(data_dir),
-        "cp": cp,
+        "cp": layout.cp,
+        "ep": layout.ep,
+        "dp_shard": layout.dp_shard,
         "stop_after": stop_after,
         "gpus_per_worker": gpus_per_worker,
-        "threads": max(1, (os.cpu_count() or 1) // num_workers),
+        "threads": max(1, (os.cpu_count() or 1) // layout.world),
         "fault": fault or None,
         "driver_pid": os.getpid(),
         "invocation": invocation,
@@ -387,7 +419,7 @@ def _launch(data_dir, recipe, base, out, num_workers, cp, address, gpus_per_work
 
     # Ray prints worker and raylet lines to stdout; stdout is for the JSON summary only, so they go to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        return _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_worker, max_failures)
+        return _fit(ray, TorchTrainer, config, out, recipe, address, layout.world, gpus_per_worker, max_failures)
 
 
 def _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_worker, max_failures) -> dict:
@@ -438,3 +470,26 @@ def _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
     return _summary(out, recipe, config["invocation"], time.perf_counter() - t0)
+
+
+def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool) -> None:
+    """Run the memory planner (``genoctx.plan``) for this layout before anything is launched: on GPUs against the
+    device's memory. A layout predicted not to fit is refused (``GenoctxError`` with the breakdown) unless ``force``;
+    CPU runs are only logged (host memory is shared by the workers and the planner's budget is per GPU)."""
+    try:
+        from ..plan import check_fits, plan_memory
+    except ImportError:  # pragma: no cover - the planner ships with genoctx
+        return
+    if gpus_per_worker <= 0:
+        return
+    import torch
+
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    if gib is None:
+        return
+    plan = plan_memory(recipe.model, seq_len, layout, gpu_memory_gib=gib, batch_size=recipe.train.batch_size,
+                       recompute=recipe.train.activation_checkpointing, dtype=recipe.train.dtype,
+                       optimizer_offload=recipe.train.offload_optimizer)  # fmt: skip
+    log.info("memory plan (%s): %.1f GiB of %.1f per GPU", layout.describe(), plan["total_gib"], gib)
+    if not force:
+        check_fits(plan)

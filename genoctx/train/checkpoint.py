@@ -11,6 +11,9 @@ Layout of a run directory::
           state.json                step, data-order state, tokens seen, genoctx version
           recipe.yaml               the resolved recipe that produced it
 
+A distributed run (world > 1) writes ``dcp/`` (torch.distributed.checkpoint shards) and ``scheduler.json`` instead
+of ``model.safetensors`` and ``optimizer.pt`` (``genoctx.train.sharded``); every reader here takes both.
+
 A checkpoint directory is first written under a temporary name (``checkpoints/.step_000100.XXXX``) and renamed
 into place when complete, so a killed run never leaves a half-written checkpoint that ``latest_checkpoint`` would
 pick; ``remove_partial_checkpoints`` deletes such abandoned temporaries when the next run starts.
@@ -84,9 +87,7 @@ def save_checkpoint(
             tmp / "optimizer.pt",
         )
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        (tmp / "state.json").write_text(
-            json.dumps({"step": step, "genoctx_version": __version__, **state}, indent=1)
-        )
+        (tmp / "state.json").write_text(json.dumps({"step": step, "genoctx_version": __version__, **state}, indent=1))
         maybe_kill("save", 0, step, Path(run_dir))
         share_like_umask(tmp)  # mkdtemp made it 0700: readable by collaborators, as a plain mkdir would be
         if final.exists():
@@ -198,7 +199,13 @@ def validate_checkpoint(ckpt: Path) -> dict:
     """
     from safetensors import safe_open
 
+    from .sharded import _load_scheduler, checkpoint_keys, is_sharded
+
     state = read_state(ckpt)
+    if is_sharded(ckpt):  # a distributed run's DCP checkpoint (genoctx.train.sharded)
+        checkpoint_keys(ckpt)
+        _load_scheduler(ckpt, None)
+        return state
     path = Path(ckpt) / "model.safetensors"
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -248,7 +255,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         GenoctxError: the path is none of these, or the run has no complete checkpoint.
     """
     p = Path(path)
-    if (p / "state.json").is_file() and (p / "model.safetensors").is_file():
+    if (p / "state.json").is_file() and ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()):
         return p
     if is_hf_dir(p):
         return p
@@ -287,10 +294,15 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
     ckpt = resolve_checkpoint(ckpt)
     if not (ckpt / "state.json").is_file():
         raise GenoctxError(f"{ckpt} is an HF model directory, not a genoctx checkpoint (use genoctx.model.load_hf)")
+    from .sharded import is_sharded, read_full_tensors
+
     recipe = load_recipe_of(ckpt)
     state = read_state(ckpt)
     model = HybridLM(recipe.model)
-    load_model_tensors(model, read_tensors(ckpt / "model.safetensors", device), ckpt / "model.safetensors")
+    if is_sharded(ckpt):  # a distributed run's checkpoint, whole tensors read in this process
+        load_model_tensors(model, read_full_tensors(ckpt), ckpt / "dcp")
+    else:
+        load_model_tensors(model, read_tensors(ckpt / "model.safetensors", device), ckpt / "model.safetensors")
     return model.to(device), recipe, state
 
 
@@ -300,8 +312,14 @@ def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> di
     Raises:
         GenoctxError: an unreadable or mismatching file (named), or an optimizer state that needs code to load.
     """
+    from .sharded import is_sharded, load_full_optimizer, read_full_tensors
+
     ckpt = Path(ckpt)
     state = read_state(ckpt)
+    if is_sharded(ckpt):  # saved by a distributed run in any layout: whole tensors in this one process
+        load_model_tensors(model, read_full_tensors(ckpt), ckpt / "dcp")
+        load_full_optimizer(ckpt, model, optimizer, scheduler)
+        return state
     opt = read_optimizer(ckpt / "optimizer.pt")
     load_model_tensors(model, read_tensors(ckpt / "model.safetensors"), ckpt / "model.safetensors")
     try:

@@ -41,6 +41,10 @@ def _losses(run):
     [
         (["--cp", "2"], "need --num-workers"),
         (["--num-workers", "3", "--cp", "2"], "divide --num-workers 3"),
+        (["--ep", "2"], "need --num-workers"),
+        (["--num-workers", "4", "--ep", "2", "--fsdp", "2", "--cp", "2"], "--ep 2 x --fsdp 2 x --cp 2 = 8 must divide"),
+        (["--num-workers", "3", "--ep", "3"], "--ep 3 must divide model.n_routed_experts (4)"),
+        (["--num-workers", "2", "--fsdp", "0"], "--fsdp"),
         (["--num-workers", "2", "--cp", "2", "--set", "train.seq_len=255"], "does not split into 2"),
         (
             ["--num-workers", "2", "--cp", "2", "--set", "train.cp_layout=diagonal"],

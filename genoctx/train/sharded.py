@@ -1,0 +1,315 @@
+"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) of a model laid out on the 4-D mesh, reshardable.
+
+A distributed run (world > 1) writes::
+
+    checkpoints/step_000100/
+      dcp/                   DCP: one ``__R_0.distcp`` per rank (its shards), ``.metadata`` written last by DCP
+      scheduler.json         the LR schedule's state (small, rank 0)
+      recipe.yaml            the resolved recipe (rank 0)
+      state.json             step, data order, layout, ``"format": "dcp"``: written last (the commit marker)
+
+Every rank writes into the same temporary folder (``checkpoints/.step_000100.XXXX``, named by rank 0); after a
+barrier rank 0 writes ``state.json`` and renames the folder into place, so a killed save leaves a temporary that
+``remove_partial_checkpoints`` deletes and ``latest_checkpoint`` never picks.
+
+The state dict is in canonical, layout-free form: the keys are the one-device names (``model_tensors``) and
+``optim.<name>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (AdamW), each tensor with its global shape. A rank offers what
+it holds: an FSDP shard (a DTensor), a replicated tensor (DCP writes one copy), or its block of routed experts under
+expert parallelism, presented as a DTensor ``Shard(0)`` over ``ep`` (and FSDP's ``Shard(0)`` over ``dp_shard x cp``
+inside it) of the ``[n_routed_experts, ...]`` tensor. DCP stores chunks with their global offsets, so a checkpoint
+saved in one layout loads in any other (FSDP=2 x EP=2 -> FSDP=2, EP=2 -> one process, ...): each rank reads the
+pieces it now holds (``load_sharded``). ``read_full_tensors`` reads a checkpoint without any process group, whole
+tensors (one process: eval, resume at world 1) or a few names at a time (``genoctx export``: one output shard at a
+time, never the whole model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from .. import __version__
+from ..errors import GenoctxError
+from ..lock import share_like_umask
+from ..recipes import Recipe
+from .checkpoint import CKPT_DIR, TIED_HEAD, checkpoint_name, list_checkpoints
+
+DCP_DIR = "dcp"
+FORMAT = "dcp"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """True for a DCP checkpoint (``dcp/.metadata`` present)."""
+    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
+
+
+def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
+    """This rank's rows of a routed-expert tensor as a DTensor of the global ``[E, ...]`` shape (see module doc)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    E = module.ep_size * local_rows(module)
+    if hasattr(local, "to_local"):  # FSDP-sharded block: Shard(0) over expert_shard inside the ep block
+        mesh = dims.mesh["ep", "expert_shard"]
+        placements = [Shard(0), Shard(0)]
+        local = local.to_local()
+    else:
+        mesh = dims.mesh["ep"]
+        placements = [Shard(0)]
+    shape = torch.Size([E, *local.shape[1:]])
+    stride = torch.empty(0).new_empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def local_rows(experts_module) -> int:
+    """Routed experts held by this rank's ``Experts`` module (``n_routed_experts / ep``)."""
+    return (
+        int(experts_module.n_local_experts)
+        if hasattr(experts_module, "n_local_experts")
+        else (experts_module.gate_up_proj.shape[0])
+    )
+
+
+def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
+    """The layout-free state dict of this rank (module docstring): ``model.<name>`` and ``optim.<name>.<key>``.
+
+    Tensors share memory with the parameters and optimizer state, so ``dcp.load`` into this dict restores them.
+    Creates zero AdamW state for parameters that have none yet (a fresh optimizer about to be loaded).
+    """
+    from ..parallel.fsdp import is_expert_parameter
+
+    modules = dict(model.named_modules())
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+
+    def present(name: str, t: torch.Tensor, p) -> torch.Tensor:
+        if p is not None and is_expert_parameter(p) and dims is not None and dims.ep > 1:
+            return _expert_dtensor(t, modules[name.rsplit(".", 1)[0]], dims)
+        return t
+
+    for name, t in model.state_dict(keep_vars=True).items():
+        if tied and name == TIED_HEAD:
+            continue
+        p = params.get(name)
+        out[f"model.{name}"] = present(name, t.detach() if p is None else p.data if not hasattr(p, "to_local") else p,
+                                       p)  # fmt: skip
+    if optimizer is not None:
+        names = {id(p): n for n, p in params.items()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    for k in ADAM_KEYS:
+                        st[k] = torch.zeros_like(p)
+                name = names[id(p)]
+                out[f"optim.{name}.step"] = st["step"]
+                for k in ADAM_KEYS:
+                    out[f"optim.{name}.{k}"] = present(name, st[k], p)
+    return out
+
+
+def save_sharded(
+    run_dir: Path, step: int, model, optimizer, scheduler, recipe: Recipe, state: dict, dims, keep: int = 0
+) -> Path:
+    """Write ``RUN/checkpoints/step_{step}`` from every rank of ``dims`` (a collective: all ranks call it).
+
+    Returns the final directory (on every rank). ``keep`` > 0 removes all but the ``keep`` newest checkpoints (rank
+    0). The fault injection ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before
+    ``state.json`` and the rename.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from .faults import maybe_kill
+
+    rank = dist.get_rank()
+    root = Path(run_dir) / CKPT_DIR
+    final = root / checkpoint_name(step)
+    name = [None]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        name = [tempfile.mkdtemp(prefix=f".{final.name}.", dir=root)]
+    dist.broadcast_object_list(name, src=0)
+    tmp = Path(name[0])
+    try:
+        dcp.save(canonical_state(model, optimizer, dims), checkpoint_id=str(tmp / DCP_DIR))
+        dist.barrier()
+        if rank == 0:
+            (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict() if scheduler is not None else None))
+            (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            maybe_kill("save", 0, step, Path(run_dir))
+            layout = dims.layout.to_dict() if dims is not None else None
+            doc = {"step": step, "genoctx_version": __version__, "format": FORMAT, "layout": layout, **state}
+            (tmp / "state.json").write_text(json.dumps(doc, indent=1))
+            share_like_umask(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            if keep > 0:
+                for old in list_checkpoints(run_dir)[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+    """Restore model, optimizer and schedule in place from a DCP checkpoint saved in any layout (a collective).
+
+    Raises:
+        GenoctxError: the checkpoint does not hold this model's tensors (named), or its files are unreadable.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    sd = canonical_state(model, optimizer, dims)
+    try:
+        dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR))
+    except Exception as e:  # CheckpointException wraps every rank's failure
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({_first_line(e)})") from None
+    _load_scheduler(ckpt, scheduler)
+
+
+def _load_scheduler(ckpt: Path, scheduler) -> None:
+    path = Path(ckpt) / "scheduler.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise GenoctxError(f"{path}: not readable JSON ({_first_line(e)})") from None
+    if scheduler is not None and doc is not None:
+        scheduler.load_state_dict(doc)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def checkpoint_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Tensor names of a DCP checkpoint with their global shapes and dtypes, read from ``dcp/.metadata`` only.
+
+    Raises:
+        GenoctxError: no readable metadata (named).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt) / DCP_DIR
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise GenoctxError(f"{path}/.metadata: not a readable DCP checkpoint ({_first_line(e)})") from None
+    return {
+        k: (v.size, v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+
+
+def read_full_tensors(ckpt: Path, prefix: str = "model.", names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors of a DCP checkpoint in one process (no process group), the ``prefix`` removed from the names.
+
+    ``names`` (without the prefix) limits what is read: ``genoctx export`` reads one output shard at a time, so the
+    whole model is never in memory at once.
+
+    Raises:
+        GenoctxError: unreadable files or unknown names (named).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    keys = checkpoint_keys(ckpt)
+    wanted = [k for k in keys if k.startswith(prefix)] if names is None else [prefix + n for n in names]
+    missing = [k for k in wanted if k not in keys]
+    if missing:
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: has no tensor {missing[0]!r}")
+    sd = {k: torch.empty(keys[k][0], dtype=keys[k][1]) for k in wanted}
+    try:
+        dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=True)
+    except Exception as e:
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: unreadable ({_first_line(e)})") from None
+    return {k[len(prefix) :]: v for k, v in sd.items()}
+
+
+def load_full_optimizer(ckpt: Path, model, optimizer, scheduler) -> None:
+    """Restore a one-process model's AdamW state and schedule from a DCP checkpoint (any layout it was saved in)."""
+    sd = canonical_state(model, optimizer, None)
+    want = {k: v for k, v in sd.items() if k.startswith("optim.")}
+    got = read_full_tensors(ckpt, prefix="", names=list(want))
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(got[k])
+    _load_scheduler(ckpt, scheduler)
+
+
+def fill_from_full(target: dict[str, torch.Tensor], full: dict[str, torch.Tensor], source: Path) -> None:
+    """Copy whole tensors ``full`` (canonical names) into this rank's pieces ``target`` (``canonical_state``):
+    a DTensor takes the slice its placements give this rank, a plain tensor the whole value. How a one-process
+    (safetensors) checkpoint is resumed in a distributed layout.
+
+    Raises:
+        GenoctxError: a missing name or a shape that differs (named with ``source``).
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with torch.no_grad():
+        for k, t in target.items():
+            if k not in full:
+                raise GenoctxError(f"{source}: has no {k!r} for this model")
+            src = full[k]
+            if isinstance(t, DTensor):
+                if tuple(src.shape) != tuple(t.shape):
+                    raise GenoctxError(f"{source}: {k} has shape {tuple(src.shape)}, this model {tuple(t.shape)}")
+                shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+                piece = src[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                t.to_local().copy_(piece)
+            else:
+                if src.numel() != t.numel():
+                    raise GenoctxError(f"{source}: {k} has shape {tuple(src.shape)}, this model {tuple(t.shape)}")
+                t.copy_(src.view_as(t))
+
+
+def full_state_of_checkpoint(ckpt: Path, model, optimizer) -> dict[str, torch.Tensor]:
+    """A one-process (safetensors) checkpoint as canonical whole tensors: ``model.<name>`` and, from
+    ``optimizer.pt`` (parameters in ``build_optimizer``'s order, the one-device names), ``optim.<name>.<key>``."""
+    from .checkpoint import read_optimizer, read_tensors
+
+    ckpt = Path(ckpt)
+    full = {f"model.{k}": v for k, v in read_tensors(ckpt / "model.safetensors").items()}
+    opt = read_optimizer(ckpt / "optimizer.pt")
+    if optimizer is not None and opt.get("optimizer"):
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        for idx, st in opt["optimizer"]["state"].items():
+            name = order[int(idx)]
+            for k, v in st.items():
+                full[f"optim.{name}.{k}"] = v if torch.is_tensor(v) else torch.tensor(float(v))
+    return full
+
+
+def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+    """Restore a distributed model (``apply_parallel`` done, optimizer built) from a checkpoint of any layout: DCP
+    (``load_sharded``) or a one-process safetensors checkpoint (``fill_from_full``)."""
+    if is_sharded(ckpt):
+        load_sharded(ckpt, model, optimizer, scheduler, dims)
+        return
+    from .checkpoint import read_optimizer
+
+    target = canonical_state(model, optimizer, dims)
+    full = full_state_of_checkpoint(ckpt, model, optimizer)
+    if model.lm_head.weight is model.embed_tokens.weight:
+        full.pop(f"model.{TIED_HEAD}", None)
+    fill_from_full(target, full, Path(ckpt))
+    sched = read_optimizer(Path(ckpt) / "optimizer.pt").get("scheduler")
+    if scheduler is not None and sched is not None:
+        scheduler.load_state_dict(sched)
