@@ -590,6 +590,7 @@ def export(
 
     from .model.hf import base_config, check_export_dir, is_hf_dir, load_hf, parse_bytes, read_config, save_hf
     from .train.checkpoint import load_model, load_recipe_of, read_state, resolve_checkpoint
+    from .train.sharded import is_sharded, lazy_state
 
     dtypes = {"keep": None, "bf16": torch.bfloat16, "fp32": torch.float32}
     if dtype not in dtypes:
@@ -625,7 +626,10 @@ def export(
     cfg = read_config(path)[0] if hf else load_recipe_of(path).model
     if base_dir is not None:
         base_config(cfg, base_dir)  # a base of another architecture fails now, before loading weights
-    model = load_hf(path) if hf else load_model(path)[0]
+    if not hf and is_sharded(path):  # a distributed run's checkpoint: read one tensor at a time, never all at once
+        model = lazy_state(path, cfg)
+    else:
+        model = load_hf(path) if hf else load_model(path)[0]
     summary = save_hf(model, out, base_dir=base_dir, max_shard_bytes=shard, force=force, dtype=dtypes[dtype], wait=wait)
     _emit_json({"checkpoint": str(path), **summary})
 

@@ -465,17 +465,65 @@ def _model_tensors(model: HybridLM, dtype: torch.dtype | None) -> list[_Tensor]:
     from .model import FP32_PARAMETERS
 
     sd = model.state_dict()
+    meta = getattr(sd, "meta", None)  # a lazy state (``LazyState``): shapes known, tensors read when written
     out = []
     for ck, slot in checkpoint_layout(model.cfg).items():
-        t = sd[slot.name] if slot.index is None else sd[slot.name][slot.index]
-        want = t.dtype
-        if dtype is not None and t.is_floating_point():
+        if meta is None:
+            t = sd[slot.name] if slot.index is None else sd[slot.name][slot.index]
+            shape, held = tuple(t.shape), t.dtype
+        else:
+            t, (shape, held) = None, meta(slot.name)
+            shape = tuple(shape[1:] if slot.index is not None else shape)
+
+        def get(t=t, n=slot.name, i=slot.index):
+            if t is not None:
+                return t
+            return sd[n] if i is None else sd[n][i]
+
+        want = held
+        if dtype is not None and held.is_floating_point:
             want = torch.promote_types(dtype, torch.float32) if slot.name.endswith(FP32_PARAMETERS) else dtype
         key = ck if ck == "lm_head.weight" else VL_PREFIX + ck
-        out.append(
-            _Tensor(key, tuple(t.shape), want, lambda t=t, w=want: t.detach().to("cpu", w, copy=True).contiguous())
-        )
+        out.append(_Tensor(key, shape, want, lambda g=get, w=want: g().detach().to("cpu", w, copy=True).contiguous()))
     return out
+
+
+class LazyState:
+    """A model known by its config and a state read one tensor at a time (what ``save_hf`` needs of a model): how
+    ``genoctx export`` consolidates a sharded checkpoint without holding the whole model.
+
+    Args:
+        cfg: the architecture.
+        read: ``name -> tensor`` (the one-device names of ``HybridLM.state_dict``), called when a tensor is written.
+        meta: ``name -> (shape, dtype)`` of every tensor, known without reading it.
+        dtype: the dtype the model is held in (the export's ``keep``).
+
+    The last ``KEEP`` tensors read are kept: a layer's stacked expert tensors (``gate_up_proj``, ``down_proj``) serve
+    its experts' published tensors, which alternate between the two.
+    """
+
+    KEEP = 2
+
+    def __init__(self, cfg: ModelConfig, read, meta: dict, dtype: torch.dtype):
+        self.cfg, self.dtype, self._read, self._meta = cfg, dtype, read, meta
+        self._kept: dict[str, torch.Tensor] = {}
+        if cfg.tie_word_embeddings and "lm_head.weight" not in meta:
+            self._meta = {**meta, "lm_head.weight": meta["embed_tokens.weight"]}
+
+    def state_dict(self):
+        return self
+
+    def meta(self, name: str) -> tuple[tuple, torch.dtype]:
+        return self._meta[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            name = "embed_tokens.weight"
+        if name not in self._kept:
+            if len(self._kept) >= self.KEEP:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[name] = self._read(name)
+        return self._kept[name]
 
 
 def _carried_tensors(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[list[_Tensor], dict]:
@@ -628,7 +676,8 @@ def save_hf(
     ``config.json`` (``export_config``) and, with a base, the base's vision tower, MTP layer and tokenizer files.
 
     Args:
-        model: the model to export (any device; tensors are copied to the CPU one shard at a time).
+        model: the model to export (any device; tensors are copied to the CPU one shard at a time), or a
+            ``LazyState`` (a sharded checkpoint read one tensor at a time).
         out_dir: the output folder. Written under a temporary sibling name (``.NAME.export-XXXX``) and swapped into
             place at the end (``_exchange``), so a failed or killed export leaves ``out_dir`` as it was (a folder this
             call created is removed again); temporaries of killed exports are removed by the next export. One
@@ -672,7 +721,7 @@ def save_hf(
     if base is not None and base != out and base.resolve().is_relative_to(out.resolve()):
         raise GenoctxError(f"{out} holds the base {base}: replacing it would delete the base; choose another folder")
     raw = base_config(model.cfg, base) if base is not None else None
-    held = model.embed_tokens.weight.dtype
+    held = model.dtype if isinstance(model, LazyState) else model.embed_tokens.weight.dtype
     name = _DTYPE_NAMES.get(dtype or held)
     if name is None:
         raise GenoctxError(f"cannot export dtype {dtype or held}; use bfloat16, float16 or float32")

@@ -190,7 +190,8 @@ class HybridLM(nn.Module):
         """Per layer, what ran in the last forward: ``layer``, ``mixer`` ("kda"/"dsa"), the mixer's ``stats``
         (KDA ``path``; DSA ``path``, ``indexer``, ``keys_scored``, ``keys_attended``, ``indexer_loss``) and, for
         MoE layers, ``moe_tokens_per_expert`` (list of E ints: token-slots routed to each expert in that forward)
-        and ``moe_load_max_over_mean`` (max / mean of that list; 1.0 = perfectly balanced)."""
+        and ``moe_load_max_over_mean`` (max / mean of that list; 1.0 = perfectly balanced); under expert parallelism
+        also the dispatch's ``ep_received_rows``, ``ep_max_round_rows`` and ``ep_rounds`` (genoctx.parallel.experts)."""
         out = []
         for i, layer in enumerate(self.layers):
             s = {"layer": i, "mixer": "dsa" if layer.layer_type == DSA else "kda"}
@@ -201,6 +202,7 @@ class HybridLM(nn.Module):
                 s["moe_load_max_over_mean"] = fs.get("load_max_over_mean")
                 tpe = fs.get("tokens_per_expert")
                 s["moe_tokens_per_expert"] = tpe.tolist() if torch.is_tensor(tpe) else tpe
+                s.update({k: v for k, v in fs.items() if k.startswith("ep_")})  # expert-parallel dispatch, if any
             out.append(s)
         return out
 

@@ -21,6 +21,8 @@ Design choices:
   scatters back with ``index_add_``; the only python loop is over experts, never over tokens.
 - Sequence-chunked dispatch: the [B·T] tokens go through in chunks of ``moe_chunk_tokens``; with grad enabled
   and ``recompute=True`` each chunk is checkpointed, so only one chunk's expert activations are alive.
+- Hooks for expert parallelism (``genoctx.parallel.experts``, applied from outside): ``MoE._local`` (router,
+  shared expert and loads of a chunk), ``MoE._record`` (statistics) and ``expert_mlp`` (one expert's math).
 - Auxiliary-loss-free balancing (DeepSeek-V3): loads are counted into ``load_counts`` in training mode;
   ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
   ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
@@ -112,6 +114,14 @@ class TopkRouter(nn.Module):
         return experts, weights, scores
 
 
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+    """One routed expert: ``down · swiglu(gate x, up x)`` for x [n, D], ``gate_up`` [2I, D] (gate rows first),
+    ``down`` [D, I] -> [n, D] in x's dtype (or autocast's). Also run by expert parallelism on received rows."""
+    I = down.shape[1]
+    gu = F.linear(x, gate_up)
+    return F.linear(swiglu(gu[:, :I], gu[:, I:], limit), down)
+
+
 class Experts(nn.Module):
     """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``)."""
 
@@ -132,13 +142,11 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         token_of = order // k
         xs = x[token_of]  # [N*k, D], grouped by expert
-        I = self.intermediate_size
         outs = []
         for e, xe in enumerate(torch.split(xs, counts)):
             if xe.shape[0] == 0:
                 continue
-            gu = F.linear(xe, self.gate_up_proj[e])
-            outs.append(F.linear(swiglu(gu[:, :I], gu[:, I:], self.swiglu_limit), self.down_proj[e]))
+            outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit))
         ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
         weighted = ys * weights.reshape(-1)[order].unsqueeze(-1)
         out = weighted.new_zeros(N, self.hidden_size).index_add_(0, token_of, weighted)
@@ -184,24 +192,36 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, top_k={self.top_k}, chunk_tokens={self.chunk_tokens}"
 
+    def _local(self, x: torch.Tensor, seq: torch.Tensor, n_seq: int):
+        """Everything of one chunk but the routed experts (the hook expert parallelism reuses): x [N, D], seq [N]
+        sequence index of each token.
+
+        Returns (experts [N, k] int64, weights [N, k] fp32 (``TopkRouter``), shared expert output [N, D] or None,
+        counts [E] int64, per-sequence selection counts [n_seq, E] and normalised-affinity sums [n_seq, E] (the
+        last two only when the aux loss is on, else None)).
+        """
+        experts, weights, scores = self.gate(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        sel = psum = None
+        if self.aux_coef > 0:
+            picked = F.one_hot(experts.reshape(-1), self.n_experts).to(scores.dtype)  # [N*k, E]
+            sel = picked.new_zeros(n_seq, self.n_experts).index_add_(0, seq.repeat_interleave(self.top_k), picked)
+            p = scores / scores.sum(-1, keepdim=True)
+            psum = p.new_zeros(n_seq, self.n_experts).index_add_(0, seq, p)
+        return experts, weights, shared, counts, sel, psum
+
     def _chunk(self, x: torch.Tensor, seq: torch.Tensor, n_seq: int):
         """One chunk of tokens: x [N, D], seq [N] sequence index of each token.
 
         Returns (y [N, D], counts [E] int64, per-sequence selection counts [n_seq, E] and normalised-affinity
         sums [n_seq, E] (the last two only when the aux loss is on, else None)).
         """
-        experts, weights, scores = self.gate(x)
+        experts, weights, shared, counts, sel, psum = self._local(x, seq, n_seq)
         y = self.experts(x, experts, weights)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).to(y.dtype)
-        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
-        if self.aux_coef > 0:
-            picked = F.one_hot(experts.reshape(-1), self.n_experts).to(scores.dtype)  # [N*k, E]
-            sel = picked.new_zeros(n_seq, self.n_experts).index_add_(0, seq.repeat_interleave(self.top_k), picked)
-            p = scores / scores.sum(-1, keepdim=True)
-            psum = p.new_zeros(n_seq, self.n_experts).index_add_(0, seq, p)
-            return y, counts, sel, psum
-        return y, counts, None, None
+        if shared is not None:
+            y = y + shared.to(y.dtype)
+        return y, counts, sel, psum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route and run the experts: x [B, T, D] -> [B, T, D].
@@ -222,6 +242,12 @@ class MoE(nn.Module):
             sels.append(out[2])
             psums.append(out[3])
         y = torch.cat(ys) if ys else flat.new_zeros(0, D)
+        self._record(tokens_per_expert, sels, psums, T)
+        return y.view(B, T, D)
+
+    def _record(self, tokens_per_expert: torch.Tensor, sels: list, psums: list, T: int) -> None:
+        """After a forward over B sequences of T tokens: add the loads [E] to ``load_counts`` (training mode), set
+        ``stats`` and ``aux_loss`` from the chunks' per-sequence selection counts and affinity sums (``_local``)."""
         if self.training:
             self.load_counts += tokens_per_expert
         mean = tokens_per_expert.float().mean()
@@ -230,13 +256,12 @@ class MoE(nn.Module):
             "load_max_over_mean": float(tokens_per_expert.max() / mean) if mean > 0 else 0.0,
         }
         self.aux_loss = None
-        if self.aux_coef > 0 and ys:
+        if self.aux_coef > 0 and sels:
             # DeepSeek-V3 eq. 17-20, per sequence b: f_e = E/(k T) Σ_t 1[e ∈ TopK_t], P_e = 1/T Σ_t s'_{t,e},
             # L = Σ_e f_e P_e, averaged over the B sequences of this forward.
             f = torch.stack(sels).sum(0) * (self.n_experts / (self.top_k * T))
             p = torch.stack(psums).sum(0) / T
             self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
-        return y.view(B, T, D)
 
     @torch.no_grad()
     def update_bias(self) -> dict:

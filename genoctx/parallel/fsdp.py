@@ -108,6 +108,7 @@ def apply_fsdp(
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
                                      reduce_dtype=reduce_dtype)  # fmt: skip
     offload = CPUOffloadPolicy() if offload_optimizer else OffloadPolicy()
+    experts = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     wrapped = []
     for layer in model.layers:
         inner = layer
@@ -118,6 +119,9 @@ def apply_fsdp(
                                        offload_policy=offload))  # fmt: skip
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
+    for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again
+        if name in experts:
+            p._genoctx_expert = True
     for m in wrapped:
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM; NCCL zero-copy wants SUM)

@@ -1,26 +1,30 @@
-"""Distributed training on Ray (Ray Train V2 ``TorchTrainer``): CP x DP workers, locally or on a cluster.
+"""Distributed training on Ray (Ray Train V2 ``TorchTrainer``): the 4-D mesh's workers, locally or on a cluster.
 
-``train_distributed`` is what ``genoctx train --num-workers N [--cp C]`` runs:
+``train_distributed`` is what ``genoctx train --num-workers N [--cp C] [--ep E] [--fsdp F]`` runs:
 
 - Ray: an existing cluster (``address="auto"`` or ``"ray://HOST:PORT"``) or a local one started with no
   dashboard and a short temporary directory (unix socket paths are limited to ~107 characters). Ray Train
-  creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the CP x DP groups
-  with Megatron-core (``init_parallel``) and applies context parallelism from outside (``apply_cp``).
-- Data: DP rank ``d`` takes samples ``(step * dp + d) * batch_size + b`` (``sample_batch``); the CP ranks of
-  a DP group take the same windows and each runs its pieces of them in the layout ``train.cp_layout``:
-  ``contiguous`` (slice ``r`` on CP rank ``r``) or ``zigzag`` (pieces ``r`` and ``2 cp - 1 - r`` of ``2 cp``:
-  the same DSA work on every rank; ``genoctx.parallel.context``).
-- Checkpoints: rank 0 writes the usual ``RUN/checkpoints/step_N`` (atomic; ``genoctx eval`` reads it) and
-  reports it with ``ray.train.report``; Ray keeps its copy under ``RUN/ray``. ``--resume`` reruns the same
-  ``RunConfig(name="ray", storage_path=RUN)``. Every attempt (the first, ``--resume``, or Ray's restart of the
-  group after a worker died: ``FailureConfig``) starts from the newest complete checkpoint, Ray's
-  (``ray.train.get_checkpoint()``) or the run's own, whichever is later (``_resume``): Ray registers a report
-  only once every worker's report is collected, so a kill soon after a save would otherwise redo its steps.
-  ``RUN/events.jsonl`` records each attempt (step loaded, partial saves removed, steps run); the summary's
-  ``resumed_from`` is the step this invocation loaded and ``attempts`` lists its attempts.
-- Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each
-  rank's tokens, tokens/s, peak memory, MoE max/mean expert load and DSA indexer (query, pool) pairs scored
-  (``dsa_keys_scored``). The summary prints the busiest rank's load over the mean (``rank_imbalance``).
+  creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the device mesh
+  ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.mesh.init_parallel``) and applies expert parallel,
+  context parallel, activation checkpointing and FSDP2 from outside (``genoctx.parallel.fsdp.apply_parallel``),
+  then builds the optimizer on the sharded parameters. The memory planner (``genoctx.plan``) runs first on GPUs.
+- Data: data rank ``d`` (over ``dp_replicate x ep x dp_shard``) takes samples ``(step * dp + d) * batch_size + b``
+  (``sample_batch``); the CP ranks of a data rank take the same windows and each runs its pieces of them in the
+  layout ``train.cp_layout``: ``contiguous`` (slice ``r`` on CP rank ``r``) or ``zigzag`` (pieces ``r`` and
+  ``2 cp - 1 - r`` of ``2 cp``: the same DSA work on every rank; ``genoctx.parallel.context``).
+- Checkpoints: every rank writes its shards of ``RUN/checkpoints/step_N`` (``torch.distributed.checkpoint``,
+  atomic, reshardable to any layout: ``genoctx.train.sharded``; one worker writes the one-process safetensors
+  form); ``genoctx eval`` and ``export`` read either; rank 0 reports it with ``ray.train.report``; Ray keeps its
+  copy under ``RUN/ray``. ``--resume`` reruns the same ``RunConfig(name="ray", storage_path=RUN)``. Every attempt
+  (the first, ``--resume``, or Ray's restart of the group after a worker died: ``FailureConfig``) starts from the
+  newest complete checkpoint, Ray's (``ray.train.get_checkpoint()``) or the run's own, whichever is later
+  (``_resume``): Ray registers a report only once every worker's report is collected, so a kill soon after a save
+  would otherwise redo its steps. ``RUN/events.jsonl`` records each attempt (step loaded, partial saves removed,
+  steps run); the summary's ``resumed_from`` is the step this invocation loaded and ``attempts`` lists its attempts.
+- Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each rank's
+  mesh coordinates, tokens, tokens/s, peak memory, MoE max/mean expert load, DSA indexer (query, pool) pairs scored
+  (``dsa_keys_scored``) and, under EP, the (token, slot) rows its experts received (``ep_received_rows``,
+  ``ep_max_round_rows``). The summary prints the busiest rank's load over the mean (``rank_imbalance``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ def _rank_stats(model, tokens: int, dt: float, device) -> dict:
         "peak_memory_bytes": peak_memory_bytes(device),
         "moe_load_max_over_mean": max(moe) if moe else None,
         "dsa_keys_scored": sum(int(s.get("keys_scored") or 0) for s in stats if s["mixer"] == "dsa"),
+        # expert parallel: (token, slot) rows this rank's experts received over all MoE layers, and the largest
+        # receive of one dispatch round (bounded by moe_chunk_tokens x top-k whatever the routing)
+        "ep_received_rows": sum(int(s.get("ep_received_rows") or 0) for s in stats),
+        "ep_max_round_rows": max((int(s.get("ep_max_round_rows") or 0) for s in stats), default=0),
     }
 
 
@@ -259,9 +267,9 @@ def _summary(out: Path, recipe: Recipe, invocation: str, elapsed: float) -> dict
     per_rank: dict[int, dict] = {}
     for row in rows:
         for r in row.get("ranks", []):
-            acc = per_rank.setdefault(r["rank"], {"tokens": 0, "dsa_keys_scored": 0})
-            acc["tokens"] += r["tokens"]
-            acc["dsa_keys_scored"] += r["dsa_keys_scored"]
+            acc = per_rank.setdefault(r["rank"], {"tokens": 0, "dsa_keys_scored": 0, "ep_received_rows": 0})
+            for key in acc:
+                acc[key] += r.get(key) or 0
 
     def busiest_over_mean(key: str) -> float | None:
         vals = [v[key] for v in per_rank.values()]
@@ -285,6 +293,7 @@ def _summary(out: Path, recipe: Recipe, invocation: str, elapsed: float) -> dict
         "rank_imbalance": {
             "dsa_keys_scored_max_over_mean": busiest_over_mean("dsa_keys_scored"),
             "tokens_max_over_mean": busiest_over_mean("tokens"),
+            "ep_received_rows_max_over_mean": busiest_over_mean("ep_received_rows"),
             "moe_load_max_over_mean": max(
                 (r["moe_load_max_over_mean"] or 0.0 for r in (last or {}).get("ranks", [])), default=None
             ),

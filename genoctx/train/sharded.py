@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -234,7 +235,9 @@ def read_full_tensors(ckpt: Path, prefix: str = "model.", names: list[str] | Non
         raise GenoctxError(f"{ckpt}/{DCP_DIR}: has no tensor {missing[0]!r}")
     sd = {k: torch.empty(keys[k][0], dtype=keys[k][1]) for k in wanted}
     try:
-        dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized": intended here
+            dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=True)
     except Exception as e:
         raise GenoctxError(f"{ckpt}/{DCP_DIR}: unreadable ({_first_line(e)})") from None
     return {k[len(prefix) :]: v for k, v in sd.items()}
@@ -313,3 +316,13 @@ def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
     sched = read_optimizer(Path(ckpt) / "optimizer.pt").get("scheduler")
     if scheduler is not None and sched is not None:
         scheduler.load_state_dict(sched)
+
+
+def lazy_state(ckpt: Path, cfg):
+    """The model of a DCP checkpoint as a ``genoctx.model.hf.LazyState`` (``save_hf`` reads one tensor at a time)."""
+    from ..model.hf import LazyState
+
+    keys = checkpoint_keys(ckpt)
+    meta = {k[len("model.") :]: (tuple(shape), dt) for k, (shape, dt) in keys.items() if k.startswith("model.")}
+    held = meta["embed_tokens.weight"][1]
+    return LazyState(cfg, lambda name: read_full_tensors(ckpt, names=[name])[name], meta, held)

@@ -30,8 +30,12 @@ CASES = {
     "dp2_ep2": (2, 1, 1),
     "fsdp2_ep2": (2, 2, 1),
     "hsdp2_2": (1, 2, 1),
+    "dp4": (1, 1, 1),
 }
 STEPS = 2
+# resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
+# one-process safetensors checkpoint written by the test (ONE_CKPT in the windows file), loaded by the mesh
+RESHARD = [("fsdp2_ep2", "hsdp2_2"), ("hsdp2_2", "fsdp2_ep2"), ("one", "fsdp2_ep2"), ("fsdp2_ep2", "dp4")]
 
 
 def mesh_config() -> ModelConfig:
@@ -129,11 +133,57 @@ def _moe_stats(model) -> dict:
     return out
 
 
+def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = None, load: Path | None = None):
+    """``steps`` steps in layout ``name`` (after loading ``load``; saving a sharded checkpoint at ``save``).
+    Returns the losses and, for the second layout of a pair, nothing else."""
+    from genoctx.parallel.fsdp import apply_parallel
+    from genoctx.parallel.mesh import init_parallel
+    from genoctx.recipes import Recipe
+    from genoctx.train.loop import build_optimizer, train_step
+    from genoctx.train.sharded import load_any, save_sharded
+
+    ep, dp_shard, cp = CASES[name]
+    dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
+    torch.manual_seed(1)
+    model = mesh_model() if load is None else HybridLM(mesh_config())  # loading must replace every value
+    apply_parallel(model, dims)
+    cfg = train_config()
+    cfg.steps = 3
+    opt, sched = build_optimizer(model, cfg, cfg.steps)
+    if load is not None:
+        load_any(load, model, opt, sched, dims)
+    tokens = windows[dims.dp_rank][None]
+    losses = [train_step(model, opt, sched, tokens, cfg, nullcontext(), dims)["loss"] for _ in range(steps)]
+    if save is not None:
+        save_sharded(save.parent.parent, 1, model, opt, sched, Recipe(model=mesh_config(), train=cfg), {}, dims)
+    return losses
+
+
+def run_reshard(src: str, dst: str, windows: torch.Tensor, out: Path, one_ckpt: str | None) -> dict:
+    """Train one step in ``src`` and save, then load into ``dst`` and train steps 2 and 3."""
+    run_dir = out / f"reshard_{src}_{dst}"
+    ckpt = run_dir / "checkpoints" / "step_000001"
+    first = None
+    if src == "one":
+        ckpt = Path(one_ckpt)
+    else:
+        first = _train(src, windows, 1, save=ckpt)
+    dist.barrier()
+    return {"first": first, "after": _train(dst, windows, 2, load=ckpt)}
+
+
 def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    windows = torch.load(windows_path)["windows"]
-    res = {name: run_case(name, windows) for name in cases}
+    data = torch.load(windows_path)
+    windows = data["windows"]
+    res = {}
+    for name in cases:
+        if name == "reshard":
+            for src, dst in RESHARD:
+                res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
+        else:
+            res[name] = run_case(name, windows)
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 

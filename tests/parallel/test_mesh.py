@@ -23,11 +23,11 @@ from genoctx.data.tokenizer import encode
 from genoctx.train.loop import build_optimizer, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_worker import CASES, STEPS, mesh_model, train_config  # noqa: E402
+from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "dp2"]
-FOUR = ["fsdp2_cp2", "hsdp2_2"]
+TWO = ["fsdp2", "ep2", "dp2"]
+FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2"]
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,8 @@ def reference(windows):
     return get
 
 
-def _spawn(windows, out: Path, world: int, cases: list[str]) -> list[dict]:
-    torch.save({"windows": windows}, out / "windows.pt")
+def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[dict]:
+    torch.save({"windows": windows, **extra}, out / "windows.pt")
     worker = Path(__file__).with_name("mesh_worker.py")
     subprocess.run([sys.executable, str(worker), str(out), str(out / "windows.pt"), str(world), ",".join(cases)],
                    check=True, timeout=600)  # fmt: skip
@@ -138,3 +138,94 @@ def test_four_rank_layouts_equal_one_process(four, reference, case):
     assert (layout["ep"], layout["dp_shard"], layout["cp"]) == (ep, dp_shard, cp)
     dp = layout["dp_replicate"] * ep * dp_shard
     _assert_layout_equals_one_process(four, case, reference(dp))
+
+
+def _three_steps(batch: torch.Tensor, ckpt_dir: Path | None = None) -> list[float]:
+    """Losses of three uninterrupted one-process steps (seeded as the worker's ``_train``); with ``ckpt_dir``, the
+    safetensors checkpoint after step 1 is written there."""
+    from genoctx.recipes import Recipe
+    from genoctx.train.checkpoint import save_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(1)
+        model = mesh_model()
+        cfg = train_config()
+        cfg.steps = 3
+        opt, sched = build_optimizer(model, cfg, cfg.steps)
+        losses = []
+        for step in range(3):
+            losses.append(train_step(model, opt, sched, batch, cfg, nullcontext())["loss"])
+            if step == 0 and ckpt_dir is not None:
+                save_checkpoint(ckpt_dir, 1, model, opt, sched, Recipe(model=mesh_config(), train=cfg), {})
+    finally:
+        torch.set_num_threads(threads)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reshard(windows, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    ref = _three_steps(windows, out / "one")
+    ranks = _spawn(windows, out, 4, ["reshard"], one_ckpt=str(out / "one" / "checkpoints" / "step_000001"))
+    return ref, ranks, out
+
+
+@pytest.mark.parametrize("pair", [f"{a}->{b}" for a, b in RESHARD])
+def test_sharded_checkpoint_resumes_in_another_layout(reshard, pair):
+    """Save after step 1 in one layout, load into a freshly initialised model of another, train steps 2 and 3: the
+    uninterrupted run's losses. Step 3 depends on the AdamW moments restored at step 1 (and step 2 on the weights):
+    a load that skipped either would differ."""
+    ref, ranks, out = reshard
+    for r, res in enumerate(ranks):
+        got = res[pair]
+        if got["first"] is not None:
+            assert got["first"][0] == pytest.approx(ref[0], rel=1e-5)
+        assert got["after"] == pytest.approx(ref[1:], rel=1e-5), (pair, r)
+
+
+def test_sharded_checkpoint_loads_in_one_process(reshard):
+    """The FSDP=2 x EP=2 checkpoint read by one process (whole tensors, no process group): steps 2 and 3 equal."""
+    from genoctx.train.checkpoint import load_training_state, read_state
+    from genoctx.train.sharded import is_sharded
+
+    ref, _, out = reshard
+    ckpt = out / "reshard_fsdp2_ep2_hsdp2_2" / "checkpoints" / "step_000001"
+    assert is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
+    assert read_state(ckpt)["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1}
+    torch.manual_seed(5)
+    from genoctx.model.model import HybridLM
+
+    model = HybridLM(mesh_config())
+    cfg = train_config()
+    cfg.steps = 3
+    opt, sched = build_optimizer(model, cfg, cfg.steps)
+    load_training_state(ckpt, model, opt, sched)
+    losses = [train_step(model, opt, sched, windows_of(out), cfg, nullcontext())["loss"] for _ in range(2)]
+    assert losses == pytest.approx(ref[1:], rel=1e-5)
+
+
+def windows_of(out: Path) -> torch.Tensor:
+    return torch.load(out / "windows.pt")["windows"]
+
+
+def test_export_consolidates_a_sharded_checkpoint_one_tensor_at_a_time(reshard, tmp_path):
+    """``genoctx export`` of the FSDP=2 x EP=2 checkpoint: every tensor read once, alone (the experts' stacked
+    tensor serves its per-expert published tensors), and the HF directory loads back to the checkpoint's values."""
+    from genoctx.model.hf import load_hf, save_hf
+    from genoctx.train.sharded import lazy_state, read_full_tensors
+
+    _, _, out = reshard
+    ckpt = out / "reshard_fsdp2_ep2_hsdp2_2" / "checkpoints" / "step_000001"
+    state = lazy_state(ckpt, mesh_config())
+    reads = []
+    read = state._read
+    state._read = lambda name: reads.append(name) or read(name)
+    save_hf(state, tmp_path / "hf")
+    assert sorted(reads) == sorted(set(reads))  # each tensor read once (LazyState keeps the last two read)
+    full = read_full_tensors(ckpt)
+    assert set(reads) == set(full)
+    got = load_hf(tmp_path / "hf").state_dict()
+    for name, t in full.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)

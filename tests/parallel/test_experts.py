@@ -1,0 +1,298 @@
+"""Expert parallelism: the round schedule, EP=1 in one process == MoE, and EP=2 on gloo == one process.
+
+The round schedule and the per-expert split of a round are pure functions, tested on random count matrices. One
+process runs ``apply_ep`` with a single rank (the rounds and the autograd Function without communication) against
+the class ``MoE`` in fp64. One subprocess run (``ep_worker.py``, two spawned gloo ranks) computes every EP=2 case:
+random routing with unequal token counts, every row forced onto rank 0's experts in many rounds, a rank with no
+token, and the peak memory of one forward + backward with balanced and forced routing, with and without rounds.
+"""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from genoctx.model.moe import MoE
+from genoctx.parallel.experts import (
+    apply_ep,
+    expert_parameters,
+    n_rounds,
+    round_bounds,
+    round_schedule,
+    rows_per_expert,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ep_worker import CASES, EP, MEM_TOKENS, MEMORY_CASES, ep_moe, ep_tokens  # noqa: E402
+
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops, as in the workers: one thread, no spinning against the other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _random_pairs(gen: torch.Generator):
+    """(pair [P, P] int64, cap) count matrices: uniform, skewed onto one destination, a permutation, zeros."""
+    for P in (1, 2, 3, 4, 8):
+        for cap in (P, P + 1, 7 * P, 64):
+            yield torch.randint(0, 50, (P, P), generator=gen), cap
+            skew = torch.zeros(P, P, dtype=torch.long)
+            skew[:, 0] = torch.randint(0, 200, (P,), generator=gen)  # every source to destination 0
+            yield skew, cap
+            yield torch.eye(P, dtype=torch.long)[torch.randperm(P, generator=gen)] * 97, cap
+            yield torch.zeros(P, P, dtype=torch.long), cap
+
+
+def test_round_schedule_delivers_every_row_once_within_the_bound():
+    gen = torch.Generator().manual_seed(0)
+    for pair, cap in _random_pairs(gen):
+        P = pair.shape[0]
+        sched = round_schedule(pair, cap)  # [R, P, P]
+        R = sched.shape[0]
+        assert R == n_rounds(pair, cap)
+        assert torch.equal(sched, round_schedule(pair.clone(), cap))  # deterministic: a function of the counts
+        assert torch.equal(sched.sum(0), pair) and bool((sched >= 0).all())  # every row exactly once
+        if R:
+            assert int(sched.sum(1).max()) <= cap  # rows a destination receives in one round
+            assert int(sched.sum(2).max()) <= cap  # rows a source sends in one round
+        M = int(max(pair.sum(0).max(), pair.sum(1).max()))
+        assert R == -(-M // (cap - P + 1)) and R >= -(-M // cap)  # rounds: at least the receive-bound optimum
+        # the rounds cut each pair's block into consecutive slices [lo, hi) that cover it once, in order
+        prev = torch.zeros_like(pair)
+        for r in range(R):
+            lo, hi = round_bounds(pair, R, r)
+            assert torch.equal(lo, prev) and bool((hi >= lo).all())
+            prev = hi
+        assert torch.equal(prev, pair)
+
+
+def test_round_schedule_of_forced_routing_keeps_the_bound():
+    """Both ranks send all their rows to rank 0 (the worker's forced case): twice the rounds, none over cap."""
+    pair = torch.tensor([[4096, 0], [4096, 0]])
+    sched = round_schedule(pair, 256)
+    assert sched.shape[0] == -(-8192 // 255) == 33
+    assert int(sched[:, :, 0].sum(1).max()) <= 256 and int(sched[:, :, 1].sum()) == 0
+
+
+def test_n_rounds_rejects_bad_input():
+    with pytest.raises(ValueError, match="less than ep=4"):
+        n_rounds(torch.ones(4, 4, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match=r"\[ep, ep\]"):
+        n_rounds(torch.ones(2, 3, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="negative"):
+        n_rounds(-torch.ones(2, 2, dtype=torch.long), 8)
+
+
+def test_rows_per_expert_splits_each_round_by_expert():
+    """The receiver's per-(source, expert) counts of a round equal those of the explicit expert-sorted rows."""
+    gen = torch.Generator().manual_seed(1)
+    for P, El, cap in ((2, 4, 6), (3, 2, 5), (4, 3, 40)):
+        counts = torch.randint(0, 9, (P, P * El), generator=gen)
+        counts[0, :El] += 30  # a skewed destination
+        pair = counts.view(P, P, El).sum(-1)
+        R = n_rounds(pair, cap)
+        for me in range(P):
+            block = counts[:, me * El : (me + 1) * El]
+            # source s's rows for `me`, sorted by local expert: expert ids repeated by their counts
+            rows = [torch.arange(El).repeat_interleave(block[s]) for s in range(P)]
+            total = torch.zeros_like(block)
+            for r in range(R):
+                lo, hi = round_bounds(pair, R, r)
+                got = rows_per_expert(block, lo[:, me], hi[:, me])
+                want = torch.stack([torch.bincount(rows[s][lo[s, me] : hi[s, me]], minlength=El) for s in range(P)])
+                assert torch.equal(got, want)
+                total += got
+            assert torch.equal(total, block)
+
+
+def _fwd_bwd(moe: MoE, x: torch.Tensor, g: torch.Tensor, autocast: bool = False) -> list[torch.Tensor]:
+    xi = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = moe(xi)
+    loss = (y.to(g.dtype) * g).sum() + (moe.aux_loss if moe.aux_loss is not None else 0)
+    return [y, *torch.autograd.grad(loss, [xi, *moe.parameters()])]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(moe_aux_loss_coef=0.1, n_group=2, topk_group=1, num_experts_per_tok=2)])
+def test_one_rank_ep_equals_moe_fp64(kw):
+    """ep=1 (no group): the rounds, the regrouping by expert and the autograd Function alone, against the class
+    forward in fp64: the output and the gradients of x and every parameter to 1e-12, in several rounds."""
+    overrides = dict(moe_chunk_tokens=5, **kw)
+    ref = ep_moe(overrides, "random").double()
+    ep = copy.deepcopy(ref)
+    handles = apply_ep(ep, None, 1, 0)
+    x, g = (t.double() for t in ep_tokens("one", 0, (2, 23), 32))
+    want, got = _fwd_bwd(ref, x, g), _fwd_bwd(ep, x, g)
+    names = ["y", "x"] + [n for n, _ in ep.named_parameters()]
+    for name, a, b in zip(names, got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=name)
+    k = ref.top_k
+    s = ep.stats
+    assert torch.equal(s["tokens_per_expert"], ref.stats["tokens_per_expert"])
+    assert s["ep_received_rows"] == 46 * k and s["ep_rounds"] == -(-46 * k // (5 * k)) > 1
+    assert s["ep_max_round_rows"] <= 5 * k
+    ex = ep.experts
+    assert (ex.ep_size, ex.ep_rank, ex.expert_offset, ex.n_local_experts) == (1, 0, 0, 8)
+    assert expert_parameters(ep) == [ex.gate_up_proj, ex.down_proj]
+    assert all(p._genoctx_expert for p in expert_parameters(ep)) and not expert_parameters(ref)
+    with torch.no_grad():  # evaluation: no graph, same values
+        torch.testing.assert_close(ep(x), ref(x), atol=1e-12, rtol=1e-12)
+    for h in handles:
+        h.remove()
+    assert "forward" not in vars(ep) and "forward" not in vars(ex)  # the class forwards are back
+
+
+def test_one_rank_ep_under_bf16_autocast_recomputes_in_bf16(monkeypatch):
+    """The expert recomputation in backward runs under the forward's autocast (bf16, as the forward ran; the caller's
+    backward runs outside autocast): every expert call returns bf16, and the output and gradients are within bf16
+    rounding (2e-2 of the largest value; 0.3% measured) of the class forward's."""
+    import genoctx.parallel.experts as ep_mod
+
+    calls, original = [], ep_mod.expert_mlp
+
+    def recording_mlp(*args):
+        out = original(*args)
+        calls.append((torch.is_grad_enabled(), out.dtype))
+        return out
+
+    monkeypatch.setattr(ep_mod, "expert_mlp", recording_mlp)
+    ref = ep_moe(dict(moe_chunk_tokens=5), "random")
+    ep = copy.deepcopy(ref)
+    apply_ep(ep, None, 1, 0)
+    x, g = ep_tokens("bf16", 0, (2, 23), 32)
+    want, got = _fwd_bwd(ref, x, g, autocast=True), _fwd_bwd(ep, x, g, autocast=True)
+    assert got[0].dtype == torch.bfloat16
+    assert {c[0] for c in calls} == {False, True}  # forward (no grad) and backward recomputation (grad) calls
+    assert {c[1] for c in calls} == {torch.bfloat16}
+    for a, b in zip(got, want, strict=True):
+        assert _rel(a.detach().float(), b.detach().float()) <= 2e-2
+
+
+def test_apply_ep_rejects_bad_layouts():
+    moe = ep_moe(dict(), "zero")
+    with pytest.raises(ValueError, match="n_routed_experts=8 is not divisible by ep=3"):
+        apply_ep(moe, None, 3, 0)
+    with pytest.raises(ValueError, match="ep_rank 2 is not in"):
+        apply_ep(moe, None, 2, 2)
+    with pytest.raises(ValueError, match="less than ep=4"):
+        apply_ep(ep_moe(dict(moe_chunk_tokens=1, num_experts_per_tok=2), "zero"), None, 4, 0)
+    with pytest.raises(ValueError, match="needs a process group"):
+        apply_ep(moe, None, 2, 0)
+    assert moe.experts.gate_up_proj.shape[0] == 8 and not expert_parameters(moe)  # nothing changed
+    apply_ep(moe, None, 1, 0)
+    with pytest.raises(ValueError, match="already has expert parallelism"):
+        apply_ep(moe, None, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ep")
+    worker = Path(__file__).with_name("ep_worker.py")
+    subprocess.run([sys.executable, str(worker), str(out)], check=True, timeout=300)
+    return [torch.load(out / f"rank{r}.pt") for r in range(EP)]
+
+
+def _reference(case: str) -> dict:
+    """One process, all 8 experts: each rank's tokens through the MoE separately (outputs, input gradients, loads,
+    aux losses per rank); the parameter gradients of the sum of both ranks' losses."""
+    overrides, bias, shapes = CASES[case]
+    moe = ep_moe(overrides, bias)
+    ranks = []
+    for r, shape in enumerate(shapes):
+        x, g = ep_tokens(case, r, shape, moe.experts.hidden_size)
+        if x.numel() == 0:  # no token: nothing to compare but shapes, no gradient to add
+            ranks.append({"y": torch.zeros_like(x), "x_grad": torch.zeros_like(x), "aux": None})
+            continue
+        x.requires_grad_(True)
+        y = moe(x)
+        loss = (y * g).sum() + (moe.aux_loss if moe.aux_loss is not None else 0)
+        loss.backward()
+        aux = None if moe.aux_loss is None else float(moe.aux_loss.detach())
+        tpe = moe.stats["tokens_per_expert"]
+        ranks.append({"y": y.detach(), "x_grad": x.grad, "aux": aux, "tokens_per_expert": tpe})
+    return {"ranks": ranks, "grads": {n: p.grad for n, p in moe.named_parameters()}, "top_k": moe.top_k}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 for empty tensors)."""
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep2_equals_one_process_forward_and_every_gradient(distributed, case):
+    """Outputs (1e-6) and input gradients (1e-5) per rank equal one process on that rank's tokens; each rank's
+    expert gradients equal its rows of the one-process gradient over both ranks' tokens (the owner already holds
+    every rank's contribution); router and shared-expert gradients summed over the ranks equal one process's."""
+    ref = _reference(case)
+    El = 8 // EP
+    for r in range(EP):
+        got, want = distributed[r][case], ref["ranks"][r]
+        assert got["y"].shape == want["y"].shape
+        assert _rel(got["y"], want["y"]) <= 1e-6
+        assert _rel(got["x_grad"], want["x_grad"]) <= 1e-5
+        assert got["offset"] == r * El
+        if want["aux"] is not None:
+            assert got["aux"] == pytest.approx(want["aux"], rel=1e-6)
+            assert torch.equal(got["stats"]["tokens_per_expert"], want["tokens_per_expert"])  # global ids, [8]
+            assert torch.equal(got["load_counts"], want["tokens_per_expert"])
+        for name in EXPERT_PARAMS:
+            g_ref = ref["grads"][name]
+            assert got["grads"][name].shape[0] == El
+            assert _rel(got["grads"][name], g_ref[r * El : (r + 1) * El]) <= 1e-5, name
+    for name, g_ref in ref["grads"].items():
+        if name not in EXPERT_PARAMS:
+            assert _rel(sum(distributed[r][case]["grads"][name] for r in range(EP)), g_ref) <= 1e-5, name
+    slots = sum(int(distributed[r][case]["stats"]["tokens_per_expert"].sum()) for r in range(EP))
+    assert sum(distributed[r][case]["stats"]["ep_received_rows"] for r in range(EP)) == slots  # none dropped
+    assert distributed[0][case]["stats"]["ep_rounds"] == distributed[1][case]["stats"]["ep_rounds"] > 1
+
+
+def test_ep2_forced_routing_runs_in_rounds_of_bounded_size(distributed):
+    """Every (token, slot) of both ranks goes to experts 0-2 (rank 0): rank 0 receives all 168 rows in
+    ceil(168 / (12 - 1)) = 16 rounds of at most moe_chunk_tokens x top-k = 12 rows; rank 1 receives none and
+    still runs every round (its results equal one process above)."""
+    overrides, _, shapes = CASES["forced"]
+    cap = overrides["moe_chunk_tokens"] * 3
+    total = sum(b * t for b, t in shapes) * 3
+    s0, s1 = (distributed[r]["forced"]["stats"] for r in range(EP))
+    assert bool((s0["tokens_per_expert"][3:] == 0).all()) and bool((s1["tokens_per_expert"][3:] == 0).all())
+    assert (s0["ep_received_rows"], s1["ep_received_rows"], s1["ep_max_round_rows"]) == (total, 0, 0)
+    assert s0["ep_max_round_rows"] <= cap
+    assert s0["ep_rounds"] == s1["ep_rounds"] == -(-total // (cap - EP + 1)) == 16
+
+
+def test_ep2_rank_without_tokens_receives_and_takes_part(distributed):
+    s0, s1 = (distributed[r]["empty"]["stats"] for r in range(EP))
+    assert int(s1["tokens_per_expert"].sum()) == 0 and s1["ep_received_rows"] > 0
+    assert s0["ep_rounds"] == s1["ep_rounds"]
+
+
+def test_ep_peak_memory_does_not_depend_on_routing(distributed):
+    """Peak live tensor bytes (torch's MemTracker) of one forward + backward on the busiest rank: with every row of
+    both ranks forced onto rank 0's experts (twice the rows, in twice the rounds) within 15% of balanced routing;
+    in a single round (moe_chunk_tokens beyond the tokens: no bound) the forced rank would need far more."""
+    mem = {name: [distributed[r]["memory"][name] for r in range(EP)] for name in MEMORY_CASES}
+    busiest = {name: max(m["peak_bytes"] for m in mem[name]) for name in MEMORY_CASES}
+    cap = MEMORY_CASES["forced"][0]["moe_chunk_tokens"] * 2
+    forced0 = mem["forced"][0]["stats"]
+    assert forced0["ep_received_rows"] == EP * MEM_TOKENS * 2 and mem["forced"][1]["stats"]["ep_received_rows"] == 0
+    for name in ("balanced", "forced"):
+        assert all(m["stats"]["ep_max_round_rows"] <= cap for m in mem[name])
+    balanced_rows = [m["stats"]["ep_received_rows"] for m in mem["balanced"]]
+    assert max(balanced_rows) < 1.2 * MEM_TOKENS * 2  # balanced: each rank receives about its own share
+    assert busiest["forced"] <= 1.15 * busiest["balanced"]
+    # without rounds the forced rank receives all 8192 rows at once: the bound is what keeps the peak flat
+    assert mem["forced_one_round"][0]["stats"]["ep_max_round_rows"] == EP * MEM_TOKENS * 2
+    assert busiest["forced_one_round"] > 1.15 * busiest["balanced_one_round"]
+    assert busiest["forced_one_round"] > 1.15 * busiest["balanced"]
