@@ -92,7 +92,9 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, on
     attempts = [(a["attempt"], a["resumed_from"], a["steps_run"], a["status"]) for a in summary["attempts"]]
     assert attempts == [(2, 1, 1, "failed"), (3, 2, 1, "completed")]
     assert [(m["step"], m["attempt"]) for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [
-        (1, 1), (2, 2), (3, 3)
+        (1, 1),
+        (2, 2),
+        (3, 3),
     ]
     got, want = _losses(run), _losses(ref)
     assert [s for s, _ in got] == [1, 2, 3]
