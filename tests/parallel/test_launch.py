@@ -151,3 +151,32 @@ def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_pat
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["attempt"]) for m in rows] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
+
+
+@pytest.mark.slow
+def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
+    """``--ep 2`` on 2 Ray workers for 2 steps (a sharded checkpoint: each worker its block of experts), then
+    ``--resume --fsdp 2``: the checkpoint is resharded (experts and AdamW moments now FSDP shards) and step 3 runs.
+    Two data ranks see what one process with batch 2 sees: every loss equals that run's; the per-rank metrics
+    carry the EP received rows."""
+    ref = tmp_path / "ref"
+    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", "train.batch_size=2", *SETS]), ref)
+    run = tmp_path / "run"
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "3"]
+    first = _cli(*common, "--ep", "2", "--stop-after", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step_000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["format"] == "dcp" and state["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 1, "cp": 1}
+    assert not (ckpt / "model.safetensors").exists() and (ckpt / "dcp" / ".metadata").is_file()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ep_rank"] for r in rows[0]["ranks"]] == [0, 1]
+    assert all(r["ep_received_rows"] > 0 for row in rows for r in row["ranks"])
+    second = _cli(*common, "--fsdp", "2", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads(second.stdout)
+    assert summary["resumed_from"] == 2 and summary["step"] == 3
+    got, want = _losses(run), _losses(ref)
+    assert [s for s, _ in got] == [1, 2, 3]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
