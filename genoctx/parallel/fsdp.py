@@ -18,7 +18,8 @@ replica sees different tokens) and replicated over ``dp_replicate`` (HSDP); each
 Mixed precision (``MixedPrecisionPolicy``): with ``param_dtype=bf16`` the all-gathered parameters are bf16, the
 sharded masters, gradients' reduction (``reduce_dtype``) and optimizer state fp32. The fp32 islands (KDA decay gate,
 short convolution and output norm, MoE router, mHC mixing) are wrapped as their own groups with fp32 parameters, so
-they compute exactly as on one device.
+they compute exactly as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under
+autocast).
 
 Without FSDP (``dp_shard == 1``) parameters are replicated and ``reduce_gradients`` all-reduces (sums) them: dense
 ones over the whole mesh, routed experts over the ranks holding the same block (``dims.expert_group``).
@@ -66,11 +67,12 @@ def apply_ac(model: nn.Module) -> int:
 
 
 def _islands(layer: nn.Module) -> list[nn.Module]:
-    """The fp32-island submodules of one decoder layer (kept fp32 under a bf16 ``MixedPrecisionPolicy``)."""
+    """The modules of one decoder layer whose parameters stay fp32 under a bf16 ``MixedPrecisionPolicy``: the KDA
+    mixer (decay gate, short convolution, gated norm are fp32 islands), the MoE router, the mHC mixings."""
     mods = []
     attn = layer.self_attn
-    if isinstance(attn, KimiDeltaAttention):
-        mods += [attn.forget_gate, attn.conv1d, attn.o_norm]
+    if isinstance(attn, KimiDeltaAttention):  # its whole mixer: the decay gate, conv and gated norm read their
+        mods.append(attn)  # weights inside its forward (autocast still runs its matmuls in bf16)
     if isinstance(layer.mlp, MoE):
         mods.append(layer.mlp.gate)
     mods += [layer.attn_hc, layer.ffn_hc]
@@ -100,7 +102,13 @@ def apply_fsdp(
     Raises:
         ValueError: ``dims`` has no FSDP mesh (``dp_shard == 1``).
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     if not dims.fsdp or dims.dense_mesh is None:
         raise ValueError("apply_fsdp needs dp_shard > 1 (init_parallel(dp_shard=...))")
@@ -114,9 +122,13 @@ def apply_fsdp(
         inner = layer
         if isinstance(inner.mlp, MoE) and any(is_expert_parameter(p) for p in inner.mlp.experts.parameters()):
             wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload))
-        if param_dtype is not None:
-            wrapped.append(fully_shard(_islands(inner), mesh=dims.dense_mesh, mp_policy=mp_island,
-                                       offload_policy=offload))  # fmt: skip
+        if param_dtype is not None:  # one FSDP group of the layer's island modules (they share its state)
+            islands = _islands(inner)
+            fully_shard(islands, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)
+            for hc in (inner.attn_hc, inner.ffn_hc):  # the layer calls their pre/post, never forward
+                register_fsdp_forward_method(hc, "pre")
+                register_fsdp_forward_method(hc, "post")
+            wrapped.append(islands[0])
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again

@@ -82,7 +82,5 @@ class Layout:
         """
         inner = ep * dp_shard * cp
         if world < 1 or inner < 1 or world % inner:
-            raise ValueError(
-                f"--ep {ep} x --fsdp {dp_shard} x --cp {cp} = {inner} must divide --num-workers {world}"
-            )
+            raise ValueError(f"--ep {ep} x --fsdp {dp_shard} x --cp {cp} = {inner} must divide --num-workers {world}")
         return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp)

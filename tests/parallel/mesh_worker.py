@@ -133,6 +133,51 @@ def _moe_stats(model) -> dict:
     return out
 
 
+def run_bf16(windows: torch.Tensor) -> dict:
+    """FSDP=2 with MixedPrecisionPolicy(param_dtype=bf16) under bf16 autocast: the dtypes of the parameters each
+    module computes with (hooks), and the first step's loss."""
+    from genoctx.parallel.fsdp import apply_parallel
+    from genoctx.parallel.mesh import init_parallel
+    from genoctx.train.loop import build_optimizer, train_step
+
+    dims = init_parallel(dp_shard=2)
+    model = mesh_model()
+    apply_parallel(model, dims, param_dtype=torch.bfloat16)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = str(next(module.parameters()).dtype)
+
+        return hook
+
+    layer = model.layers[1]
+    kda = model.layers[0].self_attn
+    watched = {
+        "router": layer.mlp.gate,
+        "shared_expert": layer.mlp.shared_experts.gate_proj,
+        "kda_forget_gate": kda.forget_gate,
+        "kda_q_proj": kda.q_proj,
+        "dsa_q_proj": layer.self_attn.q_a_proj,
+    }
+    for name, mod in watched.items():
+        mod.register_forward_pre_hook(record(name))
+    hc, coefficients = layer.attn_hc, layer.attn_hc.coefficients  # mHC runs through pre/post, not forward
+
+    def recorded(x):
+        seen["mhc"] = str(hc.fn.dtype)
+        return coefficients(x)
+
+    hc.coefficients = recorded
+    cfg = train_config()
+    opt, sched = build_optimizer(model, cfg, cfg.steps)
+    autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    m = train_step(model, opt, sched, windows[dims.dp_rank][None], cfg, autocast, dims)
+    masters = {str(p.dtype) for p in model.parameters()}
+    moments = {str(t.dtype) for st in opt.state.values() for k, t in st.items() if k != "step"}
+    return {"seen": seen, "loss": m["loss"], "masters": masters, "moments": moments}
+
+
 def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = None, load: Path | None = None):
     """``steps`` steps in layout ``name`` (after loading ``load``; saving a sharded checkpoint at ``save``).
     Returns the losses and, for the second layout of a pair, nothing else."""
@@ -179,7 +224,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, 
     windows = data["windows"]
     res = {}
     for name in cases:
-        if name == "reshard":
+        if name == "bf16":
+            res[name] = run_bf16(windows)
+        elif name == "reshard":
             for src, dst in RESHARD:
                 res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
         else:

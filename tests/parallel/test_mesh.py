@@ -78,7 +78,7 @@ def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[di
 
 @pytest.fixture(scope="module")
 def two(windows, tmp_path_factory):
-    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, TWO)
+    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, [*TWO, "bf16"])
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +229,21 @@ def test_export_consolidates_a_sharded_checkpoint_one_tensor_at_a_time(reshard, 
     got = load_hf(tmp_path / "hf").state_dict()
     for name, t in full.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_fsdp_bf16_params_keep_the_fp32_islands_and_fp32_masters(two, windows):
+    """MixedPrecisionPolicy(param_dtype=bf16): matrices compute with bf16 parameters, the fp32 islands (router, the
+    KDA mixer with its decay gate, mHC) with fp32 ones; the sharded masters and AdamW moments stay fp32; the loss is
+    the one-process bf16-autocast loss to bf16 rounding."""
+    for res in two:
+        got = res["bf16"]
+        assert got["seen"] == {"router": "torch.float32", "shared_expert": "torch.bfloat16", "mhc": "torch.float32",
+                               "kda_forget_gate": "torch.float32", "kda_q_proj": "torch.float32",
+                               "dsa_q_proj": "torch.bfloat16"}  # fmt: skip
+        assert got["masters"] == {"torch.float32"} and got["moments"] == {"torch.float32"}
+    model = mesh_model()
+    cfg = train_config()
+    opt, sched = build_optimizer(model, cfg, cfg.steps)
+    autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    ref = train_step(model, opt, sched, windows[:2], cfg, autocast)["loss"]
+    assert two[0]["bf16"]["loss"] == pytest.approx(ref, rel=2e-2)
