@@ -31,6 +31,9 @@ CASES = {
     "fsdp2_ep2": (2, 2, 1),
     "hsdp2_2": (1, 2, 1),
     "dp4": (1, 1, 1),
+    "ep2_ac": (2, 1, 1),  # "_ac": with activation checkpointing (each decoder layer recomputed in backward)
+    "fsdp2_cp2_ac": (1, 2, 2),
+    "fsdp2_ep2_ac": (2, 2, 1),
 }
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
@@ -96,7 +99,9 @@ def run_case(name: str, windows: torch.Tensor) -> dict:
     ep, dp_shard, cp = CASES[name]
     dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
     model = mesh_model()
-    apply_parallel(model, dims)
+    apply_parallel(model, dims, activation_checkpointing=name.endswith("_ac"))
+    calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
+    model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()
     opt, sched = build_optimizer(model, cfg, cfg.steps)
     tokens = windows[dims.dp_rank][None]
@@ -107,6 +112,7 @@ def run_case(name: str, windows: torch.Tensor) -> dict:
         steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {
+        "mixer_forwards": calls[0],
         "local_numel": local,  # parameters this rank holds (sharded: about full / shard size)
         "optimizer_numel": sum(
             t.numel() if not hasattr(t, "to_local") else t.to_local().numel()

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "ep2", "dp2"]
-FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2"]
+TWO = ["fsdp2", "ep2", "dp2", "ep2_ac"]
+FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac"]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,7 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
         want = (full - experts) / dense_shard + experts / expert_shard
         assert want * 0.9 <= got["local_numel"] <= want * 1.1, (case, got["local_numel"], want, full)
         assert got["optimizer_numel"] == 2 * got["local_numel"]
+        assert got["mixer_forwards"] == STEPS * (2 if case.endswith("_ac") else 1)  # recomputed in backward
         for step in range(STEPS):
             g_step, r_step = got["steps"][step], ref[step]
             assert g_step["metrics"]["scored_tokens"] == r_step["metrics"]["scored_tokens"]
