@@ -115,7 +115,7 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
                                      reduce_dtype=reduce_dtype)  # fmt: skip
-    offload = CPUOffloadPolicy() if offload_optimizer else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_optimizer else OffloadPolicy()
     experts = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     wrapped = []
     for layer in model.layers:

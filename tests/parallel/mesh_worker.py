@@ -33,6 +33,7 @@ CASES = {
     "dp4": (1, 1, 1),
     "ep2_ac": (2, 1, 1),  # "_ac": with activation checkpointing (each decoder layer recomputed in backward)
     "fsdp2_cp2_ac": (1, 2, 2),
+    "fsdp2_offload": (1, 2, 1),  # CPUOffloadPolicy: sharded parameters, gradients and AdamW state in CPU memory
     "fsdp2_ep2_ac": (2, 2, 1),
 }
 STEPS = 2
@@ -99,7 +100,9 @@ def run_case(name: str, windows: torch.Tensor) -> dict:
     ep, dp_shard, cp = CASES[name]
     dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
     model = mesh_model()
-    apply_parallel(model, dims, activation_checkpointing=name.endswith("_ac"))
+    apply_parallel(
+        model, dims, activation_checkpointing=name.endswith("_ac"), offload_optimizer=name.endswith("_offload")
+    )
     calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "ep2", "dp2", "ep2_ac"]
+TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload"]
 FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac"]
 
 
