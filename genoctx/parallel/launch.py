@@ -78,6 +78,15 @@ def _rank_stats(model, tokens: int, dt: float, device) -> dict:
     }
 
 
+def _rank_line(dims, ranks: list[dict]) -> str:
+    """The layout and, under expert parallelism, the busiest rank's received expert rows over the mean."""
+    line = dims.layout.describe()
+    rows = [r.get("ep_received_rows") or 0 for r in ranks]
+    if dims.ep > 1 and sum(rows) > 0:
+        line += f"  ep rows busiest/mean {max(rows) * len(rows) / sum(rows):.2f}"
+    return line
+
+
 def _train_worker(config: dict) -> None:
     """The Ray Train worker loop (one process per CP x DP rank). ``config``: recipe dict, paths, cp, fault."""
     import ray.train
@@ -156,7 +165,7 @@ def _train_worker(config: dict) -> None:
                     mf.write(json.dumps(row, default=str) + "\n")
                     mf.flush()
                     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
-                        log_step(step + 1, cfg.steps, m, row["tokens_per_s"], dims.layout.describe())
+                        log_step(step + 1, cfg.steps, m, row["tokens_per_s"], _rank_line(dims, ranks))
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                     report = {"step": step + 1, "loss": m["loss"]}
                     if world > 1:  # every rank writes its shards (genoctx.train.sharded)
