@@ -23,17 +23,18 @@ from genoctx.model.model import HybridLM
 from genoctx.parallel.context import apply_cp, destroy_parallel, init_parallel
 from genoctx.train.loop import forward_backward
 
+# three layers: KDA, a "full" DSA layer and a "shared" DSA layer that reuses its selection; MLP, MoE, MoE
+THREE_LAYERS = {
+    "num_hidden_layers": 3,
+    "layer_types": [KDA, DSA, DSA],
+    "indexer_types": ["full", "full", "shared"],
+    "mlp_layer_types": ["dense", "sparse", "sparse"],
+}
+
 
 def cp_config() -> ModelConfig:
-    """The tiny preset (index_kpool 4 with the tail, index_topk 16) with three layers: KDA, a "full" DSA layer and
-    a "shared" DSA layer that reuses its selection."""
-    return preset(
-        "tiny",
-        num_hidden_layers=3,
-        layer_types=[KDA, DSA, DSA],
-        indexer_types=["full", "full", "shared"],
-        mlp_layer_types=["dense", "sparse", "sparse"],
-    )
+    """The tiny preset (index_kpool 4 with the tail, index_topk 16) with ``THREE_LAYERS``."""
+    return preset("tiny", **THREE_LAYERS)
 
 
 def tiny_model() -> HybridLM:

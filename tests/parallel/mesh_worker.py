@@ -16,9 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from genoctx.model.config import DSA, KDA, ModelConfig, preset
+from genoctx.model.config import ModelConfig, preset
 from genoctx.model.model import HybridLM
 from genoctx.recipes import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cp_worker import THREE_LAYERS  # noqa: E402
 
 # layout name -> (ep, dp_shard, cp); dp_replicate is the rest of the world
 CASES = {
@@ -43,17 +46,9 @@ RESHARD = [("fsdp2_ep2", "hsdp2_2"), ("hsdp2_2", "fsdp2_ep2"), ("one", "fsdp2_ep
 
 
 def mesh_config() -> ModelConfig:
-    """The tiny preset with KDA, a full DSA layer and a shared one, a dense MLP then two MoE layers of 8 routed experts
-    (top-2), and moe_chunk_tokens 32 (several dispatch chunks per window)."""
-    return preset(
-        "tiny",
-        num_hidden_layers=3,
-        layer_types=[KDA, DSA, DSA],
-        indexer_types=["full", "full", "shared"],
-        mlp_layer_types=["dense", "sparse", "sparse"],
-        n_routed_experts=8,
-        moe_chunk_tokens=32,
-    )
+    """``cp_worker.THREE_LAYERS`` (KDA, a full DSA layer and a shared one; a dense MLP then two MoE layers) with 8
+    routed experts (top-2) and moe_chunk_tokens 32 (several dispatch chunks per window)."""
+    return preset("tiny", **THREE_LAYERS, n_routed_experts=8, moe_chunk_tokens=32)
 
 
 def mesh_model() -> HybridLM:

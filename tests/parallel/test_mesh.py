@@ -123,22 +123,15 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
                 torch.testing.assert_close(b, r_step["biases"][name], rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("case", TWO)
-def test_two_rank_layouts_equal_one_process(two, reference, case):
+@pytest.mark.parametrize("case", [*TWO, *FOUR])
+def test_layout_equals_one_process(request, reference, case):
+    """Each layout (two ranks or four) trains as one process over the data ranks' windows batched."""
+    ranks = request.getfixturevalue("two" if case in TWO else "four")
     ep, dp_shard, cp = CASES[case]
-    layout = two[0][case]["layout"]
+    layout = ranks[0][case]["layout"]
     assert (layout["ep"], layout["dp_shard"], layout["cp"]) == (ep, dp_shard, cp)
     dp = layout["dp_replicate"] * ep * dp_shard
-    _assert_layout_equals_one_process(two, case, reference(dp))
-
-
-@pytest.mark.parametrize("case", FOUR)
-def test_four_rank_layouts_equal_one_process(four, reference, case):
-    ep, dp_shard, cp = CASES[case]
-    layout = four[0][case]["layout"]
-    assert (layout["ep"], layout["dp_shard"], layout["cp"]) == (ep, dp_shard, cp)
-    dp = layout["dp_replicate"] * ep * dp_shard
-    _assert_layout_equals_one_process(four, case, reference(dp))
+    _assert_layout_equals_one_process(ranks, case, reference(dp))
 
 
 def _three_steps(batch: torch.Tensor, ckpt_dir: Path | None = None) -> list[float]:
