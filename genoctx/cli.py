@@ -480,6 +480,16 @@ def eval_(
         ),
     ] = None,
     max_windows: Annotated[int | None, typer.Option(help="Score only the first N windows.")] = None,
+    copy_probe: Annotated[
+        bool,
+        typer.Option(
+            "--copy-probe",
+            help="Also copy a segment to each window's end from log-spaced distances and report the loss on the "
+            "copy vs in place (the model's reach).",
+        ),
+    ] = False,
+    copy_segment: Annotated[int, typer.Option(help="Bases copied by --copy-probe.")] = 200,
+    copy_distances: Annotated[int, typer.Option(help="Log-spaced distances of --copy-probe (64 to W - segment).")] = 8,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -490,6 +500,7 @@ def eval_(
       genoctx eval --by-position --checkpoint runs/init --checkpoint runs/demo --data prepared --markov 8
       genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
       genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
+      genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --copy-probe
     """
     _setup_logging(verbose)
     if format_ not in ("table", "json", "csv"):
@@ -501,6 +512,8 @@ def eval_(
     if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
     chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    _at_least("--copy-segment", copy_segment, 1)
+    _at_least("--copy-distances", copy_distances, 1)
     if loss_vocab not in (None, "full", "nucleotide"):
         raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
@@ -526,6 +539,9 @@ def eval_(
             resamples=resamples,
             seed=seed,
             loss_vocab=loss_vocab,
+            copy_probe=copy_probe,
+            copy_segment=copy_segment,
+            copy_distances_n=copy_distances,
         )
     except BaseException:
         remove_folders(created)  # no output of a failed run, not even --plot's empty folder

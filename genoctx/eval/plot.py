@@ -76,9 +76,32 @@ def _mid(b: dict) -> float:
     return max(1.0, math.sqrt(max(b["start"], 1) * b["end"]))
 
 
+def _plot_copy_probe(ax, doc: dict, models: list[dict]) -> None:
+    """The copy probe panel: per model, the gain (in-place loss minus loss on the copy, nats per base) against the
+    copy's distance (log 2 axis) with its bootstrap band; the reach threshold as a dotted line."""
+    for m in models:
+        rows = [r for r in (m.get("copy_probe") or {}).get("rows", []) if r.get("gain") is not None]
+        if not rows:
+            continue
+        xs = [r["distance"] for r in rows]
+        (line,) = ax.plot(xs, [r["gain"] for r in rows], "s--" if m.get("kind") == "markov" else "o-", label=m["name"])
+        cis = [r.get("gain_ci") for r in rows]
+        if all(cis):
+            ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.2)
+    ax.axhline(0.0, color="grey", lw=1)
+    ax.axhline(doc["copy_probe"].get("reach_gain", 0.1), color="grey", lw=1, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distance from the copy to its source (bases, log scale)")
+    ax.set_ylabel("gain on the copy: in-place loss - copy loss (nats/base)")
+    ax.set_title(f"copy probe: a {doc['copy_probe']['segment']}-base segment copied to the window's end", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
     """Write the plot (PNG, or the format of the suffix): one line per model (checkpoints, Markov reference)
-    at the bins' geometric centres on a log-2 position axis, with the bootstrap interval as a shaded band.
+    at the bins' geometric centres on a log-2 position axis, with the bootstrap interval as a shaded band; with a
+    copy probe in ``doc``, a second panel of each model's gain on the copy by distance (``_plot_copy_probe``).
 
     Args:
         doc: a document of :func:`genoctx.eval.position.evaluate` (or the bare ``bins``/``overall`` form).
@@ -102,7 +125,12 @@ def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
     models = doc.get("models") or [{"name": Path(doc.get("checkpoint") or "model").name, "bins": doc["bins"]}]
     if metric == "relative_change" and not any(m.get("baseline") for m in models):
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    probe = doc.get("copy_probe") and any(m.get("copy_probe") for m in models)
+    if probe:
+        fig, (ax, ax_copy) = plt.subplots(1, 2, figsize=(13, 4.5))
+        _plot_copy_probe(ax_copy, doc, models)
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for m in models:
         if metric == "relative_change" and m.get("baseline"):
             continue

@@ -40,6 +40,7 @@ from ..errors import GenoctxError
 from ..model.model import shift_inputs, token_losses
 from ..train.checkpoint import load_model, resolve_checkpoint
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
+from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
 from .markov import MAX_ORDER, MarkovModel, fit_markov
 from .plot import plot
 
@@ -297,10 +298,11 @@ def compare(result: BinnedLoss, baseline: BinnedLoss | None) -> dict:
 
 @dataclass
 class _Scored:
-    """One model's results: identity and ``{view: BinnedLoss}``."""
+    """One model's results: identity, ``{view: BinnedLoss}`` and its copy probe (``copyprobe.summarize``) or None."""
 
     entry: dict
     views: dict[str, BinnedLoss]
+    copy_probe: dict | None = None
 
 
 def _annotate(
@@ -432,6 +434,9 @@ def evaluate(
     level: float = 0.95,
     models: list | None = None,
     loss_vocab: str | None = None,
+    copy_probe: bool = False,
+    copy_segment: int = SEGMENT,
+    copy_distances_n: int = 8,
 ) -> dict:
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
@@ -454,6 +459,9 @@ def evaluate(
         models: extra ``(name, chunk-contract model)`` pairs scored after the checkpoints (tests, notebooks).
         loss_vocab: ``full`` or ``nucleotide`` for models with a text vocabulary (``genoctx.model.vocab``); None =
             each checkpoint's own (``full`` for an HF base). Each model entry records its ``loss_vocab``.
+        copy_probe: also run the copy probe (``genoctx.eval.copyprobe``) on the same windows with every model: a
+            ``copy_segment``-base segment copied to the window's end from ``copy_distances_n`` log-spaced distances;
+            each model entry gets ``copy_probe`` (rows by distance, ``reach``), the document the distances.
 
     Returns:
         The document described in ``docs/eval_schema.md``: ``{"bins": [...], "overall": {...}, "checkpoint",
@@ -503,6 +511,19 @@ def evaluate(
     edges = parse_bins(bins, ds.window)
     views = view_names(reverse_complement, split_by == "softmask")
     n = len(ds) if max_windows is None else min(len(ds), max_windows)
+    distances: list[int] = []
+    if copy_probe:
+        try:
+            distances = copy_distances(ds.window, copy_segment, copy_distances_n)
+        except ValueError as e:
+            raise GenoctxError(f"--copy-probe: {e}") from None
+    probe_windows_ = [ds[i]["tokens"].numpy() for i in range(n)] if copy_probe else []
+
+    def probe(score) -> dict | None:
+        if not copy_probe:
+            return None
+        sums = probe_windows(score, probe_windows_, distances, copy_segment)
+        return {"segment": copy_segment, **summarize(sums, distances, resamples, seed, level)}
 
     scored: list[_Scored] = []
     taken: set[str] = set()
@@ -511,14 +532,16 @@ def evaluate(
         vocab = loss_vocab_of(model)
         log.info("scoring %d %s windows of %d tokens with %s%s", n, split, ds.window, ck,
                  f" (softmax over the {vocab} vocabulary)" if vocab else "")  # fmt: skip
-        res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
+        score = model_scorer(model, chunk_tokens, device)
+        res = score_windows(score, ds, edges, max_windows, views)
         entry = {"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck), "loss_vocab": vocab}
-        scored.append(_Scored(entry, res))
-        del model
+        scored.append(_Scored(entry, res, probe(score)))
+        del model, score
     for name, model in models or []:
-        res = score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows, views)
+        score = model_scorer(model, chunk_tokens, device)
+        res = score_windows(score, ds, edges, max_windows, views)
         taken.add(name)
-        scored.append(_Scored({"name": name, "kind": "model", "path": None}, res))
+        scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score)))
     if scored and scored[0].views[MAIN_VIEW].count.sum() == 0:
         raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
     mk: _Scored | None = None
@@ -536,6 +559,7 @@ def evaluate(
                 "train_tokens": chain.tokens_seen,
             },
             res,
+            probe(markov_scorer(chain)),
         )
         if res[MAIN_VIEW].count.sum() == 0:
             raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
@@ -566,6 +590,8 @@ def evaluate(
         e = {**m.entry, "baseline": m is base, "reported": m is reported, **block(m, MAIN_VIEW)}
         if len(views) > 1:
             e["views"] = {v: block(m, v) for v in views[1:]}
+        if m.copy_probe is not None:
+            e["copy_probe"] = m.copy_probe
         entries.append(e)
     top = next(e for e in entries if e["reported"])
     doc = {"bins": top["bins"], "overall": top["overall"]}
@@ -589,6 +615,8 @@ def evaluate(
     )
     if len(views) > 1:
         doc["views"] = top["views"]
+    if copy_probe:
+        doc["copy_probe"] = {"segment": copy_segment, "distances": distances, "reach_gain": REACH_GAIN}
     return doc
 
 
@@ -643,7 +671,37 @@ def to_table(doc: dict) -> str:
             rows.append((e, [*blk["bins"], {**blk["overall"], "start": None}]))
         title = f"# {v} ({doc.get('split', '?')} split, {doc.get('windows', '?')} windows)"
         parts.append((title + "\n" if len(views) > 1 else "") + _table(rows, has_base, base_name))
+    if doc.get("copy_probe"):
+        parts.append(copy_table(doc))
     return "\n\n".join(parts)
+
+
+def copy_table(doc: dict) -> str:
+    """The copy probe as text: per distance, each model's loss on the copy, in place and the gain (nats per base,
+    with intervals), then each model's reach."""
+    models = [e for e in doc["models"] if e.get("copy_probe")]
+    seg = doc["copy_probe"]["segment"]
+    head = ["distance (bases)"]
+    for e in models:
+        head += [f"{e['name']} copied", "in place", "gain [95% CI]"]
+    rows = []
+    for i, d in enumerate(doc["copy_probe"]["distances"]):
+        row = [str(d)]
+        for e in models:
+            r = e["copy_probe"]["rows"][i]
+            row += [_fmt(r["copied_loss"], ".4f"), _fmt(r["in_place_loss"], ".4f"),
+                    _fmt(r["gain"], "+.4f") + _fmt_ci(r.get("gain_ci"), ".4f", 1.0, "+")]  # fmt: skip
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = [f"# copy probe: a {seg}-base segment copied to the window's end from d bases before (nats per base)"]
+    lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    gain = doc["copy_probe"].get("reach_gain", 0.1)
+    for e in models:
+        reach = e["copy_probe"]["reach"]
+        lines.append(f"reach of {e['name']}: " + (f"{reach} bases" if reach is not None else "none")
+                     + f" (largest distance whose gain interval is above {gain} nats)")  # fmt: skip
+    return "\n".join(lines)
 
 
 CSV_COLUMNS = [

@@ -37,6 +37,29 @@ BLOCK = {
     "required": ["bins", "overall"],
     "properties": {"bins": {"type": "array", "items": BIN}, "overall": OVERALL},
 }
+COPY_ROW = {
+    "type": "object",
+    "required": ["distance", "tokens", "copied_loss", "in_place_loss", "gain"],
+    "properties": {
+        "distance": {"type": "integer", "minimum": 1},
+        "tokens": {"type": "integer", "minimum": 0},
+        "copied_loss": _NUM,
+        "copied_ci": _CI,
+        "in_place_loss": _NUM,
+        "in_place_ci": _CI,
+        "gain": _NUM,
+        "gain_ci": _CI,
+    },
+}
+COPY_PROBE = {
+    "type": "object",
+    "required": ["segment", "rows", "reach"],
+    "properties": {
+        "segment": {"type": "integer", "minimum": 1},
+        "rows": {"type": "array", "items": COPY_ROW},
+        "reach": {"type": ["integer", "null"]},
+    },
+}
 VIEW_NAME = "^(forward|reverse|both)/(all|softmasked|unmasked)$"
 VIEWS = {"type": "object", "propertyNames": {"pattern": VIEW_NAME}, "additionalProperties": BLOCK}
 MODEL = {
@@ -55,6 +78,7 @@ MODEL = {
         "bins": {"type": "array", "items": BIN},
         "overall": OVERALL,
         "views": VIEWS,
+        "copy_probe": COPY_PROBE,
     },
 }
 
@@ -85,6 +109,15 @@ SCHEMA: dict = {
         },
         "models": {"type": "array", "minItems": 1, "items": MODEL},
         "views": VIEWS,
+        "copy_probe": {
+            "type": "object",
+            "required": ["segment", "distances", "reach_gain"],
+            "properties": {
+                "segment": {"type": "integer", "minimum": 1},
+                "distances": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                "reach_gain": {"type": "number"},
+            },
+        },
     },
 }
 
