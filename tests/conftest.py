@@ -1,13 +1,16 @@
-"""Shared test setup. TRITON_INTERPRET must be set before any @triton.jit is defined."""
+"""Shared test setup. TRITON_INTERPRET must be set before any @triton.jit is defined: without CUDA the Triton
+kernels (kernels/) run under the interpreter on CPU tensors. ``import torch`` imports no Triton."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 REALDNA = REPO / "data" / "hg38"

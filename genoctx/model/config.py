@@ -8,7 +8,8 @@
   (``to_hf_dict``) and read from one (``from_hf_dict``: the flat text config or the ``text_config`` of the VL
   config);
 - genoctx's compute knobs (``kda_chunk_size``, tile budgets, ``dsa_mode``, the indexer training stage, the
-  MoE balancing rate): how to compute the same function, never what function. They stay in genoctx recipes.
+  MoE balancing rate, ``kernels``): how to compute the same function, never what function. They stay in genoctx
+  recipes.
 
 The model (``layer_types``): ``"linear_attention"`` = Kimi Delta Attention (KDA), ``"indexed_attention"`` =
 NoPE MLA with DeepSeek Sparse Attention (DSA) and a KPool lightning indexer. ``mlp_layer_types``:
@@ -137,10 +138,13 @@ class ModelConfig:
     indexer_loss_coef: float = 1.0
     router_bias_rate: float = 1e-3  # aux-loss-free balancing step u (DeepSeek-V3) on e_score_correction_bias
     moe_aux_loss_coef: float = 0.0  # optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20)
+    # DSA on CUDA: "triton" = the kernels of ``kernels/`` (indexer top-k, sparse MLA forward/backward), "torch" = the
+    # PyTorch path. On CPU the PyTorch path always runs. The path that ran is in the layer's stats["kernel"].
+    kernels: str = "triton"
 
     _runtime = (
         "kda_chunk_size", "indexer_tile_tokens", "moe_chunk_tokens", "dsa_mode", "indexer_stage",
-        "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef",
+        "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef", "kernels",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -202,6 +206,8 @@ class ModelConfig:
             raise ValueError(f"dsa_mode must be 'sparse' or 'dense', got {self.dsa_mode!r}")
         if self.indexer_stage not in ("sparse", "warmup", "off"):
             raise ValueError(f"indexer_stage must be 'sparse', 'warmup' or 'off', got {self.indexer_stage!r}")
+        if self.kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels must be 'triton' or 'torch', got {self.kernels!r}")
         for name in ("kda_chunk_size", "indexer_tile_tokens", "moe_chunk_tokens", "linear_conv_kernel_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -39,6 +39,11 @@ Design choices (why this is not the reference's code):
   attention. ``aux_loss`` holds it times ``indexer_loss_coef``.
 - Dense attention runs only when ``dsa_mode == "dense"`` is asked for; the path that ran is in
   ``stats["path"]`` ("sparse" / "dense") with ``stats["indexer"]`` ("full" / "shared").
+- On CUDA (fp32/fp16/bf16) the indexer top-k and the sparse attention run the Triton kernels of ``kernels/``
+  (``kernels.indexer_topk``, ``kernels.sparse_mla``: same calls as ``indexer_topk`` and ``sparse_mla`` here, tested
+  equal to them under the Triton interpreter) unless ``kernels == "torch"``; on CPU this file's PyTorch path runs.
+  ``stats["kernel"]`` says which ran ("triton" / "torch"). The kernels are imported only when used, so a CPU
+  install without a working Triton imports this module. The indexer KL and dense attention stay PyTorch.
 - Chunk contract: ``forward(x, cache, selection)`` takes the latents and pooled indexer keys of all earlier
   positions (``DSACache``: latents, complete pools' keys, and the raw keys/gates of the incomplete last pool)
   and returns them extended by this chunk (not detached: gradients reach earlier chunks).
@@ -131,6 +136,15 @@ class DSASelection:
             tail = tail.masked_fill(off[None, :] >= count[:, None], SENTINEL)
             tok = torch.cat([tok, tail.expand(B, T, kp - 1)], dim=-1)
         return tok
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _kernel_device(t: Tensor) -> bool:
+    """Whether the Triton kernels run on ``t``'s device (CUDA). Tests replace it to run them on CPU under the
+    Triton interpreter."""
+    return t.is_cuda
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -626,8 +640,9 @@ class DeepSeekSparseAttention(nn.Module):
             ``indexer_stage``, ``indexer_loss_coef``.
         layer_idx: the layer's index (its ``indexer_types`` entry).
 
-    After each ``forward``: ``self.stats = {"path", "indexer", "keys_scored", "keys_attended", "indexer_loss"}``
-    (``keys_scored`` = (query, pool) pairs the indexer scored; ``keys_attended`` = (query, token) pairs attended)
+    After each ``forward``: ``self.stats = {"path", "kernel", "indexer", "keys_scored", "keys_attended",
+    "indexer_loss"}`` (``kernel`` = "triton" when the Triton indexer top-k / sparse attention ran, else "torch";
+    ``keys_scored`` = (query, pool) pairs the indexer scored; ``keys_attended`` = (query, token) pairs attended)
     and ``self.aux_loss`` (indexer KL x ``indexer_loss_coef``; None for stage "off", shared layers or no grad).
     """
 
@@ -639,6 +654,7 @@ class DeepSeekSparseAttention(nn.Module):
         self.kpool, self.tail = cfg.index_kpool, cfg.index_kpool_always_select_tail
         self.topk, self.tile_tokens = cfg.index_topk, cfg.indexer_tile_tokens
         self.mode, self.stage, self.loss_coef = cfg.dsa_mode, cfg.indexer_stage, cfg.indexer_loss_coef
+        self.kernels = cfg.kernels
         self.attn_tile_tokens = ATTN_TILE_TOKENS
         self.scale = self.qk_head_dim**-0.5
         bias = cfg.attention_bias
@@ -708,10 +724,19 @@ class DeepSeekSparseAttention(nn.Module):
         scored = B * int(n_vis_pools.sum()) if self.indexer is not None else 0
         sel = None
         need_sel = self.mode == "sparse" or (self.stage == "sparse" and torch.is_grad_enabled())
+        use_triton = self.kernels == "triton" and all(
+            _kernel_device(t) and t.dtype in _KERNEL_DTYPES for t in (q_abs, latent, iq, iw, pool_k) if t is not None
+        )
+        topk_fn, attn_fn = indexer_topk, sparse_mla
+        if use_triton:  # imported here: a CPU install needs no working Triton
+            from kernels.indexer_topk import indexer_topk as topk_fn
+            from kernels.sparse_mla import sparse_mla as attn_fn
+        ran_triton = False
         if self.indexer is not None and need_sel:
             K = min(self.topk // kp, pool_k.shape[1])
             if K > 0:
-                pools = indexer_topk(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32)
+                pools = topk_fn(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32)
+                ran_triton = use_triton
             else:
                 pools = torch.full((B, T, 0), SENTINEL, dtype=torch.int32, device=x.device)
             sel = DSASelection(pools, pos, kp, self.tail)
@@ -722,7 +747,8 @@ class DeepSeekSparseAttention(nn.Module):
                 raise ValueError(f"shared DSA layer: selection of {tuple(selection.pools.shape[:2])} rows for {(B, T)}")
             sel = selection
         if self.mode == "sparse":
-            o_lat = sparse_mla(q_abs, latent, sel, self.scale, self.attn_tile_tokens)
+            o_lat = attn_fn(q_abs, latent, sel, self.scale, self.attn_tile_tokens)
+            ran_triton = use_triton
             attended = int((sel.pools >= 0).sum()) * kp
             if sel.tail:
                 attended += B * int(((sel.pos + 1) % kp).sum())
@@ -730,6 +756,7 @@ class DeepSeekSparseAttention(nn.Module):
         else:
             o_lat = self._dense(q_abs, latent, S)
             stats = {"path": "dense", "keys_scored": 0, "keys_attended": B * (T * S + T * (T + 1) // 2)}
+        stats = {"path": stats["path"], "kernel": "triton" if ran_triton else "torch", **stats}
         stats["indexer"] = "shared" if self.indexer is None else "full"
         self.aux_loss = None
         stats["indexer_loss"] = None

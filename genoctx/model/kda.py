@@ -288,6 +288,12 @@ class ForgetGate(nn.Module):
         dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))).clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def pre_activation(self, x: Tensor) -> Tensor:
+        """``f_b_proj(f_a_proj x)`` as ``[B, T, H, K]`` in x's compute dtype: the gate before ``dt_bias`` and the
+        activation (fla's raw ``g`` when fla computes the gate in its kernel, ``fla_gate_kwargs``)."""
+        B, T, _ = x.shape
+        return self.f_b_proj(self.f_a_proj(x)).view(B, T, self.n_heads, self.head_dim)
+
     def forward(self, x: Tensor) -> Tensor:
         """x ``[B, T, D]`` -> g ``[B, T, H, K]`` fp32 (fp64 for fp64 input), every entry <= 0."""
         B, T, _ = x.shape
@@ -299,6 +305,35 @@ class ForgetGate(nn.Module):
             if self.lower_bound is not None:
                 return self.lower_bound * torch.sigmoid(rate * f)
             return -rate * F.softplus(f, threshold=20.0)
+
+
+FLA_SAFE_GATE_RANGE = (-5.0, 0.0)  # fla chunk_kda's safe_gate needs lower_bound in [-5, 0)
+
+
+def fla_gate_kwargs(gate: ForgetGate, raw: Tensor | None = None) -> dict:
+    """Keyword arguments that make fla-core's ``chunk_kda`` (``fla.ops.kda``, Triton, CUDA) apply GLM-5.3-Flash's
+    forget gate (``ForgetGate``), in one of two forms:
+
+    - ``raw is None``: fla gets our precomputed ``g = gate(x)`` ``[B, T, H, K]`` as its ``g``. Returns
+      ``{"safe_gate": True}`` when the gate has a lower bound in fla's safe range ``[-5, 0)`` (``g`` then lies in
+      ``(lower_bound, 0)``, the bounded gates fla's M=16 tensor-core path requires), else ``{}``.
+    - ``raw = gate.pre_activation(x)`` (no ``dt_bias``): fla computes the gate inside its kernel. Returns
+      ``{"g": raw, "use_gate_in_kernel": True, "A_log": [H] fp32, "dt_bias": [H K] fp32, "lower_bound": lb}``
+      (plus ``"safe_gate": True`` in the safe range): fla's ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``,
+      or without a lower bound ``-exp(A_log) softplus(g + dt_bias)``, which is ``ForgetGate.forward``.
+
+    Tested on CPU (``tests/kernels/test_kda_fla.py``) against fla's naive gate references
+    (``naive_kda_lowerbound_gate``, ``naive_kda_gate``), its naive recurrent and chunk forms, its Triton
+    ``fused_recurrent_kda`` (same gate arguments; under the Triton interpreter) and ``chunk_kda`` here. fla's
+    ``chunk_kda`` itself does not run under the interpreter (fla 0.6: a loop index is a Python int there).
+    """
+    lb = gate.lower_bound
+    safe = lb is not None and FLA_SAFE_GATE_RANGE[0] <= lb < FLA_SAFE_GATE_RANGE[1]
+    out: dict = {"safe_gate": True} if safe else {}
+    if raw is None:
+        return out
+    return {"g": raw, "use_gate_in_kernel": True, "A_log": gate.A_log.float(), "dt_bias": gate.dt_bias.float(),
+            "lower_bound": lb, **out}  # fmt: skip
 
 
 class GatedRMSNorm(nn.Module):
@@ -428,7 +463,10 @@ class KimiDeltaAttention(nn.Module):
                 from fla.ops.kda import chunk_kda as fla_chunk_kda
             except ImportError as err:
                 raise GenoctxError("use_fla=True needs fla-core (pip install 'genoctx[gpu]')") from err
-            o, state = fla_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+            o, state = fla_chunk_kda(
+                q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                **fla_gate_kwargs(self.forget_gate),
+            )  # fmt: skip
             path = "fla"
         else:
             args = (q, k, v, g, beta, None, initial_state, True, self.chunk_size)
