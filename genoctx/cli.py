@@ -650,6 +650,191 @@ def export(
     _emit_json({"checkpoint": str(path), **summary})
 
 
+@app.command()
+@_user_errors
+def plan(
+    preset: Annotated[str | None, typer.Option(help="Preset name: tiny, cpu-small, glm-5.3-flash.")] = None,
+    hf: Annotated[
+        Path | None, typer.Option("--hf", help="The config.json of an HF glm5_next model directory (no weights).")
+    ] = None,
+    recipe: Annotated[
+        Path | None,
+        typer.Option(help="A recipe: its model (a preset, or model.init's config.json), batch, dtype and loss."),
+    ] = None,
+    seq_len: Annotated[
+        str | None, typer.Option("--seq-len", help="Window length in tokens (k/M suffixes); default recipe's or 1M.")
+    ] = None,
+    gpus: Annotated[int, typer.Option(help="Number of GPUs (ranks): the layouts' world size.")] = 1,
+    gpu_memory_gib: Annotated[float, typer.Option(help="Memory of one GPU in GiB (B200: 178).")] = 178.0,
+    dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
+    ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
+    fsdp: Annotated[int | None, typer.Option("--fsdp", help="FSDP ranks (dp_shard; > 1 shards parameters).")] = None,
+    cp: Annotated[int | None, typer.Option(help="Context-parallel ranks (pieces of one window).")] = None,
+    no_recompute: Annotated[
+        bool, typer.Option("--no-recompute", help="No activation checkpointing of the decoder layers.")
+    ] = False,
+    offload_optimizer: Annotated[
+        bool, typer.Option("--offload-optimizer", help="Masters, gradients and AdamW state in host memory (FSDP2).")
+    ] = False,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Windows per data-parallel rank per step (default the recipe's or 1).")
+    ] = None,
+    dtype: Annotated[str | None, typer.Option(help="bf16 or fp32 (default the recipe's train.dtype or bf16).")] = None,
+    format_: Annotated[str, typer.Option("--format", help="table or json (on stdout).")] = "table",
+) -> None:
+    """Predict GPU memory per rank of one training step, by component, for a model x window x parallel layout.
+
+    With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
+    listed, best first (the table shows the top 10; none fitting: the closest). See genoctx/plan.py for every
+    formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
+
+    Examples:
+      genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --gpu-memory-gib 178
+      genoctx plan --preset glm-5.3-flash --seq-len 128k --gpus 64 --ep 2 --fsdp 2 --cp 16 --format json
+      genoctx plan --recipe recipes/cpu-small.yaml --seq-len 16k --gpus 4 --gpu-memory-gib 8
+    """
+    from .plan import format_table, plan_memory, search_layouts
+
+    _setup_logging(False)
+    if format_ not in ("table", "json"):
+        raise GenoctxError(f"--format must be table or json, got {format_!r}")
+    if sum(x is not None for x in (preset, recipe, hf)) != 1:
+        raise GenoctxError("give one of --preset NAME, --hf DIR and --recipe FILE")
+    for flag, value in (("--gpus", gpus), ("--dp-replicate", dp_replicate), ("--ep", ep), ("--fsdp", fsdp),
+                        ("--cp", cp), ("--batch-size", batch_size)):  # fmt: skip
+        _at_least(flag, value, 1)
+    if not 0 < gpu_memory_gib < float("inf"):
+        raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
+    if dtype is not None and dtype not in ("bf16", "fp32"):
+        raise GenoctxError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    cfg, rec = _plan_model(preset, hf, recipe)
+    default_len = rec.train.seq_len if rec is not None and rec.train.seq_len else 1 << 20
+    L = _size("--seq-len", seq_len) if seq_len is not None else default_len
+    if L < cfg.kda_chunk_size:
+        raise GenoctxError(f"--seq-len: {L} tokens is shorter than one KDA chunk ({cfg.kda_chunk_size} tokens)")
+    kwargs = dict(
+        gpu_memory_gib=gpu_memory_gib,
+        recompute=not no_recompute,
+        optimizer_offload=offload_optimizer,
+        batch_size=batch_size or (rec.train.batch_size if rec is not None else 1),
+        dtype=dtype or (rec.train.dtype if rec is not None else "bf16"),
+        loss_vocab_rows=5 if rec is not None and rec.loss.vocab == "nucleotide" else None,
+        loss_chunk_tokens=rec.loss.chunk_tokens if rec is not None else 2048,
+    )
+    doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib}
+    if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
+        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer)
+        try:
+            plans = [plan_memory(cfg, L, layout, **kwargs)]
+        except ValueError as e:
+            raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
+        doc["layouts"] = plans
+        shown = plans
+    else:
+        plans = search_layouts(cfg, L, gpus, **kwargs)
+        if not plans:
+            raise GenoctxError(
+                f"--gpus {gpus}: no layout of this model can run a {L}-token window on {gpus} ranks (cp must divide "
+                f"--seq-len and leave pieces of >= {cfg.kda_chunk_size} tokens, ep must divide {cfg.n_routed_experts} "
+                "experts)"
+            )
+        fitting = [p for p in plans if p["fits"]]
+        doc.update(searched=len(plans), layouts=fitting)
+        if not fitting:
+            doc["closest"] = plans[:10]
+            logging.getLogger("genoctx.plan").warning(
+                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU", gpus, gpu_memory_gib,
+                plans[0]["total_gib"],
+            )  # fmt: skip
+        shown = fitting or plans
+    if format_ == "json":
+        _emit_json(doc)
+        return
+    if doc.get("layouts") == [] and "closest" in doc:
+        sys.stdout.write(f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB; the closest:\n")
+    sys.stdout.write(format_table(shown) + "\n")
+    sys.stdout.flush()
+
+
+def _plan_model(preset, hf, recipe):
+    """``(ModelConfig, Recipe or None)`` of ``genoctx plan``'s --preset / --hf / --recipe (one of them)."""
+    import dataclasses
+
+    from .model.config import preset as get_preset
+
+    if preset is not None:
+        try:
+            return get_preset(preset), None
+        except KeyError as e:
+            raise GenoctxError(f"--preset: {e.args[0]}") from None
+    from .model.hf import read_config
+
+    if hf is not None:
+        try:
+            return read_config(hf)[0], None
+        except GenoctxError as e:
+            raise GenoctxError(f"--hf {e}") from None
+    from .recipes import load_recipe
+
+    rec = load_recipe(recipe)
+    if rec.init is None:
+        return rec.model, rec
+    init = Path(rec.init).expanduser()
+    if (init / "config.json").is_file():
+        cfg = read_config(init)[0]
+    elif init.is_dir():  # a genoctx run or checkpoint
+        from .train.checkpoint import load_recipe_of, resolve_checkpoint
+
+        cfg = load_recipe_of(resolve_checkpoint(init)).model
+    else:  # a Hub repo id: its config.json from the local cache only (nothing is downloaded)
+        repo, _, revision = rec.init.partition("@")
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+        except Exception:  # noqa: BLE001 -- an invalid repo id or no huggingface_hub: not in the cache
+            cached = None
+        if not isinstance(cached, str):
+            raise GenoctxError(
+                f"--recipe {recipe}: model.init {rec.init!r} is a Hub repo whose config.json is not in the local "
+                "cache; give --hf DIR (a directory with its config.json) or --preset glm-5.3-flash (the published one)"
+            )
+        cfg = read_config(Path(cached).parent)[0]
+    return dataclasses.replace(cfg, **rec.model_knobs), rec
+
+
+def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload):
+    """The ``Layout`` of ``genoctx plan``'s layout flags (unset ones 1; --dp-replicate unset: the rest of --gpus).
+
+    Raises:
+        GenoctxError: the sizes do not make --gpus ranks, or the model cannot run them (the flag is named).
+    """
+    from .parallel.layout import Layout
+
+    ep, fsdp, cp = ep or 1, fsdp or 1, cp or 1
+    if gpus % (ep * fsdp * cp):
+        raise GenoctxError(f"--ep {ep} x --fsdp {fsdp} x --cp {cp} = {ep * fsdp * cp} ranks must divide --gpus {gpus}")
+    layout = Layout(dp_replicate=gpus // (ep * fsdp * cp) if dp_replicate is None else dp_replicate, ep=ep,
+                    dp_shard=fsdp, cp=cp)  # fmt: skip
+    if layout.world != gpus:
+        raise GenoctxError(
+            f"--dp-replicate {layout.dp_replicate} x --ep {ep} x --fsdp {fsdp} x --cp {cp} = {layout.world} ranks, "
+            f"not --gpus {gpus}"
+        )
+    moe = "sparse" in cfg.mlp_layer_types
+    if (moe and cfg.n_routed_experts % ep) or (not moe and ep > 1):
+        raise GenoctxError(f"--ep {ep}: must divide the {cfg.n_routed_experts if moe else 0} routed experts")
+    if seq_len % cp:
+        raise GenoctxError(f"--cp {cp}: must divide --seq-len {seq_len}")
+    if seq_len // cp < cfg.kda_chunk_size:
+        raise GenoctxError(
+            f"--cp {cp}: pieces of {seq_len // cp} tokens are shorter than one KDA chunk ({cfg.kda_chunk_size})"
+        )
+    if offload and fsdp == 1:
+        raise GenoctxError("--offload-optimizer needs --fsdp > 1 (it is FSDP2's CPUOffloadPolicy)")
+    return layout
+
+
 @model_app.command("info")
 @_user_errors
 def model_info(
