@@ -34,8 +34,8 @@ Assumptions (each one is a place where a measurement can disagree):
   reduce_dtype=fp32)`` for ``dtype="bf16"``: fp32 sharded masters, fp32 sharded gradients, fp32 AdamW
   ``exp_avg`` + ``exp_avg_sq`` (16 bytes per sharded parameter); all-gathered parameters in bf16 (the fp32 islands'
   few parameters are counted as bf16). With ``recompute`` each decoder layer is checkpointed (``apply_ac``).
-  Without FSDP (``dp_shard == 1``) parameters are replicated, and ``dtype="bf16"`` keeps a bf16 compute copy of the
-  local parameters for the step.
+  Without FSDP (``dp_shard == cp == 1``) parameters are replicated, and ``dtype="bf16"`` keeps a bf16 compute copy
+  of the local parameters for the step.
 - The busiest rank: under context parallelism the rank holding the window's last piece (its DSA layers attend
   over the whole window); under expert parallelism a rank receives at most ``moe_chunk_tokens x k`` rows per
   dispatch round (the bound of ``genoctx.parallel.layout``'s expert parallelism).
@@ -391,7 +391,7 @@ def _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device,
             f"({cfg.kda_chunk_size})"
         )
     if optimizer_offload and not layout.fsdp:
-        raise ValueError("optimizer_offload needs FSDP (dp_shard > 1): it is FSDP2's CPUOffloadPolicy")
+        raise ValueError("optimizer_offload needs FSDP (dp_shard > 1 or cp > 1): it is FSDP2's CPUOffloadPolicy")
     if cfg.dsa_mode != "sparse" or cfg.indexer_stage == "warmup":
         raise ValueError("plan_memory models sparse DSA (dsa_mode='sparse', indexer_stage 'sparse' or 'off'), not the "
                          "dense indexer warm-up")  # fmt: skip
@@ -733,7 +733,7 @@ def _divisors(x: int) -> list[int]:
 def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offload: bool = False) -> list[Layout]:
     """Every layout of ``gpus`` ranks this model can run: ``dp_replicate x ep x dp_shard x cp == gpus``, ``ep``
     dividing ``n_routed_experts`` (1 without MoE layers), ``cp`` dividing ``seq_len`` with pieces of at least one
-    KDA chunk (``kda_chunk_size`` tokens), ``dp_shard > 1`` when ``optimizer_offload``.
+    KDA chunk (``kda_chunk_size`` tokens), FSDP (``dp_shard > 1`` or ``cp > 1``) when ``optimizer_offload``.
 
     Raises:
         ValueError: ``gpus`` or ``seq_len`` not a positive integer.
@@ -750,9 +750,10 @@ def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offloa
             if (moe and cfg.n_routed_experts % ep) or (not moe and ep > 1):
                 continue
             for dp_shard in _divisors(gpus // (cp * ep)):
-                if optimizer_offload and dp_shard == 1:
+                lay = Layout(dp_replicate=gpus // (cp * ep * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp)
+                if optimizer_offload and not lay.fsdp:
                     continue
-                out.append(Layout(dp_replicate=gpus // (cp * ep * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp))
+                out.append(lay)
     return out
 
 

@@ -427,7 +427,8 @@ class KimiDeltaAttention(nn.Module):
         if conv_state is None:
             conv_state = qkv.new_zeros(B, self.conv_size - 1, 3 * hk)
         xs = torch.cat([conv_state.to(qkv.dtype), qkv], dim=1)  # [B, conv_size - 1 + T, 3 hk]
-        new_conv_state = xs[:, xs.shape[1] - (self.conv_size - 1) :]
+        # a copy of the tail: a view would keep the whole [B, T, 3 H K] input alive as long as the cache lives
+        new_conv_state = xs[:, xs.shape[1] - (self.conv_size - 1) :].clone()
         w = self.conv1d.weight
         with torch.autocast(device_type=x.device.type, enabled=False):  # the conv is an fp32 island
             wt = torch.promote_types(w.dtype, xs.dtype)

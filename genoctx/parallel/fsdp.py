@@ -5,7 +5,7 @@
 1. expert parallel (``genoctx.parallel.experts.apply_ep``): every MoE keeps its rank's block of routed experts;
 2. context parallel (``genoctx.parallel.context.apply_cp``): the mixing layers take their pieces' caches;
 3. activation checkpointing (``apply_ac``, optional): each decoder layer recomputed in backward;
-4. FSDP2 (``apply_fsdp``, when ``dp_shard > 1``): ``fully_shard`` per decoder layer, then the root.
+4. FSDP2 (``apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): ``fully_shard`` per decoder layer, then the root.
 
 The optimizer is built afterwards, on the sharded parameters (DTensors): its state is sharded as they are.
 
@@ -21,8 +21,10 @@ short convolution and output norm, MoE router, mHC mixing) are wrapped as their 
 they compute exactly as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under
 autocast).
 
-Without FSDP (``dp_shard == 1``) parameters are replicated and ``reduce_gradients`` all-reduces (sums) them: dense
-ones over the whole mesh, routed experts over the ranks holding the same block (``dims.expert_group``).
+Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
+all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
+(``dims.expert_group``). A model with CP applied but no FSDP (``apply_cp`` alone, as the CP tests run it) is
+all-reduced the same way.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def apply_fsdp(
     )
 
     if not dims.fsdp or dims.dense_mesh is None:
-        raise ValueError("apply_fsdp needs dp_shard > 1 (init_parallel(dp_shard=...))")
+        raise ValueError("apply_fsdp needs dp_shard > 1 or cp > 1 (init_parallel(dp_shard=..., cp=...))")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
                                      reduce_dtype=reduce_dtype)  # fmt: skip
@@ -172,7 +174,9 @@ def reduce_gradients(model: nn.Module, dims: ParallelDims) -> None:
     it: dense parameters are all-reduced over the whole mesh (``dims.dp_cp_group``), routed experts under EP over
     ``dims.expert_group`` (their owner already holds every EP rank's tokens' contribution).
     """
-    if dims.fsdp or not dims.is_distributed:
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) or not dims.is_distributed:
         return
     params = [p for p in model.parameters() if p.requires_grad]
     all_reduce_grads([p for p in params if not is_expert_parameter(p)], dims.dp_cp_group)
@@ -183,24 +187,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _copies(grad: torch.Tensor, expert: bool, dims: ParallelDims) -> float:
+    """Ranks holding the same piece of ``grad``: the world over the shards of its placements (FSDP), and over the EP
+    blocks for a routed expert."""
+    shards = 1
+    if hasattr(grad, "placements"):
+        shards = math.prod(grad.device_mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_shard())
+    return dims.world / (shards * (dims.ep if expert else 1))
+
+
 def grad_norm(model: nn.Module, dims: ParallelDims | None) -> torch.Tensor:
     """The global L2 norm of the gradients (fp64 scalar), whatever the sharding.
 
-    Each rank sums the squares of the gradient pieces it holds, weighted by 1 / (ranks holding the same piece):
-    a dense piece has ``world / dense_shard`` copies, a routed-expert piece ``world / (ep x expert_shard)``
-    (``genoctx.parallel.layout``); one all-reduce over the mesh adds them up.
+    Each rank sums the squares of the gradient pieces it holds, weighted by 1 / (ranks holding the same piece,
+    ``_copies``: under FSDP a dense piece has ``world / dense_shard`` copies, a routed-expert piece
+    ``world / (ep x expert_shard)``; replicated, ``world`` and ``world / ep``); one all-reduce over the mesh adds
+    them up.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if dims is None or not dims.is_distributed:
         sq = sum((p.grad.detach().double().pow(2).sum() for p in params), torch.zeros((), dtype=torch.float64))
         return sq.sqrt()
-    lay = dims.layout
-    dense_copies = lay.world / lay.dense_shard
-    expert_copies = lay.world / (lay.ep * lay.expert_shard)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
-        copies = expert_copies if is_expert_parameter(p) else dense_copies
-        sq = sq + _local(p.grad.detach()).double().pow(2).sum() / copies
+        sq = sq + _local(p.grad.detach()).double().pow(2).sum() / _copies(p.grad, is_expert_parameter(p), dims)
     sq = sq.to(torch.float64)
     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
     return sq.sqrt()

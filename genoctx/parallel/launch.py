@@ -505,9 +505,12 @@ def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, 
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
     if gib is None:
         return
-    plan = plan_memory(recipe.model, seq_len, layout, gpu_memory_gib=gib, batch_size=recipe.train.batch_size,
-                       recompute=recipe.train.activation_checkpointing, dtype=recipe.train.dtype,
-                       optimizer_offload=recipe.train.offload_optimizer)  # fmt: skip
+    try:
+        plan = plan_memory(recipe.model, seq_len, layout, gpu_memory_gib=gib, batch_size=recipe.train.batch_size,
+                           recompute=recipe.train.activation_checkpointing, dtype=recipe.train.dtype,
+                           optimizer_offload=recipe.train.offload_optimizer)  # fmt: skip
+    except ValueError as e:  # a layout or option the planner (and the run) cannot take
+        raise GenoctxError(f"memory plan: {e}") from None
     log.info("memory plan (%s): %.1f GiB of %.1f per GPU", layout.describe(), plan["total_gib"], gib)
     if not force:
         check_fits(plan)

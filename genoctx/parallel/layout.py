@@ -13,10 +13,12 @@ The device mesh (``genoctx.parallel.mesh``) has four dimensions, outermost first
 - ``cp``: context parallel: the ranks of a CP group hold pieces of the same windows.
 
 Data: a rank's windows are chosen by its data-parallel rank over ``dp_replicate x ep x dp_shard`` (``dp``,
-``dp_rank``). Sharding, when ``dp_shard > 1`` (torchtitan's ``dp_shard_cp``): every dense parameter is sharded
-over all ``ep x dp_shard x cp`` ranks of its replica, every routed expert over the ``dp_shard x cp`` ranks that
-hold the same experts; replicas all-reduce. When ``dp_shard == 1`` parameters are replicated (routed experts
-only across the ranks holding the same block) and gradients are all-reduced.
+``dp_rank``). Sharding (FSDP2), when ``dp_shard > 1`` or ``cp > 1`` (torchtitan shards over ``dp_shard_cp`` the
+same way: CP ranks hold different tokens, so they shard parameters like data-parallel ranks): every dense
+parameter is sharded over all ``ep x dp_shard x cp`` ranks of its replica, every routed expert over the
+``dp_shard x cp`` ranks that hold the same experts; replicas all-reduce. Otherwise (replicas and EP only)
+parameters are replicated (routed experts only across the ranks holding the same block) and gradients are
+all-reduced.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """True when parameters are sharded (FSDP2): ``dp_shard > 1``."""
-        return self.dp_shard > 1
+        """True when parameters are sharded (FSDP2): ``dp_shard > 1`` or ``cp > 1``."""
+        return self.dp_shard > 1 or self.cp > 1
 
     @property
     def dense_shard(self) -> int:

@@ -102,7 +102,7 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
         experts = sum(g.numel() for n, g in ref[0]["grads"].items() if ".mlp.experts." in n)
         # what this rank holds: dense parameters / dense_shard, routed experts / (ep x expert_shard) (FSDP pads
         # uneven shards by < 1 row per parameter); AdamW keeps two moments of the same shape
-        fsdp = lay["dp_shard"] > 1
+        fsdp = lay["dp_shard"] > 1 or lay["cp"] > 1
         dense_shard = lay["ep"] * lay["dp_shard"] * lay["cp"] if fsdp else 1
         expert_shard = lay["ep"] * (lay["dp_shard"] * lay["cp"] if fsdp else 1)
         want = (full - experts) / dense_shard + experts / expert_shard
