@@ -56,7 +56,7 @@ def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
     """This rank's rows of a routed-expert tensor as a DTensor of the global ``[E, ...]`` shape (see module doc)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    E = module.ep_size * local_rows(module)
+    E = module.ep_size * module.n_local_experts  # set by genoctx.parallel.experts.apply_ep
     if hasattr(local, "to_local"):  # FSDP-sharded block: Shard(0) over expert_shard inside the ep block
         mesh = dims.mesh["ep", "expert_shard"]
         placements = [Shard(0), Shard(0)]
@@ -67,15 +67,6 @@ def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
     shape = torch.Size([E, *local.shape[1:]])
     stride = torch.empty(0).new_empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def local_rows(experts_module) -> int:
-    """Routed experts held by this rank's ``Experts`` module (``n_routed_experts / ep``)."""
-    return (
-        int(experts_module.n_local_experts)
-        if hasattr(experts_module, "n_local_experts")
-        else (experts_module.gate_up_proj.shape[0])
-    )
 
 
 def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
@@ -100,8 +91,11 @@ def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
         if tied and name == TIED_HEAD:
             continue
         p = params.get(name)
-        out[f"model.{name}"] = present(name, t.detach() if p is None else p.data if not hasattr(p, "to_local") else p,
-                                       p)  # fmt: skip
+        if p is None:  # a buffer (router biases)
+            value = t.detach()
+        else:  # an FSDP parameter is its DTensor; a replicated one shares its memory through .data
+            value = p if hasattr(p, "to_local") else p.data
+        out[f"model.{name}"] = present(name, value, p)
     if optimizer is not None:
         names = {id(p): n for n, p in params.items()}
         for group in optimizer.param_groups:
