@@ -40,7 +40,7 @@ from .. import __version__
 from ..errors import GenoctxError
 from ..lock import share_like_umask
 from ..recipes import Recipe
-from .checkpoint import CKPT_DIR, TIED_HEAD, checkpoint_name, list_checkpoints
+from .checkpoint import CKPT_DIR, TIED_HEAD, _first_line, checkpoint_name, list_checkpoints
 
 DCP_DIR = "dcp"
 FORMAT = "dcp"
@@ -183,11 +183,6 @@ def _load_scheduler(ckpt: Path, scheduler) -> None:
         raise GenoctxError(f"{path}: not readable JSON ({_first_line(e)})") from None
     if scheduler is not None and doc is not None:
         scheduler.load_state_dict(doc)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def checkpoint_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
