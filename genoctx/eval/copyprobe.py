@@ -21,6 +21,8 @@ distance qualifies). N bases are never scored (a copied N stays unscored).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .bootstrap import percentile_interval, resample_weights
@@ -90,26 +92,61 @@ def copied_window(tokens: np.ndarray, distance: int, segment: int = SEGMENT) -> 
     return out, sources, W - segment
 
 
-def probe_windows(score, windows: list[np.ndarray], distances: list[int], segment: int = SEGMENT) -> dict:
-    """Score the copies of every window at every distance with ``score`` (``genoctx.eval.position.ScoreFn``:
-    int64 [W] -> float64 [W] nats, 0 where not scored).
+TailScoreFn = Callable[[np.ndarray, int, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]
+"""Scores one window and alternative endings of it: ``(tokens int64 [W], dst, tails: list of int64 [W - dst])`` ->
+``(float64 [W] losses of the unedited window, list of float64 [W - dst] losses of each tail put at [dst, W))``,
+nats, 0 where not scored. A model scores the shared prefix ``[0, dst)`` once and each tail after it from the carried
+cache (``genoctx.eval.position.model_tail_scorer``); ``rescoring_tails`` is the slow reference for any scorer."""
+
+
+def rescoring_tails(score) -> TailScoreFn:
+    """A :data:`TailScoreFn` from a plain ``ScoreFn`` (int64 [W] -> float64 [W] nats): every edited window is scored
+    whole. The reference the cached fast path is tested against, and the path of the Markov chain (cheap anyway)."""
+
+    def score_tails(tokens: np.ndarray, dst: int, tails: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        base = np.asarray(score(tokens), dtype=np.float64)
+        out = []
+        for tail in tails:
+            edited = tokens.copy()
+            edited[dst:] = tail
+            out.append(np.asarray(score(edited), dtype=np.float64)[dst:])
+        return base, out
+
+    return score_tails
+
+
+def probe_windows(
+    score,
+    windows: list[np.ndarray],
+    distances: list[int],
+    segment: int = SEGMENT,
+    score_tails: TailScoreFn | None = None,
+) -> dict:
+    """Score the copies of every window at every distance.
+
+    Args:
+        score: a ``genoctx.eval.position.ScoreFn`` (int64 [W] -> float64 [W] nats, 0 where not scored); used through
+            ``rescoring_tails`` unless ``score_tails`` is given.
+        windows: int64 [W] token ids each. distances: bases (``copy_distances``). segment: bases copied.
+        score_tails: a faster :data:`TailScoreFn` computing the same losses (a model's cached prefix), or None.
 
     Returns:
         ``{"copied_sum", "in_place_sum"}`` float64 [windows, distances] nats and ``{"copied_count",
         "in_place_count"}`` int64 [windows, distances] scored bases (equal unless the edit moved an N).
     """
+    score_tails = score_tails or rescoring_tails(score)
     n, k = len(windows), len(distances)
     out = {key: np.zeros((n, k)) for key in ("copied_sum", "in_place_sum")}
     out.update({key: np.zeros((n, k), dtype=np.int64) for key in ("copied_count", "in_place_count")})
     for i, tokens in enumerate(windows):
         tokens = np.asarray(tokens, dtype=np.int64)
-        base = np.asarray(score(tokens), dtype=np.float64)
         scored = (tokens >= 0) & (tokens <= 3)
-        for j, d in enumerate(distances):
-            edited, sources, dst = copied_window(tokens, d, segment)
-            losses = np.asarray(score(edited), dtype=np.float64)
+        edits = [copied_window(tokens, d, segment) for d in distances]
+        dst = edits[0][2]
+        base, tail_losses = score_tails(tokens, dst, [edited[dst:] for edited, _, _ in edits])
+        for j, ((_, sources, _), losses) in enumerate(zip(edits, tail_losses, strict=True)):
             ok = scored[sources]  # the copied bases that are scored (the same ones in both places)
-            out["copied_sum"][i, j] = losses[dst:][ok].sum()
+            out["copied_sum"][i, j] = np.asarray(losses)[ok].sum()
             out["copied_count"][i, j] = int(ok.sum())
             out["in_place_sum"][i, j] = base[sources][ok].sum()
             out["in_place_count"][i, j] = int(ok.sum())

@@ -1,5 +1,5 @@
-"""An image (PNG by default) of held-out loss (or relative change vs the baseline) against token position,
-with interval bands."""
+"""An image (PNG by default) of held-out loss against token position with interval bands, beside it the change of
+every model vs the baseline (paired intervals) and the copy probe's gain by distance when the document has them."""
 
 from __future__ import annotations
 
@@ -98,10 +98,72 @@ def _plot_copy_probe(ax, doc: dict, models: list[dict]) -> None:
     ax.legend(fontsize=8)
 
 
+def plot_panels(doc: dict, metric: str = "loss") -> list[str]:
+    """The panels :func:`plot` draws for ``doc``, left to right: ``metric`` by position; then, when that is the loss
+    and a baseline was scored, ``"relative_change"`` (every other model's change vs the baseline, paired intervals:
+    the comparison that means something, e.g. post-trained and Markov vs the base); then ``"copy_probe"`` when the
+    document has one."""
+    models = _models(doc)
+    panels = [metric]
+    if metric == "loss" and any(m.get("baseline") for m in models):
+        if any(b.get("relative_change") is not None for m in models if not m.get("baseline") for b in m["bins"]):
+            panels.append("relative_change")
+    if doc.get("copy_probe") and any(m.get("copy_probe") for m in models):
+        panels.append("copy_probe")
+    return panels
+
+
+def _models(doc: dict) -> list[dict]:
+    return doc.get("models") or [{"name": Path(doc.get("checkpoint") or "model").name, "bins": doc["bins"]}]
+
+
+def _plot_bins(ax, doc: dict, models: list[dict], metric: str) -> None:
+    """One panel of ``metric`` (``loss`` in nats per base, or ``relative_change`` in % vs the baseline, which is
+    then the zero line) against position: a line per model at the bins' geometric centres, its interval a band."""
+    baseline = next((m["name"] for m in models if m.get("baseline")), None)
+    key, ci_key, scale = (
+        ("loss", "loss_ci", 1.0) if metric == "loss" else ("relative_change", "relative_change_ci", 100.0)
+    )
+    for m in models:
+        if metric == "relative_change" and m.get("baseline"):
+            continue
+        rows = [b for b in m["bins"] if b["tokens"] and b.get("loss") is not None and b.get(key) is not None]
+        if not rows:
+            continue
+        xs = [_mid(b) for b in rows]
+        style = "s--" if m.get("kind") == "markov" else "o-"
+        label = m["name"] + (" (baseline)" if m.get("baseline") else "")
+        (line,) = ax.plot(xs, [scale * b[key] for b in rows], style, label=label)
+        cis = [b.get(ci_key) for b in rows]
+        if all(cis):
+            ax.fill_between(
+                xs, [scale * c[0] for c in cis], [scale * c[1] for c in cis], color=line.get_color(), alpha=0.2
+            )
+    level = (doc.get("confidence") or {}).get("level", 0.95)
+    if metric == "relative_change":
+        ax.axhline(0.0, color="grey", lw=1)
+        ax.set_ylabel(f"change in loss vs {baseline or 'the baseline'} (%)")
+        ax.set_title(
+            f"change vs {baseline or 'the baseline'}; bands: paired {100 * level:.0f}% bootstrap CI", fontsize=9
+        )
+    else:
+        ax.set_ylabel("held-out loss (nats per base)")
+        ax.set_title(
+            f"loss by position, split {doc.get('split', '?')} ({doc.get('windows', '?')} windows of "
+            f"{doc.get('window', '?')}); bands: {100 * level:.0f}% bootstrap CI",
+            fontsize=9,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context before the token (bases; bin geometric centre, log scale)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
-    """Write the plot (PNG, or the format of the suffix): one line per model (checkpoints, Markov reference)
-    at the bins' geometric centres on a log-2 position axis, with the bootstrap interval as a shaded band; with a
-    copy probe in ``doc``, a second panel of each model's gain on the copy by distance (``_plot_copy_probe``).
+    """Write the plot (PNG, or the format of the suffix), one panel each of :func:`plot_panels`: ``metric`` by
+    position, one line per model (checkpoints, Markov reference) at the bins' geometric centres on a log-2 position
+    axis with the bootstrap interval as a shaded band; with a baseline, the change of every other model vs it; with
+    a copy probe in ``doc``, each model's gain on the copy by distance (``_plot_copy_probe``).
 
     Args:
         doc: a document of :func:`genoctx.eval.position.evaluate` (or the bare ``bins``/``overall`` form).
@@ -122,48 +184,16 @@ def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
     fmt = plot_format(path)
     if metric not in ("loss", "relative_change"):
         raise GenoctxError(f"--plot-metric {metric!r}: expected loss or relative_change")
-    models = doc.get("models") or [{"name": Path(doc.get("checkpoint") or "model").name, "bins": doc["bins"]}]
+    models = _models(doc)
     if metric == "relative_change" and not any(m.get("baseline") for m in models):
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
-    probe = doc.get("copy_probe") and any(m.get("copy_probe") for m in models)
-    if probe:
-        fig, (ax, ax_copy) = plt.subplots(1, 2, figsize=(13, 4.5))
-        _plot_copy_probe(ax_copy, doc, models)
-    else:
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for m in models:
-        if metric == "relative_change" and m.get("baseline"):
-            continue
-        rows = [b for b in m["bins"] if b["tokens"] and b.get("loss") is not None]
-        key, ci_key, scale = (
-            ("loss", "loss_ci", 1.0) if metric == "loss" else ("relative_change", "relative_change_ci", 100.0)
-        )
-        rows = [b for b in rows if b.get(key) is not None]
-        if not rows:
-            continue
-        xs = [_mid(b) for b in rows]
-        ys = [scale * b[key] for b in rows]
-        style = "s--" if m.get("kind") == "markov" else "o-"
-        label = m["name"] + (" (baseline)" if m.get("baseline") else "")
-        (line,) = ax.plot(xs, ys, style, label=label)
-        cis = [b.get(ci_key) for b in rows]
-        if all(cis):
-            ax.fill_between(
-                xs, [scale * c[0] for c in cis], [scale * c[1] for c in cis], color=line.get_color(), alpha=0.2
-            )
-    if metric == "relative_change":
-        ax.axhline(0.0, color="grey", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context before the token (bases; bin geometric centre, log scale)")
-    level = (doc.get("confidence") or {}).get("level", 0.95)
-    ax.set_ylabel("held-out loss (nats per base)" if metric == "loss" else "change in loss vs baseline (%)")
-    ax.set_title(
-        f"loss by position, split {doc.get('split', '?')} ({doc.get('windows', '?')} windows of "
-        f"{doc.get('window', '?')}); bands: {100 * level:.0f}% bootstrap CI",
-        fontsize=9,
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = plot_panels(doc, metric)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "copy_probe":
+            _plot_copy_probe(ax, doc, models)
+        else:
+            _plot_bins(ax, doc, models, panel)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{fmt}")
     fig.tight_layout()

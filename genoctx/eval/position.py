@@ -40,7 +40,7 @@ from ..errors import GenoctxError
 from ..model.model import shift_inputs, token_losses
 from ..train.checkpoint import load_model, resolve_checkpoint
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
-from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
+from .copyprobe import REACH_GAIN, SEGMENT, TailScoreFn, copy_distances, probe_windows, summarize
 from .markov import MAX_ORDER, MarkovModel, fit_markov
 from .plot import plot
 
@@ -123,22 +123,26 @@ def position_losses(model, tokens: torch.Tensor, chunk_tokens: int | None = None
         [B, W] float64 losses (nats).
     """
     forward = model if callable(model) else model.forward
+    return _chunk_losses(forward, tokens, 0, tokens.shape[1], chunk_tokens, None)[0]
+
+
+def _chunk_losses(forward, tokens: torch.Tensor, start: int, end: int, chunk_tokens: int | None, cache):
+    """Losses [B, end - start] float64 of positions ``[start, end)`` of ``tokens`` [B, W] (each predicted from the
+    tokens before it), fed in chunks of ``chunk_tokens`` after ``cache`` (the cache of positions ``[0, start)``;
+    None when ``start == 0``) -> (losses, the cache of ``[0, end)``)."""
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
-    W = tokens.shape[1]
-    step = chunk_tokens or W
-    cache = None
+    step = chunk_tokens or (end - start)
     out = []
-    for s in range(0, W, step):
-        logits, cache = forward(inputs[:, s : s + step], cache)
+    for s in range(start, end, step):
+        e = min(s + step, end)
+        logits, cache = forward(inputs[:, s:e], cache)
         out.append(
             token_losses(
-                logits.float() if logits.dtype == torch.float16 else logits,
-                tokens[:, s : s + step],
-                scored[:, s : s + step],
+                logits.float() if logits.dtype == torch.float16 else logits, tokens[:, s:e], scored[:, s:e]
             ).double()
         )
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=1), cache
 
 
 @dataclass
@@ -203,6 +207,31 @@ def model_scorer(model, chunk_tokens: int | None = None, device: str | torch.dev
         return position_losses(model, t, chunk_tokens)[0].cpu().numpy()
 
     return score
+
+
+def model_tail_scorer(model, chunk_tokens: int | None = None, device: str | torch.device = "cpu") -> TailScoreFn:
+    """A :data:`genoctx.eval.copyprobe.TailScoreFn` for a chunk-contract model: the prefix ``[0, dst)`` is run once
+    and every tail (the unedited one, then each edit) continues from its cache, as ``position_losses`` would score
+    the whole edited window (the chunk contract: a chunk after the cache of the positions before it). For the copy
+    probe this costs one window plus ``len(tails)`` tails instead of ``1 + len(tails)`` windows. The cache must not
+    be changed by the forward that reads it (genoctx's layers build new caches)."""
+    if hasattr(model, "eval"):
+        model.eval()
+    forward = model if callable(model) else model.forward
+
+    @torch.no_grad()
+    def score_tails(tokens: np.ndarray, dst: int, tails: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
+        W = t.shape[1]
+        prefix, cache = _chunk_losses(forward, t, 0, dst, chunk_tokens, None)
+        out = []
+        for tail in [tokens[dst:], *tails]:
+            edited = t.clone()
+            edited[0, dst:] = torch.as_tensor(tail, dtype=torch.long, device=t.device)
+            out.append(_chunk_losses(forward, edited, dst, W, chunk_tokens, cache)[0][0].cpu().numpy())
+        return np.concatenate([prefix[0].cpu().numpy(), out[0]]), out[1:]
+
+    return score_tails
 
 
 def markov_scorer(markov: MarkovModel) -> ScoreFn:
@@ -340,6 +369,41 @@ def _annotate(
                 row[f"{prefix}_relative_change"] = row["loss"] / rr["loss"] - 1 if ok else None
                 row[f"{prefix}_relative_change_ci"] = rc if ok else None
     return block
+
+
+def last_vs_first_bin(
+    res: BinnedLoss, base: BinnedLoss, samples: np.ndarray | None, base_samples: np.ndarray | None, level: float
+) -> dict | None:
+    """Is the change vs the baseline larger far into the window than near its start? The relative change in the last
+    bin with scored tokens minus that in the first, with its paired percentile-bootstrap interval (the same
+    resampled windows for both bins and both models: ``samples``, ``base_samples`` float64 [B, bins + 1] mean
+    losses from ``bootstrap.ratio_samples``, or None for no interval).
+
+    Returns:
+        ``{"first_bin": [start, end], "last_bin": [start, end], "first_change", "last_change", "change_difference",
+        "change_difference_ci"}`` (changes as fractions, ``loss / baseline_loss - 1``; a negative difference: the
+        model gained more over the baseline in the last bin), or None with fewer than two such bins.
+    """
+    rows, base_rows = res.bins(), base.bins()
+    idx = [i for i, (r, b) in enumerate(zip(rows, base_rows, strict=True)) if r["loss"] is not None and b["loss"]]
+    if len(idx) < 2:
+        return None
+    i, j = idx[0], idx[-1]
+    first = rows[i]["loss"] / base_rows[i]["loss"] - 1
+    last = rows[j]["loss"] / base_rows[j]["loss"] - 1
+    ci = None
+    if samples is not None and base_samples is not None:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            change = samples / base_samples - 1.0
+            ci = percentile_interval((change[:, j] - change[:, i])[:, None], level)[0]
+    return {
+        "first_bin": [rows[i]["start"], rows[i]["end"]],
+        "last_bin": [rows[j]["start"], rows[j]["end"]],
+        "first_change": first,
+        "last_change": last,
+        "change_difference": last - first,
+        "change_difference_ci": ci,
+    }
 
 
 def load_eval_model(path: str | Path, device: str | torch.device = "cpu", loss_vocab: str | None = None):
@@ -519,10 +583,10 @@ def evaluate(
             raise GenoctxError(f"--copy-probe: {e}") from None
     probe_windows_ = [ds[i]["tokens"].numpy() for i in range(n)] if copy_probe else []
 
-    def probe(score) -> dict | None:
+    def probe(score, score_tails=None) -> dict | None:
         if not copy_probe:
             return None
-        sums = probe_windows(score, probe_windows_, distances, copy_segment)
+        sums = probe_windows(score, probe_windows_, distances, copy_segment, score_tails)
         return {"segment": copy_segment, **summarize(sums, distances, resamples, seed, level)}
 
     scored: list[_Scored] = []
@@ -535,13 +599,14 @@ def evaluate(
         score = model_scorer(model, chunk_tokens, device)
         res = score_windows(score, ds, edges, max_windows, views)
         entry = {"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck), "loss_vocab": vocab}
-        scored.append(_Scored(entry, res, probe(score)))
+        scored.append(_Scored(entry, res, probe(score, model_tail_scorer(model, chunk_tokens, device))))
         del model, score
     for name, model in models or []:
         score = model_scorer(model, chunk_tokens, device)
         res = score_windows(score, ds, edges, max_windows, views)
         taken.add(name)
-        scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score)))
+        tails = model_tail_scorer(model, chunk_tokens, device)
+        scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score, tails)))
     if scored and scored[0].views[MAIN_VIEW].count.sum() == 0:
         raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
     mk: _Scored | None = None
@@ -590,6 +655,14 @@ def evaluate(
         e = {**m.entry, "baseline": m is base, "reported": m is reported, **block(m, MAIN_VIEW)}
         if len(views) > 1:
             e["views"] = {v: block(m, v) for v in views[1:]}
+        if base is not None and m is not base:
+            e["last_vs_first_bin"] = last_vs_first_bin(
+                m.views[MAIN_VIEW],
+                base.views[MAIN_VIEW],
+                samples[id(m), MAIN_VIEW],
+                samples[id(base), MAIN_VIEW],
+                level,
+            )
         if m.copy_probe is not None:
             e["copy_probe"] = m.copy_probe
         entries.append(e)
@@ -671,9 +744,24 @@ def to_table(doc: dict) -> str:
             rows.append((e, [*blk["bins"], {**blk["overall"], "start": None}]))
         title = f"# {v} ({doc.get('split', '?')} split, {doc.get('windows', '?')} windows)"
         parts.append((title + "\n" if len(views) > 1 else "") + _table(rows, has_base, base_name))
+    trend = [e for e in models if e.get("last_vs_first_bin")]
+    if trend:
+        t = trend[0]["last_vs_first_bin"]
+        lines = [f"# change vs {base_name}, last bin {_span(t['last_bin'])} minus first bin {_span(t['first_bin'])} "
+                 "(percentage points; negative: a larger gain far into the window)"]  # fmt: skip
+        for e in trend:
+            t = e["last_vs_first_bin"]
+            ci = _fmt_ci(t.get("change_difference_ci"), ".2f", 100, "+")
+            lines.append(f"{e['name']}: {100 * t['change_difference']:+.2f}{ci}  "
+                         f"({100 * t['last_change']:+.2f}% vs {100 * t['first_change']:+.2f}%)")  # fmt: skip
+        parts.append("\n".join(lines))
     if doc.get("copy_probe"):
         parts.append(copy_table(doc))
     return "\n\n".join(parts)
+
+
+def _span(b: list[int]) -> str:
+    return f"[{b[0]}, {b[1]})"
 
 
 def copy_table(doc: dict) -> str:

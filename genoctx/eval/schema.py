@@ -79,6 +79,18 @@ MODEL = {
         "overall": OVERALL,
         "views": VIEWS,
         "copy_probe": COPY_PROBE,
+        "last_vs_first_bin": {
+            "type": ["object", "null"],
+            "required": ["first_bin", "last_bin", "first_change", "last_change", "change_difference"],
+            "properties": {
+                "first_bin": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+                "last_bin": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+                "first_change": {"type": "number"},
+                "last_change": {"type": "number"},
+                "change_difference": {"type": "number"},
+                "change_difference_ci": _CI,
+            },
+        },
     },
 }
 

@@ -152,5 +152,37 @@ def test_eval_copy_probe_in_json_table_and_plot(repeat_prepared, copy_model, tmp
     assert [r["distance"] for r in by_name["copy"]["rows"]] == [64, 499, 3896]
     text = to_table(doc)
     assert "# copy probe: a 200-base segment" in text and "reach of markov-2: none" in text
+    from genoctx.eval.plot import plot_panels
+
+    assert plot_panels(doc) == ["loss", "copy_probe"]  # no baseline among these models: no change panel
     out = plot(doc, tmp_path / "p.png")
     assert out.stat().st_size > 0
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 300])
+def test_cached_tails_equal_rescoring_whole_windows(windows, chunk_tokens):
+    """The model's fast path (prefix once, each copy from its cache: ``model_tail_scorer``) gives the losses of
+    scoring every edited window whole (``rescoring_tails``), with KDA and sparse DSA (top-16 of 4-token pools) on
+    1024 bases, whole or in 300-token chunks; so the probe's sums are the same as well."""
+    from genoctx.eval.copyprobe import rescoring_tails
+    from genoctx.eval.position import model_tail_scorer
+    from genoctx.model.config import preset
+    from genoctx.model.model import HybridLM
+
+    torch.manual_seed(0)
+    model = HybridLM(preset("tiny"))
+    with torch.no_grad():  # re-draw the zero-initialised parameters so that every path matters
+        for p in model.parameters():
+            if (p == 0).all():
+                p.normal_(0, 0.5)
+    tokens = windows[0][:1024].copy()
+    tokens[500:510] = 4  # an N run: unscored in place and where it is copied
+    tails = [copied_window(tokens, d, 200)[0][824:] for d in (64, 300, 600)]
+    fast_base, fast = model_tail_scorer(model, chunk_tokens)(tokens, 824, tails)
+    slow_base, slow = rescoring_tails(model_scorer(model, chunk_tokens))(tokens, 824, tails)
+    np.testing.assert_allclose(fast_base, slow_base, rtol=0, atol=2e-5)
+    assert fast_base[500:510].tolist() == [0.0] * 10 and fast_base[10] > 0
+    for f, s in zip(fast, slow, strict=True):
+        assert f.shape == (200,)
+        np.testing.assert_allclose(f, s, rtol=0, atol=2e-5)
+    assert not np.allclose(fast[0], fast[2], atol=1e-3)  # different edits, different losses

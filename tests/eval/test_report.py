@@ -155,6 +155,16 @@ def test_table_csv_plot(full_doc, tmp_path):
     assert rows[0].startswith("start,end,tokens,loss,bits_per_base,baseline_loss,relative_change,")
     assert len(rows) == 1 + 3 * 9 * (3 + 1)  # header + models x views x (bins + overall)
     assert rows[1].endswith(",forward/all") and rows[4].startswith("overall,")
+    from genoctx.eval.plot import plot_panels
+
+    # loss by position, then the change vs the baseline (trained and Markov vs init); one panel when asked for it
+    assert plot_panels(full_doc) == ["loss", "relative_change"]
+    assert plot_panels(full_doc, "relative_change") == ["relative_change"]
+    no_baseline = {**full_doc, "models": [m for m in full_doc["models"] if not m.get("baseline")]}
+    no_baseline["models"] = [
+        {**m, "bins": [{**b, "relative_change": None} for b in m["bins"]]} for m in no_baseline["models"]
+    ]
+    assert plot_panels(no_baseline) == ["loss"]
     for metric in ("loss", "relative_change"):
         png = plot(full_doc, tmp_path / f"{metric}.png", metric=metric)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -206,3 +216,52 @@ def test_cli_user_errors_exit_2(small_prepared, two_checkpoints, tmp_path):
         err = [line for line in r.stderr.splitlines() if line.startswith("genoctx: error:")]
         assert len(err) == 1 and msg in err[0] and "Traceback" not in r.output, (args, r.stderr)
     assert not (Path.cwd() / "x.png").exists()
+
+
+def test_last_vs_first_bin_against_a_slow_loop():
+    """The change vs the baseline in the last bin minus the first, and its paired interval, recomputed by drawing
+    the resampled windows one replicate at a time; a model whose gain grows with position has an interval below 0."""
+    from genoctx.eval.position import BinnedLoss, last_vs_first_bin
+
+    rng = np.random.default_rng(3)
+    n, edges = 9, [0, 10, 20, 40]
+    count = rng.integers(5, 20, (n, 3))
+    base_sum = count * (1.3 + 0.05 * rng.standard_normal((n, 1)))  # per-window level, shared by both models
+    model_sum = base_sum * np.array([0.999, 0.99, 0.97]) * (1 + 0.002 * rng.standard_normal((n, 3)))
+    base, model = BinnedLoss(edges, base_sum, count), BinnedLoss(edges, model_sum, count)
+    w = resample_weights(n, 300, seed=2)
+    out = last_vs_first_bin(model, base, ratio_samples(w, model_sum, count), ratio_samples(w, base_sum, count), 0.9)
+    first = model_sum[:, 0].sum() / base_sum[:, 0].sum() - 1
+    last = model_sum[:, 2].sum() / base_sum[:, 2].sum() - 1
+    assert out["first_bin"] == [0, 10] and out["last_bin"] == [20, 40]
+    assert out["first_change"] == pytest.approx(first) and out["last_change"] == pytest.approx(last)
+    assert out["change_difference"] == pytest.approx(last - first) and last - first < -0.02
+    slow = []
+    for b in range(300):
+        idx = np.repeat(np.arange(n), w[b])
+        rc = [model_sum[idx, k].sum() / base_sum[idx, k].sum() - 1 for k in (0, 2)]
+        slow.append(rc[1] - rc[0])
+    np.testing.assert_allclose(out["change_difference_ci"], np.quantile(slow, [0.05, 0.95]), rtol=1e-9)
+    assert out["change_difference_ci"][1] < 0
+    # no interval without replicates; a bin with no token is skipped; one bin: nothing to compare
+    assert last_vs_first_bin(model, base, None, None, 0.9)["change_difference_ci"] is None
+    empty_last = BinnedLoss(edges, np.c_[model_sum[:, :2], np.zeros(n)], np.c_[count[:, :2], np.zeros(n, int)])
+    assert last_vs_first_bin(empty_last, base, None, None, 0.9)["last_bin"] == [10, 20]
+    one = BinnedLoss([0, 10], model_sum[:, :1], count[:, :1])
+    assert last_vs_first_bin(one, BinnedLoss([0, 10], base_sum[:, :1], count[:, :1]), None, None, 0.9) is None
+
+
+def test_documents_and_tables_carry_last_vs_first_bin(full_doc):
+    by_name = {e["name"]: e for e in full_doc["models"]}
+    base = next(e for e in full_doc["models"] if e["baseline"])
+    assert "last_vs_first_bin" not in base
+    for e in full_doc["models"]:
+        if e["baseline"]:
+            continue
+        t = e["last_vs_first_bin"]
+        assert t["first_change"] == pytest.approx(e["bins"][0]["relative_change"])
+        assert t["last_change"] == pytest.approx(e["bins"][-1]["relative_change"])
+        lo, hi = t["change_difference_ci"]
+        assert lo <= t["change_difference"] <= hi
+    assert len(by_name) == 3
+    assert f"# change vs {base['name']}, last bin" in to_table(full_doc)
