@@ -79,12 +79,13 @@ def _mid(b: dict) -> float:
 def _plot_copy_probe(ax, doc: dict, models: list[dict]) -> None:
     """The copy probe panel: per model, the gain (in-place loss minus loss on the copy, nats per base) against the
     copy's distance (log 2 axis) with its bootstrap band; the reach threshold as a dotted line."""
-    for m in models:
+    for i, m in enumerate(models):
         rows = [r for r in (m.get("copy_probe") or {}).get("rows", []) if r.get("gain") is not None]
         if not rows:
             continue
         xs = [r["distance"] for r in rows]
-        (line,) = ax.plot(xs, [r["gain"] for r in rows], "s--" if m.get("kind") == "markov" else "o-", label=m["name"])
+        style = "s--" if m.get("kind") == "markov" else "o-"
+        (line,) = ax.plot(xs, [r["gain"] for r in rows], style, color=f"C{i}", label=m["name"])
         cis = [r.get("gain_ci") for r in rows]
         if all(cis):
             ax.fill_between(xs, [c[0] for c in cis], [c[1] for c in cis], color=line.get_color(), alpha=0.2)
@@ -124,7 +125,7 @@ def _plot_bins(ax, doc: dict, models: list[dict], metric: str) -> None:
     key, ci_key, scale = (
         ("loss", "loss_ci", 1.0) if metric == "loss" else ("relative_change", "relative_change_ci", 100.0)
     )
-    for m in models:
+    for i, m in enumerate(models):  # a model keeps its colour (C{i}) in every panel
         if metric == "relative_change" and m.get("baseline"):
             continue
         rows = [b for b in m["bins"] if b["tokens"] and b.get("loss") is not None and b.get(key) is not None]
@@ -133,7 +134,7 @@ def _plot_bins(ax, doc: dict, models: list[dict], metric: str) -> None:
         xs = [_mid(b) for b in rows]
         style = "s--" if m.get("kind") == "markov" else "o-"
         label = m["name"] + (" (baseline)" if m.get("baseline") else "")
-        (line,) = ax.plot(xs, [scale * b[key] for b in rows], style, label=label)
+        (line,) = ax.plot(xs, [scale * b[key] for b in rows], style, color=f"C{i}", label=label)
         cis = [b.get(ci_key) for b in rows]
         if all(cis):
             ax.fill_between(
