@@ -63,7 +63,10 @@ def test_json_document_shape_and_baseline(prepared, two_checkpoints, tmp_path):
         assert b["relative_change"] == pytest.approx(b["loss"] / b["baseline_loss"] - 1)
     no_base = evaluate(run, prepared, max_windows=1)
     assert "baseline_loss" not in no_base["overall"]
-    assert to_table(doc).splitlines()[-1].lstrip().startswith("overall")
+    table, trend = to_table(doc).split("\n\n")  # the table ends with its overall row; then last vs first bin
+    assert table.splitlines()[-1].lstrip().startswith("overall")
+    t = doc["models"][1]["last_vs_first_bin"]
+    assert trend.splitlines()[1].startswith(f"{doc['models'][1]['name']}: {100 * t['change_difference']:+.2f} [")
     assert to_csv(doc).splitlines()[0].startswith("start,end,tokens,loss")
     png = plot(doc, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
