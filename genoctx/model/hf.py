@@ -216,62 +216,85 @@ def _dequant_fp8(
     return w.float() * s
 
 
-def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | None = None) -> HybridLM:
-    """Load a glm5_next HF model directory into a ``HybridLM`` (module docstring: names, skips, fp8).
+def block_size(raw: dict) -> tuple[int, int] | None:
+    """The fp8 ``weight_block_size`` ``(b0, b1)`` of a raw config.json (top level or ``text_config``), or None."""
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    return tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None
+
+
+def _slot_region(index: tuple | None, shape: tuple) -> tuple[list[tuple[int, int]], list[int]]:
+    """The region of a ``Slot`` in its parameter's global coordinates: ``[(start, stop)]`` per dim, and the dims
+    that remain in the checkpoint tensor (an integer index drops its dim)."""
+    index = index or ()
+    region, kept = [], []
+    for d, n in enumerate(shape):
+        ix = index[d] if d < len(index) else slice(None)
+        if isinstance(ix, int):
+            region.append((ix, ix + 1))
+        else:
+            lo, hi, _ = ix.indices(n)
+            region.append((lo, hi))
+            kept.append(d)
+    return region, kept
+
+
+def _read_box(h, key: str, box: tuple[slice, ...], scale, block, where, name_file) -> torch.Tensor:
+    """``box`` of checkpoint tensor ``key`` (safetensors ``get_slice``: only those bytes are read); an fp8 weight
+    is dequantized with the scale blocks that cover the box (``w[r, c] * scale_inv[r // b0, c // b1]``)."""
+    t = h.get_slice(key)[box] if box else h.get_slice(key)[...]
+    if scale is None or t.dtype not in _FP8:
+        return t
+    b0, b1 = block
+    (r0, r1), (c0, c1) = (box[-2].start, box[-2].stop), (box[-1].start, box[-1].stop)
+    sbox = (*box[:-2], slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1)))
+    sh, sk = scale
+    s = sh.get_slice(sk)[sbox].float()
+    s = s.repeat_interleave(b0, -2)[..., r0 - (r0 // b0) * b0 :, :][..., : r1 - r0, :]
+    s = s.repeat_interleave(b1, -1)[..., c0 - (c0 // b1) * b1 :][..., : c1 - c0]
+    return t.float() * s
+
+
+def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
+    """Fill this rank's pieces of a model from an HF glm5_next directory, reading only the bytes they need.
+
+    Every checkpoint tensor is mapped by ``checkpoint_layout`` to a region of a genoctx tensor (a stacked expert's
+    ``gate_up_proj[e, :I]``, rows of the fused ``conv1d``, or a whole tensor); the part of that region inside the
+    rank's box is read with safetensors' ``get_slice`` (fp8 weights dequantized with only the scale blocks that
+    cover it) and copied into the rank's local tensor. Why not torch's ``HuggingFaceStorageReader`` /
+    ``QuantizedHuggingFaceStorageReader``: they load into a state dict keyed by the published names, each value a
+    DTensor piece of that published tensor; a rank's piece of one published expert or ``q_conv1d`` tensor is the
+    intersection of its FSDP/EP slice of genoctx's grouped ``[E, 2I, D]`` or fused ``[3HK, 1, k]`` tensor with
+    that tensor's region, which no placement of the published tensor describes; and their dtype decoding lacks
+    ``F8_E8M0`` scales, which safetensors 0.8 reads.
 
     Args:
-        path: a directory with ``config.json`` and safetensors weights (one file or an index of shards).
-        dtype: parameter dtype; None = the checkpoint's (``dtype``/``torch_dtype`` of config.json, else the stored
-            dtype; bf16 for fp8 checkpoints). The fp32 islands (``FP32_PARAMETERS``) stay fp32 (fp64 when
-            ``dtype`` is fp64).
-        runtime: genoctx compute knobs (``ModelConfig._runtime`` fields: chunk sizes, ``dsa_mode``, ...) to set;
-            config.json has none.
+        root: the directory (``config.json``, one ``model.safetensors`` or an index of shards).
+        cfg: the architecture (the directory's, with any compute knobs).
+        targets: ``name -> (local tensor, global shape, box)`` (``genoctx.parallel.state.local_targets``; one
+            device: every tensor whole). Parameters and persistent buffers are filled; others are left as they are.
 
     Returns:
-        ``HybridLM`` on the CPU, in training mode; ``forward`` returns logits over the whole vocabulary. Its
-        ``hf_source`` attribute records the directory and what was skipped.
+        ``{"files": [names], "skipped": {"vision": n, "mtp": n}, "read_bytes": bytes of tensor data read}``.
 
     Raises:
-        GenoctxError: a missing, misshapen or unknown tensor (named with its file), an fp8 weight without its
-            scale, or a bad config (the message names the file and key).
+        GenoctxError: a missing, misshapen or unknown tensor (named with its file), an fp8 weight without its scale
+            or with a misshapen one, a ``_scale_inv`` without a quantization config.
     """
-    root = Path(path)
-    cfg, raw = read_config(root)
-    if runtime:  # genoctx compute knobs (ModelConfig._runtime): not in config.json
-        cfg = dataclasses.replace(cfg, **runtime)
-    files = weight_files(root)
-    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
-    block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None
-    if dtype is None:
-        name = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
-        dtype = torch.bfloat16 if block else _DTYPES.get(str(name), None)
-    layout = checkpoint_layout(cfg)
-    with torch.device("meta"):
-        model = HybridLM(cfg)
     from safetensors import safe_open
 
-    handles = {}
+    root = Path(root)
+    _, raw = read_config(root)
+    block = block_size(raw)
+    files = weight_files(root)
+    layout = checkpoint_layout(cfg)
+    handles: dict[Path, object] = {}
     try:
         for f in files:
             handles[f] = safe_open(str(f), framework="pt")
-        if dtype is None:  # the config does not say: the first stored float tensor's dtype
-            stored = (_STORED.get(h.get_slice(k).get_dtype()) for h in handles.values() for k in h.keys())
-            dtype = next((d for d in stored if d is not None), torch.float32)
-        cast_model(model, dtype)
-        model.to_empty(device="cpu")
-        params = dict(model.named_parameters())
-        params.update(dict(model.named_buffers()))
-        # transformers' in-memory names (attn_hc.fn, forget_gate.*, conv1d.weight, stacked experts) are genoctx's
-        persistent = set(model.state_dict().keys())
-        for name, b in model.named_buffers():
-            if name not in persistent:
-                b.zero_()
-        where = {}  # scale_inv lookups may cross shards
-        for f, h in handles.items():
-            for k in h.keys():
-                where[k] = f
-        filled: set[tuple[str, str]] = set()  # (parameter, repr(index)); index None: loaded whole
+        where = {k: f for f, h in handles.items() for k in h.keys()}  # scale_inv lookups may cross shards
+        filled: set[tuple[str, str]] = set()
         skipped = {"vision": 0, "mtp": 0}
+        read = 0
         for key, f in where.items():
             if key.endswith("_scale_inv"):
                 if block is None:
@@ -285,40 +308,110 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | 
             if short == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
             slot = layout.get(short)
-            if slot is None and short in persistent:
+            if slot is None and short in targets:  # transformers' in-memory names (attn_hc.fn, stacked experts, ...)
                 slot = Slot(short)
-            if slot is None:
+            if slot is None or slot.name not in targets:
                 raise GenoctxError(f"{f.name}: unknown tensor {key} (not a glm5_next text-model tensor)")
-            t = handles[f].get_tensor(key)
-            if block is not None and t.dtype in _FP8:
+            local, shape, box = targets[slot.name]
+            region, kept = _slot_region(slot.index, shape)
+            want = tuple(region[d][1] - region[d][0] for d in kept)
+            sl = handles[f].get_slice(key)
+            got = tuple(sl.get_shape())
+            if got != want:
+                raise GenoctxError(f"{f.name}: tensor {key} has shape {got}, expected {want} for {root}/config.json")
+            scale = None
+            if block is not None and sl.get_dtype() in ("F8_E4M3", "F8_E5M2"):
                 sk = key + "_scale_inv"
                 if sk not in where:
                     raise GenoctxError(f"{f.name}: fp8 tensor {key} has no {sk}")
-                t = _dequant_fp8(t, handles[where[sk]].get_tensor(sk), block, key, where[sk])
-            dest = params[slot.name]
-            view = dest if slot.index is None else dest[slot.index]
-            if tuple(t.shape) != tuple(view.shape):
-                raise GenoctxError(
-                    f"{f.name}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(view.shape)} "
-                    f"for {root}/config.json"
-                )
-            with torch.no_grad():
-                view.copy_(t)
+                sshape = tuple(handles[where[sk]].get_slice(sk).get_shape())
+                swant = (*got[:-2], -(-got[-2] // block[0]), -(-got[-1] // block[1]))
+                if sshape != swant:
+                    raise GenoctxError(
+                        f"{where[sk].name}: {sk} has shape {sshape}, expected {swant} for {block} blocks"
+                    )
+                scale = (handles[where[sk]], sk)
             filled.add((slot.name, repr(slot.index)))
+            inter = [(max(r0, b.start), min(r1, b.stop)) for (r0, r1), b in zip(region, box, strict=True)]
+            if any(hi <= lo for lo, hi in inter):
+                continue  # nothing of this tensor is on this rank
+            src = tuple(slice(inter[d][0] - region[d][0], inter[d][1] - region[d][0]) for d in kept)
+            t = _read_box(handles[f], key, src, scale, block, where, f)
+            dst = local[tuple(slice(lo - b.start, hi - b.start) for (lo, hi), b in zip(inter, box, strict=True))]
+            with torch.no_grad():
+                dst.copy_(t.reshape(dst.shape))
+            read += t.numel() * t.element_size()
             del t
     finally:
         handles.clear()
     for ck, slot in layout.items():
         if (slot.name, "None") not in filled and (slot.name, repr(slot.index)) not in filled:
             raise GenoctxError(f"{root}: tensor {ck} is missing (searched {', '.join(f.name for f in files)})")
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    if skipped["vision"] or skipped["mtp"]:
+    return {"files": [f.name for f in files], "skipped": skipped, "read_bytes": read}
+
+
+def hf_dtype(root: str | Path) -> torch.dtype:
+    """The dtype an HF directory's weights are held in when none is asked for: ``dtype``/``torch_dtype`` of
+    config.json, else bf16 for fp8 checkpoints, else the first stored float tensor's dtype (fp32 if none)."""
+    from safetensors import safe_open
+
+    _, raw = read_config(root)
+    name = raw.get("dtype") or raw.get("torch_dtype") or (raw.get("text_config") or {}).get("dtype")
+    if block_size(raw):
+        return torch.bfloat16
+    if str(name) in _DTYPES:
+        return _DTYPES[str(name)]
+    for f in weight_files(root):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                d = _STORED.get(h.get_slice(k).get_dtype())
+                if d is not None:
+                    return d
+    return torch.float32
+
+
+def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | None = None) -> HybridLM:
+    """Load a glm5_next HF model directory into a one-device ``HybridLM`` (module docstring: names, skips, fp8):
+    built on the meta device, allocated once, every tensor read whole by ``read_hf_into`` (the reader every rank of
+    a mesh uses for its own slices: ``genoctx.parallel.build``).
+
+    Args:
+        path: a directory with ``config.json`` and safetensors weights (one file or an index of shards).
+        dtype: parameter dtype; None = the checkpoint's (``hf_dtype``). The fp32 islands (``FP32_PARAMETERS``) stay
+            fp32 (fp64 when ``dtype`` is fp64).
+        runtime: genoctx compute knobs (``ModelConfig._runtime`` fields: chunk sizes, ``dsa_mode``, ...) to set;
+            config.json has none.
+
+    Returns:
+        ``HybridLM`` on the CPU, in training mode; ``forward`` returns logits over the whole vocabulary. Its
+        ``hf_source`` attribute records the directory and what was skipped.
+
+    Raises:
+        GenoctxError: a missing, misshapen or unknown tensor (named with its file), an fp8 weight without its
+            scale, or a bad config (the message names the file and key).
+    """
+    from .init import whole
+
+    root = Path(path)
+    cfg, _ = read_config(root)
+    if runtime:  # genoctx compute knobs (ModelConfig._runtime): not in config.json
+        cfg = dataclasses.replace(cfg, **runtime)
+    weight_files(root)
+    dtype = dtype or hf_dtype(root)
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    cast_model(model, dtype)
+    model.materialize("cpu")
+    for b in model.buffers():  # router biases are read; load counts start at 0
+        b.zero_()
+    info = read_hf_into(root, cfg, whole(model))
+    if info["skipped"]["vision"] or info["skipped"]["mtp"]:
         log.info(
             "%s: skipped %d vision-tower tensors (model.visual.*) and %d multi-token-prediction tensors "
-            "(layers.%d.*), as transformers does", root, skipped["vision"], skipped["mtp"], cfg.num_hidden_layers,
+            "(layers.%d.*), as transformers does", root, info["skipped"]["vision"], info["skipped"]["mtp"],
+            cfg.num_hidden_layers,
         )  # fmt: skip
-    model.hf_source = {"path": str(root), "files": [f.name for f in files], "skipped": skipped, "dtype": str(dtype)}
+    model.hf_source = {"path": str(root), "files": info["files"], "skipped": info["skipped"], "dtype": str(dtype)}
     return model
 
 
@@ -532,9 +625,7 @@ def _carried_tensors(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[
     ``_scale_inv`` dropped), as the export carries no quantization config. Returns (tensors, counts)."""
     from safetensors import safe_open
 
-    raw = json.loads((base / "config.json").read_text())
-    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
-    block = tuple(qc["weight_block_size"]) if qc.get("weight_block_size") else None
+    block = block_size(json.loads((base / "config.json").read_text()))
     where: dict[str, Path] = {}
     for f in weight_files(base):
         with safe_open(str(f), framework="pt") as h:

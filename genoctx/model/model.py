@@ -32,6 +32,7 @@ from torch import nn
 from .config import DSA, KDA, ModelConfig
 from .dsa import DeepSeekSparseAttention
 from .hyper import HyperConnection, expand_streams, reduce_streams
+from .init import init_weights, seed_from_generator
 from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
 from .norms import RMSNorm
@@ -128,19 +129,41 @@ class HybridLM(nn.Module):
         cfg: the architecture (``ModelConfig``).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # From scratch: a unit-scale embedding (every layer input is RMS-normalised) and a small head, so the first
-        # logits are near 0 and the first loss near ln(vocab). Tied (one matrix for both), it takes the head's scale,
-        # the reference's initializer_range: a unit-scale head would start at ~sqrt(hidden) nats.
-        nn.init.normal_(self.embed_tokens.weight, std=cfg.initializer_range if cfg.tie_word_embeddings else 1.0)
-        nn.init.normal_(self.lm_head.weight, std=cfg.initializer_range)
-        if cfg.tie_word_embeddings:
+        # The model's init seed: given, or the first draw of torch's global generator, so that torch.manual_seed(s)
+        # then HybridLM(cfg) equals genoctx.parallel.build.build_model after torch.manual_seed(s), on any mesh.
+        self.init_seed = seed_from_generator() if seed is None else int(seed)
+        device = torch.empty(0).device  # the ambient device (``with torch.device("meta"):`` builds without memory)
+        with torch.device("meta"):  # built without memory, then allocated once and drawn layout-free
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        if device.type != "meta":
+            self.materialize(device)
+            # From scratch (genoctx.model.init): a unit-scale embedding (every layer input is RMS-normalised) and a
+            # small head, so the first logits are near 0 and the first loss near ln(vocab). Tied (one matrix for
+            # both), it takes the head's scale, the reference's initializer_range.
+            init_weights(self, self.init_seed)
+
+    def materialize(self, device: str | torch.device) -> None:
+        """``to_empty(device)`` (values undefined: fill them next) that keeps what parallelism and the optimizer
+        read from parameters: their Python attributes (``_genoctx_expert``, ``_no_weight_decay``; ``to_empty`` from
+        the meta device makes new parameters) and the tied head."""
+        marks = {n: dict(vars(p)) for n, p in self.named_parameters() if vars(p)}
+        self.to_empty(device=device)
+        for n, p in self.named_parameters():
+            for k, v in marks.get(n, {}).items():
+                setattr(p, k, v)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """``lm_head.weight`` is ``embed_tokens.weight`` when ``tie_word_embeddings`` (again after ``to_empty``,
+        which may replace parameters)."""
+        if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None) -> tuple[torch.Tensor, ModelCache]:

@@ -94,14 +94,13 @@ def _train_worker(config: dict) -> None:
     import torch.distributed as dist
 
     from ..data.dataset import WindowDataset
-    from ..model.model import HybridLM
     from ..model.vocab import TokenMap, VocabHead
     from ..recipes import recipe_from_dict
     from ..train.faults import DRIVER_ENV, ENV, maybe_kill
-    from ..train.init import load_base_weights
+    from ..train.init import base_source
     from ..train.loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
     from ..train.sharded import save_sharded
-    from .fsdp import apply_parallel
+    from .build import Fresh, Zeros, build_model
     from .mesh import init_parallel
 
     glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
@@ -124,10 +123,12 @@ def _train_worker(config: dict) -> None:
     picked = _choose_checkpoint(out, rank)
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
     base = extra.get("init")  # loaded only when no checkpoint is (a fresh run from a base)
-    model = (load_base_weights(base, recipe) if base is not None and picked is None else HybridLM(recipe.model)).to(dev)
+    source = Zeros() if picked is not None else base_source(base) if base is not None else Fresh()
     bf16_params = torch.bfloat16 if cfg.dtype == "bf16" and dev.type == "cuda" else None  # FSDP MixedPrecisionPolicy
-    apply_parallel(model, dims, activation_checkpointing=cfg.activation_checkpointing, param_dtype=bf16_params,
-                   offload_optimizer=cfg.offload_optimizer)  # fmt: skip
+    # meta device -> EP, CP, AC, FSDP2 -> to_empty -> this rank's shards (genoctx.parallel.build)
+    model = build_model(recipe.model, dims, source=source, device=dev, param_dtype=bf16_params,
+                        activation_checkpointing=cfg.activation_checkpointing,
+                        offload_optimizer=cfg.offload_optimizer)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
     head = None
     if extra.get("token_map"):

@@ -157,8 +157,12 @@ def read_state(ckpt: Path) -> dict:
     return state
 
 
-def read_optimizer(path: Path) -> dict:
+def read_optimizer(path: Path, mmap: bool = False) -> dict:
     """The optimizer and schedule state of ``optimizer.pt``, read as data (``torch.load(weights_only=True)``).
+
+    Args:
+        path: the file; ``mmap``: map its tensors from the file instead of reading them (a rank copies only the
+            slices it holds).
 
     Returns:
         ``{"optimizer": state dict or None, "scheduler": state dict or None}``.
@@ -170,7 +174,7 @@ def read_optimizer(path: Path) -> dict:
     import pickle
 
     try:
-        opt = torch.load(path, map_location="cpu", weights_only=True)
+        opt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             raise GenoctxError(

@@ -23,11 +23,9 @@ import re
 import struct
 from pathlib import Path
 
-import torch
-
 from ..data.tokenizer import VOCAB
 from ..errors import GenoctxError
-from ..model.hf import is_hf_dir, load_hf, read_config, weight_files
+from ..model.hf import is_hf_dir, read_config, weight_files
 from ..model.vocab import TokenMap, VocabHead, build_token_map
 from ..recipes import Recipe
 
@@ -162,25 +160,14 @@ def vocab_head(recipe: Recipe, base: dict | None, state: dict | None = None) -> 
     return VocabHead(token_map, recipe.loss.vocab, recipe.loss.chunk_tokens)
 
 
-def load_base_weights(base: dict, recipe: Recipe) -> torch.nn.Module:
-    """The base model with its weights (fp32, as the master copy AdamW updates), with the recipe's compute knobs.
+def base_source(base: dict):
+    """Where ``genoctx.parallel.build.build_model`` reads a base's weights from: ``FromHF`` for an HF directory,
+    ``FromCheckpoint`` for a genoctx checkpoint (each rank reads only its own slices; fp32 masters)."""
+    from ..parallel.build import FromCheckpoint, FromHF
 
-    Raises:
-        GenoctxError: unreadable, missing or misshapen tensors (``genoctx.model.load_hf``).
-    """
     if base.get("kind") == "genoctx":
-        from ..model.model import HybridLM
-        from .checkpoint import load_model_tensors, read_tensors
-
-        model = HybridLM(recipe.model)
-        weights = Path(base["path"]) / "model.safetensors"
-        load_model_tensors(model, read_tensors(weights), weights)
-        log.info("initialised from the genoctx checkpoint %s", base["path"])
-        return model
-    knobs = {k: getattr(recipe.model, k) for k in type(recipe.model)._runtime}
-    model = load_hf(base["path"], dtype=torch.float32, runtime=knobs)
-    log.info("initialised from %s (%s)", base["source"], base["revision"] or base["path"])
-    return model
+        return FromCheckpoint(Path(base["path"]))
+    return FromHF(Path(base["path"]))
 
 
 def describe(base: dict | None, head: VocabHead | None) -> dict:
@@ -192,5 +179,3 @@ def describe(base: dict | None, head: VocabHead | None) -> dict:
         out["token_map"] = head.token_map.to_dict()
         out["loss_vocab"] = head.vocab
     return out
-
-

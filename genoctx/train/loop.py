@@ -48,7 +48,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .faults import maybe_kill
-from .init import describe, load_base_weights, resolve_init, vocab_head
+from .init import base_source, describe, resolve_init, vocab_head
 
 log = logging.getLogger("genoctx.train")
 
@@ -439,7 +439,12 @@ def train_unlocked(
     resuming = resume and latest is not None
     if resuming:
         check_resume(recipe, latest, read_state(latest), base)
-    model = (load_base_weights(base, recipe) if base is not None and not resuming else HybridLM(recipe.model)).to(dev)
+    from ..parallel.build import Fresh, Zeros, build_model
+
+    source = Zeros() if resuming else base_source(base) if base is not None else Fresh()
+    model = build_model(recipe.model, None, source=source, device=dev)  # the one construction path (mesh of 1)
+    if base is not None and not resuming:
+        log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if resuming:
         state = load_training_state(latest, model, optimizer, scheduler)

@@ -39,77 +39,17 @@ import yaml
 from .. import __version__
 from ..errors import GenoctxError
 from ..lock import share_like_umask
+from ..parallel.state import canonical_state
 from ..recipes import Recipe
 from .checkpoint import CKPT_DIR, TIED_HEAD, _first_line, checkpoint_name, list_checkpoints
 
 DCP_DIR = "dcp"
 FORMAT = "dcp"
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def is_sharded(ckpt: Path) -> bool:
     """True for a DCP checkpoint (``dcp/.metadata`` present)."""
     return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
-
-
-def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
-    """This rank's rows of a routed-expert tensor as a DTensor of the global ``[E, ...]`` shape (see module doc)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    E = module.ep_size * module.n_local_experts  # set by genoctx.parallel.experts.apply_ep
-    if hasattr(local, "to_local"):  # FSDP-sharded block: Shard(0) over expert_shard inside the ep block
-        mesh = dims.mesh["ep", "expert_shard"]
-        placements = [Shard(0), Shard(0)]
-        local = local.to_local()
-    else:
-        mesh = dims.mesh["ep"]
-        placements = [Shard(0)]
-    shape = torch.Size([E, *local.shape[1:]])
-    stride = torch.empty(0).new_empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
-    """The layout-free state dict of this rank (module docstring): ``model.<name>`` and ``optim.<name>.<key>``.
-
-    Tensors share memory with the parameters and optimizer state, so ``dcp.load`` into this dict restores them.
-    Creates zero AdamW state for parameters that have none yet (a fresh optimizer about to be loaded).
-    """
-    from ..parallel.fsdp import is_expert_parameter
-
-    modules = dict(model.named_modules())
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    params = dict(model.named_parameters())
-    out: dict[str, torch.Tensor] = {}
-
-    def present(name: str, t: torch.Tensor, p) -> torch.Tensor:
-        if p is not None and is_expert_parameter(p) and dims is not None and dims.ep > 1:
-            return _expert_dtensor(t, modules[name.rsplit(".", 1)[0]], dims)
-        return t
-
-    for name, t in model.state_dict(keep_vars=True).items():
-        if tied and name == TIED_HEAD:
-            continue
-        p = params.get(name)
-        if p is None:  # a buffer (router biases)
-            value = t.detach()
-        else:  # an FSDP parameter is its DTensor; a replicated one shares its memory through .data
-            value = p if hasattr(p, "to_local") else p.data
-        out[f"model.{name}"] = present(name, value, p)
-    if optimizer is not None:
-        names = {id(p): n for n, p in params.items()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                st = optimizer.state[p]
-                if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    for k in ADAM_KEYS:
-                        st[k] = torch.zeros_like(p)
-                name = names[id(p)]
-                out[f"optim.{name}.step"] = st["step"]
-                for k in ADAM_KEYS:
-                    out[f"optim.{name}.{k}"] = present(name, st[k], p)
-    return out
 
 
 def save_sharded(
@@ -271,38 +211,40 @@ def fill_from_full(target: dict[str, torch.Tensor], full: dict[str, torch.Tensor
                 t.copy_(src.view_as(t))
 
 
-def full_state_of_checkpoint(ckpt: Path, model, optimizer) -> dict[str, torch.Tensor]:
-    """A one-process (safetensors) checkpoint as canonical whole tensors: ``model.<name>`` and, from
-    ``optimizer.pt`` (parameters in ``build_optimizer``'s order, the one-device names), ``optim.<name>.<key>``."""
-    from .checkpoint import read_optimizer, read_tensors
+def _optimizer_by_name(ckpt: Path, model, optimizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """``optim.<name>.<key>`` tensors of a one-process checkpoint's ``optimizer.pt`` (memory-mapped: a rank reads
+    only the pages of the slices it copies) and its scheduler state. Parameters are in ``build_optimizer``'s
+    order, by their one-device names."""
+    from .checkpoint import read_optimizer
 
-    ckpt = Path(ckpt)
-    full = {f"model.{k}": v for k, v in read_tensors(ckpt / "model.safetensors").items()}
-    opt = read_optimizer(ckpt / "optimizer.pt")
+    opt = read_optimizer(Path(ckpt) / "optimizer.pt", mmap=True)
+    out: dict[str, torch.Tensor] = {}
     if optimizer is not None and opt.get("optimizer"):
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         for idx, st in opt["optimizer"]["state"].items():
             name = order[int(idx)]
             for k, v in st.items():
-                full[f"optim.{name}.{k}"] = v if torch.is_tensor(v) else torch.tensor(float(v))
-    return full
+                out[f"optim.{name}.{k}"] = v if torch.is_tensor(v) else torch.tensor(float(v))
+    return out, opt.get("scheduler")
 
 
 def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
     """Restore a distributed model (``apply_parallel`` done, optimizer built) from a checkpoint of any layout: DCP
-    (``load_sharded``) or a one-process safetensors checkpoint (``fill_from_full``)."""
+    (``load_sharded``) or a one-process safetensors checkpoint (each rank reads its slices of ``model.safetensors``
+    with ``get_slice`` and of the memory-mapped ``optimizer.pt``: never the whole model)."""
     if is_sharded(ckpt):
         load_sharded(ckpt, model, optimizer, scheduler, dims)
         return
-    from .checkpoint import read_optimizer
+    from ..parallel.build import persistent_targets, read_checkpoint_slices
 
-    target = canonical_state(model, optimizer, dims)
-    full = full_state_of_checkpoint(ckpt, model, optimizer)
+    targets = persistent_targets(model, dims)
     if model.lm_head.weight is model.embed_tokens.weight:
-        full.pop(f"model.{TIED_HEAD}", None)
-    fill_from_full(target, full, Path(ckpt))
-    sched = read_optimizer(Path(ckpt) / "optimizer.pt").get("scheduler")
+        targets.pop(TIED_HEAD, None)
+    read_checkpoint_slices(Path(ckpt) / "model.safetensors", targets)
+    full, sched = _optimizer_by_name(ckpt, model, optimizer)
+    fill_from_full({k: v for k, v in canonical_state(model, optimizer, dims).items() if k.startswith("optim.")},
+                   full, Path(ckpt) / "optimizer.pt")  # fmt: skip
     if scheduler is not None and sched is not None:
         scheduler.load_state_dict(sched)
 

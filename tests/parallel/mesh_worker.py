@@ -87,17 +87,16 @@ def _expert_offsets(model) -> dict:
     return out
 
 
-def run_case(name: str, windows: torch.Tensor) -> dict:
-    from genoctx.parallel.fsdp import apply_parallel
+def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
+    from genoctx.parallel.build import FromHF, build_model
     from genoctx.parallel.mesh import init_parallel
     from genoctx.train.loop import build_optimizer, train_step
 
     ep, dp_shard, cp = CASES[name]
     dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
-    model = mesh_model()
-    apply_parallel(
-        model, dims, activation_checkpointing=name.endswith("_ac"), offload_optimizer=name.endswith("_offload")
-    )
+    # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
+    model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
+                        offload_optimizer=name.endswith("_offload"))  # fmt: skip
     calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()
@@ -185,6 +184,7 @@ def run_bf16(windows: torch.Tensor) -> dict:
 def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = None, load: Path | None = None):
     """``steps`` steps in layout ``name`` (after loading ``load``; saving a sharded checkpoint at ``save``).
     Returns the losses and, for the second layout of a pair, nothing else."""
+    from genoctx.parallel.build import Zeros, build_model
     from genoctx.parallel.fsdp import apply_parallel
     from genoctx.parallel.mesh import init_parallel
     from genoctx.recipes import Recipe
@@ -194,8 +194,11 @@ def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = Non
     ep, dp_shard, cp = CASES[name]
     dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
     torch.manual_seed(1)
-    model = mesh_model() if load is None else HybridLM(mesh_config())  # loading must replace every value
-    apply_parallel(model, dims)
+    if load is None:
+        model = mesh_model()
+        apply_parallel(model, dims)
+    else:  # zeros: loading must replace every value
+        model = build_model(mesh_config(), dims, source=Zeros())
     cfg = train_config()
     cfg.steps = 3
     opt, sched = build_optimizer(model, cfg, cfg.steps)
@@ -234,7 +237,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, 
             for src, dst in RESHARD:
                 res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
         else:
-            res[name] = run_case(name, windows)
+            res[name] = run_case(name, windows, data["hf_dir"])
     dist.destroy_process_group()
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 

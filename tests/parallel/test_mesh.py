@@ -69,7 +69,10 @@ def reference(windows):
 
 
 def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[dict]:
-    torch.save({"windows": windows, **extra}, out / "windows.pt")
+    from genoctx.model.hf import save_hf
+
+    save_hf(mesh_model(), out / "hf")  # every layout loads its own slices of it (genoctx.parallel.build)
+    torch.save({"windows": windows, "hf_dir": str(out / "hf"), **extra}, out / "windows.pt")
     worker = Path(__file__).with_name("mesh_worker.py")
     subprocess.run([sys.executable, str(worker), str(out), str(out / "windows.pt"), str(world), ",".join(cases)],
                    check=True, timeout=600)  # fmt: skip

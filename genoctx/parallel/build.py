@@ -1,0 +1,243 @@
+"""The one way to make a model on a mesh: meta device -> parallelize -> to_empty -> fill this rank's shards.
+
+Every entry point (``genoctx train`` from scratch, ``--init`` an HF base or a genoctx run, ``--resume``, one
+process or a Ray worker) builds its model with ``build_model``, torchtitan's order:
+
+1. ``HybridLM(cfg)`` on the meta device (no memory, any size; the init seed is drawn from torch's generator as
+   one process draws it: ``genoctx.model.init``);
+2. ``apply_parallel`` (expert parallel, context parallel, activation checkpointing, FSDP2, in that order): the
+   parameters become this rank's pieces, still on meta;
+3. ``to_empty(device)``: only this rank's pieces are allocated (FSDP2 shards, its block of routed experts; the
+   unsharded dense parameters of a layout without FSDP);
+4. fill this rank's pieces (``genoctx.parallel.state.local_targets`` names each piece's place in the one-device
+   tensor) from one ``source``:
+
+   - ``Fresh()``: layout-free draws (``genoctx.model.init.fill_fresh``): the same model in one process and under
+     every FSDP / EP / CP layout for the same seed;
+   - ``FromHF(path)``: the rank's slices of an HF checkpoint (``genoctx.model.hf.read_hf_into``: published
+     per-expert names into the local part of the grouped ``[E, ...]`` tensors, the VL prefix, fp8 blocks, MTP and
+     vision skipped and said so, one file or an index of shards);
+   - ``FromCheckpoint(path)``: a genoctx checkpoint, DCP (``dcp.load`` of the rank's pieces,
+     ``genoctx.parallel.state.canonical_state``) or one-process safetensors (slices read with ``get_slice``);
+   - ``Zeros()``: zeros, for a checkpoint loaded right after (``--resume`` loads model and optimizer together).
+
+No rank allocates more than its own pieces, one tensor being read (or one row block being drawn) and, later in the
+step, one decoder layer's unsharded parameters (FSDP2's all-gather). Errors while filling are agreed on by every
+rank (``agree``): a checkpoint tensor missing or misshapen for one rank's slice is the same one-line
+``GenoctxError`` on every rank, never a rank waiting in a collective for one that died.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import GenoctxError
+from ..model.config import ModelConfig
+from ..model.model import HybridLM
+from .mesh import ParallelDims
+from .state import TIED_HEAD, canonical_state, local_targets
+
+log = logging.getLogger("genoctx")
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A fresh initialisation (``genoctx.model.init``) with the model seed drawn from torch's generator."""
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """Every piece zero: a checkpoint is loaded into the model right after (``--resume``)."""
+
+
+@dataclass(frozen=True)
+class FromHF:
+    """An HF glm5_next directory (``config.json`` and safetensors); ``cfg`` must be its architecture."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class FromCheckpoint:
+    """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only."""
+
+    path: Path
+
+
+def agree(dims: ParallelDims | None, fn):
+    """Run ``fn()`` on every rank; if it raised ``GenoctxError`` on any rank, raise the first rank's message on
+    every rank (one ``all_gather_object`` over the mesh), so no rank goes on into a collective alone.
+
+    Raises:
+        GenoctxError: ``fn`` raised one on some rank (``"rank R: ..."`` when another rank's).
+    """
+    import torch.distributed as dist
+
+    err, out = None, None
+    try:
+        out = fn()
+    except GenoctxError as e:
+        err = str(e)
+    if dims is not None and dims.is_distributed:
+        errs = [None] * dist.get_world_size()
+        dist.all_gather_object(errs, err)
+        first = next(((r, e) for r, e in enumerate(errs) if e is not None), None)
+        if first is not None:
+            r, e = first
+            raise GenoctxError(e if r == dist.get_rank() or e.startswith("rank ") else f"rank {r}: {e}")
+    elif err is not None:
+        raise GenoctxError(err)
+    return out
+
+
+def read_checkpoint_slices(path: Path, targets: dict) -> None:
+    """A one-process genoctx checkpoint (``model.safetensors``, one-device names): each target's box read with
+    ``get_slice``. Raises ``GenoctxError`` naming the tensor and file when one is missing or misshapen."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            keys = set(h.keys())
+            for name, (local, shape, box) in targets.items():
+                if name not in keys:
+                    raise GenoctxError(f"{path}: tensor {name} is missing (the checkpoint does not match this model)")
+                sl = h.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(shape):
+                    raise GenoctxError(
+                        f"{path}: tensor {name} has shape {tuple(sl.get_shape())}, this model {tuple(shape)}"
+                    )
+                if local.numel():
+                    with torch.no_grad():
+                        local.copy_(sl[box] if box else sl[...])
+    except (SafetensorError, OSError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GenoctxError(f"{path}: not a readable safetensors file ({first})") from None
+
+
+def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
+    """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
+    try:
+        dcp.load(sd, checkpoint_id=str(Path(ckpt) / "dcp"), no_dist=dims is None or not dims.is_distributed)
+    except Exception as e:  # CheckpointException wraps every rank's failure
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GenoctxError(f"{ckpt}/dcp: cannot load it into this model ({first})") from None
+
+
+def persistent_targets(model: nn.Module, dims) -> dict:
+    """``local_targets`` of the tensors a checkpoint stores (parameters and persistent buffers)."""
+    keep = set(model.state_dict().keys())
+    return {k: v for k, v in local_targets(model, dims).items() if k in keep}
+
+
+def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
+    """Fill this rank's pieces of ``model`` (allocated, parallelism applied) from ``source`` (module docstring).
+    Non-persistent buffers (router load counts) start at 0. Returns what was done, for the log and tests:
+    ``{"source", "path", "skipped"}``.
+
+    Raises:
+        GenoctxError: a missing, misshapen or unreadable tensor (named with its file); not agreed across ranks
+            here (``build_model`` does that).
+    """
+    from ..model.init import fill_fresh, init_spec
+
+    for b in model.buffers():
+        b.zero_()
+    if isinstance(source, Zeros):
+        for local, _, _ in local_targets(model, dims, buffers=False).values():
+            local.zero_()
+        return {"source": "zeros", "path": None, "skipped": None}
+    if isinstance(source, Fresh):
+        fill_fresh(local_targets(model, dims), init_spec(model), model.init_seed)
+        return {"source": "fresh", "path": None, "skipped": None, "seed": model.init_seed}
+    if isinstance(source, FromHF):
+        from ..model.hf import read_hf_into
+
+        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims))
+        return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
+    if isinstance(source, FromCheckpoint):
+        ckpt = Path(source.path)
+        if (ckpt / "dcp" / ".metadata").is_file():
+            _load_dcp_weights(ckpt, model, dims)
+        else:
+            targets = persistent_targets(model, dims)
+            if model.lm_head.weight is model.embed_tokens.weight:
+                targets.pop(TIED_HEAD, None)
+            read_checkpoint_slices(ckpt / "model.safetensors", targets)
+        return {"source": "checkpoint", "path": str(ckpt), "skipped": None}
+    raise TypeError(f"build_model: unknown source {source!r}")
+
+
+def build_model(
+    cfg: ModelConfig,
+    dims: ParallelDims | None = None,
+    *,
+    source=None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    param_dtype: torch.dtype | None = None,
+    offload_optimizer: bool = False,
+    materialize: bool = True,
+) -> HybridLM:
+    """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
+    rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
+    ``fully_shard`` and the fill's agreement run on every rank).
+
+    Args:
+        cfg: the architecture, with its compute knobs.
+        dims: the mesh (``init_parallel``); None = one device (the mesh of size 1: nothing applied).
+        source: ``Fresh()`` (default), ``Zeros()``, ``FromHF(path)`` or ``FromCheckpoint(path)``.
+        device: where the pieces live (``"cpu"`` or a CUDA device).
+        dtype: the parameters' dtype (fp32 masters; the fp32 islands never below fp32: ``cast_model``).
+        activation_checkpointing, param_dtype, offload_optimizer: ``apply_parallel``'s.
+        materialize: False stops after step 2 (the model stays on meta): the dry run counts its pieces.
+
+    Returns:
+        The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
+        ``apply_parallel``'s handles.
+
+    Raises:
+        GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
+    """
+    from ..model.model import cast_model
+    from .fsdp import apply_parallel
+
+    source = Fresh() if source is None else source
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    if dtype != torch.float32:
+        cast_model(model, dtype)
+    handles = []
+    if dims is not None:
+        handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
+                                 param_dtype=param_dtype, offload_optimizer=offload_optimizer)  # fmt: skip
+    elif activation_checkpointing:
+        from .fsdp import apply_ac
+
+        apply_ac(model)
+    model.parallel_handles = handles
+    if not materialize:
+        model.build_info = {"source": "meta", "path": None, "skipped": None}
+        return model
+    offloaded = offload_optimizer and dims is not None and dims.fsdp
+    model.materialize("cpu" if offloaded else device)  # offloaded shards live in host memory (CPUOffloadPolicy)
+    if offloaded:  # buffers (router biases, load counts) are not FSDP's: they stay on the compute device
+        for m in model.modules():
+            for n, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[n] = b.to(device)
+    model.build_info = agree(dims, lambda: fill(model, dims, source))
+    skipped = (model.build_info.get("skipped") or {}) if isinstance(source, FromHF) else {}
+    if skipped.get("vision") or skipped.get("mtp"):
+        log.info("%s: skipped %d vision-tower tensors (model.visual.*) and %d multi-token-prediction tensors "
+                 "(layers.%d.*), as transformers does", source.path, skipped["vision"], skipped["mtp"],
+                 cfg.num_hidden_layers)  # fmt: skip
+    return model
