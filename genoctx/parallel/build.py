@@ -74,7 +74,8 @@ def agree(dims: ParallelDims | None, fn):
     every rank (one ``all_gather_object`` over the mesh), so no rank goes on into a collective alone.
 
     Raises:
-        GenoctxError: ``fn`` raised one on some rank (``"rank R: ..."`` when another rank's).
+        GenoctxError: ``fn`` raised one on some rank: this rank's own message, else the first failing rank's as
+            ``"rank R: ..."``.
     """
     import torch.distributed as dist
 
@@ -87,10 +88,10 @@ def agree(dims: ParallelDims | None, fn):
         errs = [None] * dist.get_world_size()
         dist.all_gather_object(errs, err)
         first = next(((r, e) for r, e in enumerate(errs) if e is not None), None)
-        if first is not None:
+        if err is None and first is not None:  # another rank's error: said with its rank
             r, e = first
-            raise GenoctxError(e if r == dist.get_rank() or e.startswith("rank ") else f"rank {r}: {e}")
-    elif err is not None:
+            raise GenoctxError(e if e.startswith("rank ") else f"rank {r}: {e}")
+    if err is not None:
         raise GenoctxError(err)
     return out
 
@@ -98,25 +99,28 @@ def agree(dims: ParallelDims | None, fn):
 def read_checkpoint_slices(path: Path, targets: dict) -> None:
     """A one-process genoctx checkpoint (``model.safetensors``, one-device names): each target's box read with
     ``get_slice``. Raises ``GenoctxError`` naming the tensor and file when one is missing or misshapen."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
+    from ..model.hf import SliceReader
+
+    reader = SliceReader(budget=max((t.numel() * t.element_size() for t, _, _ in targets.values()), default=1))
     try:
-        with safe_open(str(path), framework="pt") as h:
-            keys = set(h.keys())
-            for name, (local, shape, box) in targets.items():
-                if name not in keys:
-                    raise GenoctxError(f"{path}: tensor {name} is missing (the checkpoint does not match this model)")
-                sl = h.get_slice(name)
-                if tuple(sl.get_shape()) != tuple(shape):
-                    raise GenoctxError(
-                        f"{path}: tensor {name} has shape {tuple(sl.get_shape())}, this model {tuple(shape)}"
-                    )
-                if local.numel():
-                    with torch.no_grad():
-                        local.copy_(sl[box] if box else sl[...])
+        h = reader.handle(path)
+        keys = set(h.keys())
+        for name, (local, shape, box) in targets.items():
+            if name not in keys:
+                raise GenoctxError(f"{path}: tensor {name} is missing (the checkpoint does not match this model)")
+            got = tuple(reader.handle(path).get_slice(name).get_shape())
+            if got != tuple(shape):
+                raise GenoctxError(f"{path}: tensor {name} has shape {got}, this model {tuple(shape)}")
+            if local.numel():
+                with torch.no_grad():
+                    local.copy_(reader.read(path, name, box))
     except (SafetensorError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GenoctxError(f"{path}: not a readable safetensors file ({first})") from None
+    finally:
+        reader.close()
 
 
 def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
