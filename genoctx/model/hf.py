@@ -395,6 +395,22 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
     return {"files": [f.name for f in files], "skipped": skipped, "read_bytes": read}
 
 
+def check_hf(root: str | Path, cfg: ModelConfig) -> dict:
+    """Check, from the safetensors headers alone (no tensor data read), that an HF directory holds every tensor of
+    ``cfg`` with its shape (fp8 scales included): what ``read_hf_into`` would find wrong on some rank, found by the
+    driver before any worker starts. Returns ``read_hf_into``'s dict (``read_bytes`` 0).
+
+    Raises:
+        GenoctxError: as ``read_hf_into`` (a missing, misshapen or unknown tensor, named with its file).
+    """
+    from .init import whole
+
+    with torch.device("meta"):
+        shell = HybridLM(cfg)
+    empty = {n: (torch.empty(0), shape, tuple(slice(0, 0) for _ in shape)) for n, (_, shape, _) in whole(shell).items()}
+    return read_hf_into(root, cfg, empty)
+
+
 def hf_dtype(root: str | Path) -> torch.dtype:
     """The dtype an HF directory's weights are held in when none is asked for: ``dtype``/``torch_dtype`` of
     config.json, else bf16 for fp8 checkpoints, else the first stored float tensor's dtype (fp32 if none)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..data.tokenizer import VOCAB
 from ..errors import GenoctxError
-from ..model.hf import is_hf_dir, read_config, weight_files
+from ..model.hf import check_hf, is_hf_dir, read_config, weight_files
 from ..model.vocab import TokenMap, VocabHead, build_token_map
 from ..recipes import Recipe
 
@@ -125,6 +125,8 @@ def resolve_init(recipe: Recipe) -> tuple[Recipe, dict | None]:
         cfg, _ = read_config(path)
         info["files"] = fingerprint(path)
     cfg = dataclasses.replace(cfg, **recipe.model_knobs)
+    if info["kind"] == "hf":  # every tensor present and of its shape, from the headers: before any rank reads
+        check_hf(path, cfg)
     return dataclasses.replace(recipe, model=cfg, init=None, model_knobs={}), info
 
 

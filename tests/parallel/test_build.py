@@ -270,3 +270,30 @@ def test_a_misshapen_tensor_is_one_error_on_every_rank(tmp_path):
     assert len(errors) == 1, errors
     (msg,) = errors
     assert "layers.1.mlp.experts.5.down_proj.weight" in msg and "model.safetensors" in msg and "\n" not in msg
+
+
+def test_train_on_a_mesh_refuses_a_misshapen_base_before_any_worker(prepared, tmp_path):
+    """``genoctx train --init BAD --num-workers 2 --fsdp 2``: the driver finds the misshapen tensor in the headers
+    (``check_hf``) and exits 2 with one line naming it and its file; no Ray is started, ``--out`` is not made."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = _three(n_routed_experts=8)
+    torch.manual_seed(0)
+    save_hf(HybridLM(cfg), tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    with safe_open(str(f), "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    bad = "model.language_model.layers.2.mlp.experts.7.up_proj.weight"
+    tensors[bad] = tensors[bad][:-1].contiguous()
+    save_file(tensors, str(f))
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "genoctx", "train", "--data", str(prepared), "--recipe", str(recipe),
+                        "--out", str(out), "--init", str(tmp_path / "hf"), "--num-workers", "2", "--fsdp", "2",
+                        "--steps", "1", "--set", "model.preset=null"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "layers.2.mlp.experts.7.up_proj.weight" in lines[0] and "model.safetensors" in lines[0]
+    assert not out.exists() and "Traceback" not in r.stderr
