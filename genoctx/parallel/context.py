@@ -76,29 +76,7 @@ from ..model.config import DSA
 from ..model.dsa import SENTINEL, DSACache, DSASelection
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
-from .mesh import ParallelDims, destroy_parallel, init_parallel  # noqa: F401  (re-exported)
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
-    """For each CP rank, the natural-order indices of the window pieces it holds, in its local order.
-
-    Args:
-        cp: context-parallel size (>= 1).
-        layout: ``"contiguous"`` (``cp`` pieces: ``[[0], [1], ..., [cp - 1]]``) or ``"zigzag"`` (``2 cp``
-            pieces: ``[[0, 2cp - 1], [1, 2cp - 2], ..., [cp - 1, cp]]``).
-
-    Raises:
-        ValueError: ``cp < 1`` or an unknown layout.
-    """
-    if cp < 1:
-        raise ValueError(f"context parallelism: cp must be >= 1, got {cp}")
-    if layout == "contiguous":
-        return [[r] for r in range(cp)]
-    if layout == "zigzag":
-        return [[r, 2 * cp - 1 - r] for r in range(cp)]
-    raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+from .layout import cp_pieces
 
 
 def shard_sequence(x: Tensor, cp: int, cp_rank: int, layout: str = "contiguous") -> Tensor:

@@ -26,6 +26,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 DIMS = ("dp_replicate", "ep", "dp_shard", "cp")  # mesh dimension names, outermost first
+LAYOUTS = ("contiguous", "zigzag")  # how a CP rank's pieces of a window are chosen (genoctx.parallel.context)
+
+
+def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
+    """For each CP rank, the natural-order indices of the window pieces it holds, in its local order.
+
+    Args:
+        cp: context-parallel size (>= 1).
+        layout: ``"contiguous"`` (``cp`` pieces: ``[[0], [1], ..., [cp - 1]]``) or ``"zigzag"`` (``2 cp``
+            pieces: ``[[0, 2cp - 1], [1, 2cp - 2], ..., [cp - 1, cp]]``).
+
+    Raises:
+        ValueError: ``cp < 1`` or an unknown layout.
+    """
+    if cp < 1:
+        raise ValueError(f"context parallelism: cp must be >= 1, got {cp}")
+    if layout == "contiguous":
+        return [[r] for r in range(cp)]
+    if layout == "zigzag":
+        return [[r, 2 * cp - 1 - r] for r in range(cp)]
+    raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .layout import DIMS, Layout
+from .layout import DIMS, Layout, cp_pieces
 
 
 @dataclass
@@ -39,7 +39,7 @@ class ParallelDims:
         dp_cp_group: the whole mesh (loss count, MoE loads, dense gradients without FSDP).
         expert_group: ranks holding the same block of experts (expert gradients without FSDP); None when 1 rank.
         dense_mesh, expert_mesh: the FSDP2 meshes (None without FSDP).
-        cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.context.cp_pieces``).
+        cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.layout.cp_pieces``).
     """
 
     layout: Layout = field(default_factory=Layout)
@@ -102,8 +102,6 @@ def init_parallel(
             or an unknown CP layout.
     """
     from torch.distributed.device_mesh import init_device_mesh
-
-    from .context import cp_pieces
 
     cp_pieces(max(cp, 1), layout)  # validates the layout
     if not dist.is_initialized():

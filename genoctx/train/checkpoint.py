@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ from ..model.model import HybridLM
 from ..recipes import Recipe, recipe_from_dict
 
 CKPT_DIR = "checkpoints"
+DCP_DIR = "dcp"  # a distributed run's torch.distributed.checkpoint shards (genoctx.train.sharded)
 TIED_HEAD = "lm_head.weight"  # not stored when tied to embed_tokens.weight
 
 
@@ -203,8 +205,6 @@ def validate_checkpoint(ckpt: Path) -> dict:
     """
     from safetensors import safe_open
 
-    from .sharded import _load_scheduler, checkpoint_keys, is_sharded
-
     state = read_state(ckpt)
     if is_sharded(ckpt):  # a distributed run's DCP checkpoint (genoctx.train.sharded)
         checkpoint_keys(ckpt)
@@ -218,6 +218,82 @@ def validate_checkpoint(ckpt: Path) -> dict:
         raise GenoctxError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
     read_optimizer(Path(ckpt) / "optimizer.pt")
     return state
+
+
+# DCP checkpoints of a distributed run (written by genoctx.train.sharded), read here in one process
+def is_sharded(ckpt: Path) -> bool:
+    """True for a DCP checkpoint (``dcp/.metadata`` present)."""
+    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
+
+
+def _load_scheduler(ckpt: Path, scheduler) -> None:
+    path = Path(ckpt) / "scheduler.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise GenoctxError(f"{path}: not readable JSON ({_first_line(e)})") from None
+    if scheduler is not None and doc is not None:
+        scheduler.load_state_dict(doc)
+
+
+def checkpoint_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Tensor names of a DCP checkpoint with their global shapes and dtypes, read from ``dcp/.metadata`` only.
+
+    Raises:
+        GenoctxError: no readable metadata (named).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt) / DCP_DIR
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise GenoctxError(f"{path}/.metadata: not a readable DCP checkpoint ({_first_line(e)})") from None
+    return {
+        k: (v.size, v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+
+
+def read_full_tensors(ckpt: Path, prefix: str = "model.", names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors of a DCP checkpoint in one process (no process group), the ``prefix`` removed from the names.
+
+    ``names`` (without the prefix) limits what is read: ``genoctx export`` reads one output shard at a time, so the
+    whole model is never in memory at once.
+
+    Raises:
+        GenoctxError: unreadable files or unknown names (named).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    keys = checkpoint_keys(ckpt)
+    wanted = [k for k in keys if k.startswith(prefix)] if names is None else [prefix + n for n in names]
+    missing = [k for k in wanted if k not in keys]
+    if missing:
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: has no tensor {missing[0]!r}")
+    sd = {k: torch.empty(keys[k][0], dtype=keys[k][1]) for k in wanted}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized": intended here
+            dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=True)
+    except Exception as e:
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: unreadable ({_first_line(e)})") from None
+    return {k[len(prefix) :]: v for k, v in sd.items()}
+
+
+def load_full_optimizer(ckpt: Path, model, optimizer, scheduler) -> None:
+    """Restore a one-process model's AdamW state and schedule from a DCP checkpoint (any layout it was saved in)."""
+    from ..parallel.state import canonical_state
+
+    sd = canonical_state(model, optimizer, None)
+    want = {k: v for k, v in sd.items() if k.startswith("optim.")}
+    got = read_full_tensors(ckpt, prefix="", names=list(want))
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(got[k])
+    _load_scheduler(ckpt, scheduler)
 
 
 def remove_partial_checkpoints(run_dir: Path) -> list[str]:
@@ -298,16 +374,14 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
     ckpt = resolve_checkpoint(ckpt)
     if not (ckpt / "state.json").is_file():
         raise GenoctxError(f"{ckpt} is an HF model directory, not a genoctx checkpoint (use genoctx.model.load_hf)")
-    from .sharded import is_sharded, read_full_tensors
+    from ..parallel.build import FromCheckpoint, build_model
 
     recipe = load_recipe_of(ckpt)
     state = read_state(ckpt)
-    model = HybridLM(recipe.model)
-    if is_sharded(ckpt):  # a distributed run's checkpoint, whole tensors read in this process
-        load_model_tensors(model, read_full_tensors(ckpt), ckpt / "dcp")
-    else:
-        load_model_tensors(model, read_tensors(ckpt / "model.safetensors", device), ckpt / "model.safetensors")
-    return model.to(device), recipe, state
+    # the one construction path on the mesh of size 1: allocated once, every tensor read (DCP in any layout it was
+    # saved in, or model.safetensors), nothing drawn first
+    model = build_model(recipe.model, None, source=FromCheckpoint(ckpt), device=device)
+    return model, recipe, state
 
 
 def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> dict:
@@ -316,8 +390,6 @@ def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> di
     Raises:
         GenoctxError: an unreadable or mismatching file (named), or an optimizer state that needs code to load.
     """
-    from .sharded import is_sharded, load_full_optimizer, read_full_tensors
-
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     if is_sharded(ckpt):  # saved by a distributed run in any layout: whole tensors in this one process

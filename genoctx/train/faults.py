@@ -7,7 +7,7 @@ Grammar of ``GENOCTX_FAULT_KILL``:
 - ``save:STEP``: the process writing checkpoint ``STEP`` dies after the checkpoint's files are written under their
   temporary name, before the rename: a kill during a save.
 - ``save+driver:STEP``: the same, and first the driver of a Ray run (``GENOCTX_FAULT_DRIVER_PID``, set by
-  ``genoctx.parallel.launch``) is killed too: the whole job is lost, only ``--resume`` continues it.
+  ``genoctx.train.distributed``) is killed too: the whole job is lost, only ``--resume`` continues it.
 
 The fault fires once per run directory: it leaves ``RUN/.fault_done`` behind, so a restarted attempt runs through.
 Unset (the normal case) it costs one dict lookup.

@@ -37,8 +37,9 @@ from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
-from ..parallel.context import ParallelDims, all_reduce_moe_loads, all_reduce_sum, shard_sequence
+from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..parallel.fsdp import clip_grad_norm, reduce_gradients
+from ..parallel.mesh import ParallelDims
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
     latest_checkpoint,

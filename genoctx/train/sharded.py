@@ -18,9 +18,9 @@ it holds: an FSDP shard (a DTensor), a replicated tensor (DCP writes one copy), 
 expert parallelism, presented as a DTensor ``Shard(0)`` over ``ep`` (and FSDP's ``Shard(0)`` over ``dp_shard x cp``
 inside it) of the ``[n_routed_experts, ...]`` tensor. DCP stores chunks with their global offsets, so a checkpoint
 saved in one layout loads in any other (FSDP=2 x EP=2 -> FSDP=2, EP=2 -> one process, ...): each rank reads the
-pieces it now holds (``load_sharded``). ``read_full_tensors`` reads a checkpoint without any process group, whole
-tensors (one process: eval, resume at world 1) or a few names at a time (``genoctx export``: one output shard at a
-time, never the whole model).
+pieces it now holds (``load_sharded``). ``read_full_tensors`` (``genoctx.train.checkpoint``, which reads every
+checkpoint in one process) reads one without any process group, whole tensors (one process: eval, resume at world
+1) or a few names at a time (``genoctx export``: one output shard at a time, never the whole model).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -41,15 +40,21 @@ from ..errors import GenoctxError
 from ..lock import share_like_umask
 from ..parallel.state import canonical_state
 from ..recipes import Recipe
-from .checkpoint import CKPT_DIR, TIED_HEAD, _first_line, checkpoint_name, list_checkpoints
+from .checkpoint import (
+    CKPT_DIR,
+    DCP_DIR,
+    TIED_HEAD,
+    _first_line,
+    _load_scheduler,
+    checkpoint_keys,
+    checkpoint_name,
+    is_sharded,
+    list_checkpoints,
+    read_full_tensors,
+    read_optimizer,
+)
 
-DCP_DIR = "dcp"
 FORMAT = "dcp"
-
-
-def is_sharded(ckpt: Path) -> bool:
-    """True for a DCP checkpoint (``dcp/.metadata`` present)."""
-    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
 
 
 def save_sharded(
@@ -115,74 +120,6 @@ def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
     _load_scheduler(ckpt, scheduler)
 
 
-def _load_scheduler(ckpt: Path, scheduler) -> None:
-    path = Path(ckpt) / "scheduler.json"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise GenoctxError(f"{path}: not readable JSON ({_first_line(e)})") from None
-    if scheduler is not None and doc is not None:
-        scheduler.load_state_dict(doc)
-
-
-def checkpoint_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Tensor names of a DCP checkpoint with their global shapes and dtypes, read from ``dcp/.metadata`` only.
-
-    Raises:
-        GenoctxError: no readable metadata (named).
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(ckpt) / DCP_DIR
-    try:
-        meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:
-        raise GenoctxError(f"{path}/.metadata: not a readable DCP checkpoint ({_first_line(e)})") from None
-    return {
-        k: (v.size, v.properties.dtype)
-        for k, v in meta.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
-
-
-def read_full_tensors(ckpt: Path, prefix: str = "model.", names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Whole tensors of a DCP checkpoint in one process (no process group), the ``prefix`` removed from the names.
-
-    ``names`` (without the prefix) limits what is read: ``genoctx export`` reads one output shard at a time, so the
-    whole model is never in memory at once.
-
-    Raises:
-        GenoctxError: unreadable files or unknown names (named).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    keys = checkpoint_keys(ckpt)
-    wanted = [k for k in keys if k.startswith(prefix)] if names is None else [prefix + n for n in names]
-    missing = [k for k in wanted if k not in keys]
-    if missing:
-        raise GenoctxError(f"{ckpt}/{DCP_DIR}: has no tensor {missing[0]!r}")
-    sd = {k: torch.empty(keys[k][0], dtype=keys[k][1]) for k in wanted}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized": intended here
-            dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=True)
-    except Exception as e:
-        raise GenoctxError(f"{ckpt}/{DCP_DIR}: unreadable ({_first_line(e)})") from None
-    return {k[len(prefix) :]: v for k, v in sd.items()}
-
-
-def load_full_optimizer(ckpt: Path, model, optimizer, scheduler) -> None:
-    """Restore a one-process model's AdamW state and schedule from a DCP checkpoint (any layout it was saved in)."""
-    sd = canonical_state(model, optimizer, None)
-    want = {k: v for k, v in sd.items() if k.startswith("optim.")}
-    got = read_full_tensors(ckpt, prefix="", names=list(want))
-    with torch.no_grad():
-        for k, v in want.items():
-            v.copy_(got[k])
-    _load_scheduler(ckpt, scheduler)
-
-
 def fill_from_full(target: dict[str, torch.Tensor], full: dict[str, torch.Tensor], source: Path) -> None:
     """Copy whole tensors ``full`` (canonical names) into this rank's pieces ``target`` (``canonical_state``):
     a DTensor takes the slice its placements give this rank, a plain tensor the whole value. How a one-process
@@ -215,8 +152,6 @@ def _optimizer_by_name(ckpt: Path, model, optimizer) -> tuple[dict[str, torch.Te
     """``optim.<name>.<key>`` tensors of a one-process checkpoint's ``optimizer.pt`` (memory-mapped: a rank reads
     only the pages of the slices it copies) and its scheduler state. Parameters are in ``build_optimizer``'s
     order, by their one-device names."""
-    from .checkpoint import read_optimizer
-
     opt = read_optimizer(Path(ckpt) / "optimizer.pt", mmap=True)
     out: dict[str, torch.Tensor] = {}
     if optimizer is not None and opt.get("optimizer"):

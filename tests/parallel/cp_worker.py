@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 
 from genoctx.model.config import DSA, KDA, ModelConfig, preset
 from genoctx.model.model import HybridLM
-from genoctx.parallel.context import apply_cp, destroy_parallel, init_parallel
+from genoctx.parallel.context import apply_cp
+from genoctx.parallel.mesh import destroy_parallel, init_parallel
 from genoctx.train.loop import forward_backward
 
 # three layers: KDA, a "full" DSA layer and a "shared" DSA layer that reuses its selection; MLP, MoE, MoE

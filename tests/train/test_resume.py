@@ -151,14 +151,16 @@ def _holder(folder, what):
 def test_one_writer_per_run_folder(prepared, tmp_path, counted):
     """A run folder held by another genoctx process (here a helper holding ``output_lock``) is refused, one
     process or Ray, naming the holder's PID, before anything is written; it is free again once the holder ends."""
-    from genoctx.parallel.launch import train_distributed
+    from genoctx.cluster import run_workers
+    from genoctx.train.distributed import train_distributed
 
     run = tmp_path / "run"
     holder = _holder(run, "train")
     try:
         assert holder.stdout.readline() == "locked\n"
         for attempt in (lambda: train(prepared, _recipe(2), run),
-                        lambda: train_distributed(prepared, _recipe(2), run, num_workers=2)):  # fmt: skip
+                        lambda: train_distributed(prepared, _recipe(2), run, run_workers=run_workers,
+                                                  num_workers=2)):  # fmt: skip
             with pytest.raises(GenoctxError, match=f"is being written by PID {holder.pid} \\(genoctx train\\)"):
                 attempt()
         assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists() and counted == []

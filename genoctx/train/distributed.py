@@ -1,9 +1,13 @@
-"""Distributed training on Ray (Ray Train V2 ``TorchTrainer``): the 4-D mesh's workers, locally or on a cluster.
+"""Distributed training: the 4-D mesh's workers (the training worker and its driver; Ray itself is elsewhere).
 
-``train_distributed`` is what ``genoctx train --num-workers N [--cp C] [--ep E] [--fsdp F]`` runs:
+``train_distributed`` is what ``genoctx train --num-workers N [--cp C] [--ep E] [--fsdp F]`` runs. It checks the
+flags, the data and the memory plan, takes the run folder's lock and hands ``_train_worker`` to the worker runner it
+is given (``genoctx.cluster.run_workers``, passed in by the CLI: this module imports neither Ray nor the cluster
+layer above it); the worker reaches Ray Train only through the session object that runner hands it
+(``genoctx.cluster.WorkerSession``: report, the checkpoint Ray restores, the device):
 
 - Ray: an existing cluster (``address="auto"`` or ``"ray://HOST:PORT"``) or a local one started with no
-  dashboard and a short temporary directory (unix socket paths are limited to ~107 characters). Ray Train
+  dashboard and a short temporary directory (``genoctx.cluster``). Ray Train
   creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the device mesh
   ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.mesh.init_parallel``) and applies expert parallel,
   context parallel, activation checkpointing and FSDP2 from outside (``genoctx.parallel.fsdp.apply_parallel``),
@@ -14,10 +18,10 @@
   ``2 cp - 1 - r`` of ``2 cp``: the same DSA work on every rank; ``genoctx.parallel.context``).
 - Checkpoints: every rank writes its shards of ``RUN/checkpoints/step_N`` (``torch.distributed.checkpoint``,
   atomic, reshardable to any layout: ``genoctx.train.sharded``; one worker writes the one-process safetensors
-  form); ``genoctx eval`` and ``export`` read either; rank 0 reports it with ``ray.train.report``; Ray keeps its
+  form); ``genoctx eval`` and ``export`` read either; rank 0 reports it (``session.report``); Ray keeps its
   copy under ``RUN/ray``. ``--resume`` reruns the same ``RunConfig(name="ray", storage_path=RUN)``. Every attempt
   (the first, ``--resume``, or Ray's restart of the group after a worker died: ``FailureConfig``) starts from the
-  newest complete checkpoint, Ray's (``ray.train.get_checkpoint()``) or the run's own, whichever is later
+  newest complete checkpoint, Ray's (``session.checkpoint_dir()``) or the run's own, whichever is later
   (``_resume``): Ray registers a report only once every worker's report is collected, so a kill soon after a save
   would otherwise redo its steps. ``RUN/events.jsonl`` records each attempt (step loaded, partial saves removed,
   steps run); the summary's ``resumed_from`` is the step this invocation loaded and ``attempts`` lists its attempts.
@@ -29,16 +33,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
-import shutil
-import sys
-import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -48,20 +48,10 @@ from ..recipes import Recipe
 log = logging.getLogger("genoctx.train")
 
 RAY_RUN_NAME = "ray"  # Ray Train's run directory under RUN (its checkpoint copies and state snapshot)
-_SOCKET_BUDGET = 40  # characters of the Ray temp dir that keep its socket paths under the unix limit
-
-
-def _ray_temp_dir(out: Path) -> str:
-    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp."""
-    p = out / ".ray"
-    if len(str(p)) <= _SOCKET_BUDGET:
-        p.mkdir(parents=True, exist_ok=True)
-        return str(p)
-    return tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
 
 
 def _rank_stats(model, tokens: int, dt: float, device) -> dict:
-    from ..train.loop import peak_memory_bytes
+    from .loop import peak_memory_bytes
 
     stats = model.layer_stats()
     moe = [s["moe_load_max_over_mean"] for s in stats if s.get("moe_load_max_over_mean") is not None]
@@ -87,21 +77,22 @@ def _rank_line(dims, ranks: list[dict]) -> str:
     return line
 
 
-def _train_worker(config: dict) -> None:
-    """The Ray Train worker loop (one process per CP x DP rank). ``config``: recipe dict, paths, cp, fault."""
-    import ray.train
+def _train_worker(config: dict, session) -> None:
+    """The worker loop (one process per rank of the mesh). ``config``: recipe dict, paths, layout, fault;
+    ``session``: the worker's view of Ray Train (``genoctx.cluster.WorkerSession``: ``report``, ``checkpoint_dir``,
+    ``device``)."""
     import torch
     import torch.distributed as dist
 
     from ..data.dataset import WindowDataset
     from ..model.vocab import TokenMap, VocabHead
+    from ..parallel.build import Fresh, Zeros, build_model
+    from ..parallel.mesh import init_parallel
     from ..recipes import recipe_from_dict
-    from ..train.faults import DRIVER_ENV, ENV, maybe_kill
-    from ..train.init import base_source
-    from ..train.loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
-    from ..train.sharded import save_sharded
-    from .build import Fresh, Zeros, build_model
-    from .mesh import init_parallel
+    from .faults import DRIVER_ENV, ENV, maybe_kill
+    from .init import base_source
+    from .loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
+    from .sharded import save_sharded
 
     glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
     if not glog.handlers:
@@ -118,9 +109,9 @@ def _train_worker(config: dict) -> None:
     dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.num_threads or config["threads"])
-    dev = ray.train.torch.get_device() if config["gpus_per_worker"] > 0 else torch.device("cpu")
+    dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
     torch.manual_seed(cfg.seed)
-    picked = _choose_checkpoint(out, rank)
+    picked = _choose_checkpoint(out, rank, session)
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
     base = extra.get("init")  # loaded only when no checkpoint is (a fresh run from a base)
     source = Zeros() if picked is not None else base_source(base) if base is not None else Fresh()
@@ -133,7 +124,8 @@ def _train_worker(config: dict) -> None:
     head = None
     if extra.get("token_map"):
         head = VocabHead(TokenMap.from_dict(extra["token_map"]), extra["loss_vocab"], recipe.loss.chunk_tokens)
-    start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"], dims)
+    start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"], dims,
+                                     session=session)  # fmt: skip
     ds = WindowDataset(data_dir, "train")
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
@@ -176,37 +168,32 @@ def _train_worker(config: dict) -> None:
                     elif rank == 0:
                         path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims,
                                                    extra=extra)  # fmt: skip
-                    if rank == 0:
-                        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(str(path)))
-                    else:
-                        ray.train.report(report, checkpoint=None)
+                    session.report(report, checkpoint_dir=path if rank == 0 else None)
         status = "completed"
     finally:
         if rank == 0:
             end_attempt(out, attempt, status, steps_run)
 
 
-def _choose_checkpoint(out: Path, rank: int) -> tuple[int, str, str | None] | None:
+def _choose_checkpoint(out: Path, rank: int, session) -> tuple[int, str, str | None] | None:
     """Where this attempt of the worker group starts: the newest complete checkpoint, Ray's
-    (``ray.train.get_checkpoint()``, restored from ``RUN/ray`` on ``--resume``) or the run's own
+    (``session.checkpoint_dir()``, restored from ``RUN/ray`` on ``--resume``) or the run's own
     (``RUN/checkpoints``), whichever holds the later step; None when there is none.
 
     Ray registers a reported checkpoint only once the controller has collected every worker's report; a worker
     killed soon after a save, or a driver killed during one, leaves newer complete checkpoints in
     ``RUN/checkpoints`` than Ray knows of. Rank 0 chooses and broadcasts ``(step, "ray" | "run", path)``.
     """
-    import ray.train
     import torch.distributed as dist
 
-    from ..train.checkpoint import latest_checkpoint, read_state
+    from .checkpoint import latest_checkpoint, read_state
 
     choice = [None]
     if rank == 0:
-        ray_ckpt = ray.train.get_checkpoint()
         candidates = []
-        if ray_ckpt is not None:
-            with ray_ckpt.as_directory() as d:
-                candidates.append((int(read_state(Path(d))["step"]), "ray", None))
+        with session.checkpoint_dir() as d:
+            if d is not None:
+                candidates.append((int(read_state(d)["step"]), "ray", None))
         own = latest_checkpoint(out)
         if own is not None:
             candidates.append((int(read_state(own)["step"]), "run", str(own)))
@@ -216,7 +203,7 @@ def _choose_checkpoint(out: Path, rank: int) -> tuple[int, str, str | None] | No
 
 
 def _resume(
-    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str, dims=None
+    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str, dims=None, *, session=None
 ) -> tuple[int, Path | None, dict]:
     """Load the checkpoint ``_choose_checkpoint`` picked on every rank (a ``RUN/checkpoints`` choice must be visible
     to every rank: RUN on a shared filesystem); rank 0 then records the attempt
@@ -228,12 +215,11 @@ def _resume(
     Raises:
         GenoctxError: the chosen checkpoint is unreadable, or not visible on this rank.
     """
-    import ray.train
     import torch.distributed as dist
 
-    from ..train.checkpoint import load_training_state
-    from ..train.loop import begin_attempt
-    from ..train.sharded import load_any
+    from .checkpoint import load_training_state
+    from .loop import begin_attempt
+    from .sharded import load_any
 
     def load(path: Path) -> None:  # any layout into this one (a collective when distributed)
         if world > 1:
@@ -245,8 +231,8 @@ def _resume(
     if picked is not None:
         step, source, path = picked
         if source == "ray":
-            with ray.train.get_checkpoint().as_directory() as d:
-                load(Path(d))
+            with session.checkpoint_dir() as d:  # the one _choose_checkpoint read on rank 0
+                load(d)
             loaded = out / "checkpoints" / f"step_{step:06d}"
         else:
             if not Path(path).is_dir():
@@ -266,8 +252,8 @@ def _resume(
 
 
 def _summary(out: Path, recipe: Recipe, invocation: str, elapsed: float) -> dict:
-    from ..train.checkpoint import latest_checkpoint
-    from ..train.loop import invocation_attempts
+    from .checkpoint import latest_checkpoint
+    from .loop import invocation_attempts
 
     attempts = invocation_attempts(out, invocation)
     start = attempts[0]["resumed_from"] if attempts else None
@@ -317,6 +303,7 @@ def train_distributed(
     recipe: Recipe,
     out: str | Path,
     *,
+    run_workers: Callable[..., float],
     num_workers: int,
     cp: int = 1,
     ep: int = 1,
@@ -336,6 +323,8 @@ def train_distributed(
         data_dir: prepared data directory (``genoctx prepare --out``).
         recipe: the resolved recipe; ``train.batch_size`` is per DP rank.
         out: run directory (``checkpoints/``, ``metrics.jsonl``, ``ray/``).
+        run_workers: runs the worker function on the workers and returns the seconds they ran:
+            ``genoctx.cluster.run_workers`` (the CLI passes it in: this layer does not import the one above it).
         num_workers: Ray workers (processes), one rank each.
         cp: context-parallel size; the window (or ``train.seq_len``) in tokens must split into ``cp`` pieces
             (``2 cp`` with ``train.cp_layout: zigzag``) of at least ``linear_conv_kernel_dim - 1`` tokens.
@@ -360,10 +349,9 @@ def train_distributed(
     """
     from ..data.dataset import WindowDataset
     from ..lock import output_lock
-    from ..train.init import resolve_init, vocab_head
-    from ..train.loop import _check_manifest, check_seq_len
-    from .context import cp_pieces
-    from .layout import Layout
+    from ..parallel.layout import Layout, cp_pieces
+    from .init import resolve_init, vocab_head
+    from .loop import _check_manifest, check_seq_len
 
     try:
         mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp)
@@ -391,16 +379,17 @@ def train_distributed(
         )
     _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
-        return _launch(data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume, stop_after,
-                       max_failures)  # fmt: skip
+        return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,
+                       stop_after, max_failures)  # fmt: skip
 
 
-def _launch(data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after, max_failures):
-    from ..train.checkpoint import latest_checkpoint, validate_checkpoint
-    from ..train.faults import ENV as FAULT_ENV
-    from ..train.faults import parse_fault
-    from ..train.init import describe, vocab_head
-    from ..train.loop import check_resume
+def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
+            max_failures):  # fmt: skip
+    from .checkpoint import latest_checkpoint, validate_checkpoint
+    from .faults import ENV as FAULT_ENV
+    from .faults import parse_fault
+    from .init import describe, vocab_head
+    from .loop import check_resume
 
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
@@ -433,62 +422,19 @@ def _launch(data_dir, recipe, base, out, layout, address, gpus_per_worker, resum
         "invocation": invocation,
         "extra": extra,
     }
-    import ray
-    from ray.train.torch import TorchTrainer
-
-    # Ray prints worker and raylet lines to stdout; stdout is for the JSON summary only, so they go to stderr.
-    with contextlib.redirect_stdout(sys.stderr):
-        return _fit(ray, TorchTrainer, config, out, recipe, address, layout.world, gpus_per_worker, max_failures)
-
-
-def _fit(ray, TorchTrainer, config, out, recipe, address, num_workers, gpus_per_worker, max_failures) -> dict:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-
-    started, temp_dir = False, None
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            temp_dir = _ray_temp_dir(out)
-            ray.init(
-                include_dashboard=False,
-                _temp_dir=temp_dir,
-                num_cpus=max(num_workers + 1, os.cpu_count() or 1),
-                num_gpus=int(math.ceil(gpus_per_worker * num_workers)) or None,
-                object_store_memory=256 << 20,  # checkpoints travel as files, not through the object store
-                configure_logging=False,
-                # warnings only at ERROR: with no dashboard, Ray Train's placement-group cleaner cannot reach the
-                # state API and would warn once a second for the whole run
-                logging_config=ray.LoggingConfig(log_level="ERROR"),
-            )
-        started = True
-    resources = {"CPU": 1}
-    if gpus_per_worker > 0:
-        resources["GPU"] = gpus_per_worker
-    trainer = TorchTrainer(
+    elapsed = run_workers(  # Ray's stdout lines go to stderr there: stdout is for the JSON summary only
         _train_worker,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(
-            num_workers=num_workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
-        ),
-        run_config=RunConfig(
-            name=RAY_RUN_NAME,
-            storage_path=str(out),
-            failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.keep_checkpoints or None),
-        ),
+        config,
+        num_workers=layout.world,
+        storage_path=out,
+        run_name=RAY_RUN_NAME,
+        gpus_per_worker=gpus_per_worker,
+        address=address,
+        max_failures=max_failures,
+        keep_checkpoints=recipe.train.keep_checkpoints,
+        what="distributed training",
     )
-    t0 = time.perf_counter()
-    try:
-        trainer.fit()
-    except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
-        raise GenoctxError(f"distributed training failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-    finally:
-        if started:
-            ray.shutdown()
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-    return _summary(out, recipe, config["invocation"], time.perf_counter() - t0)
+    return _summary(out, recipe, invocation, elapsed)
 
 
 def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool) -> None:
