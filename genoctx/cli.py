@@ -357,6 +357,14 @@ def train(
     wait: Annotated[
         bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Build the recipe's model on the layout (fake process group, meta device) and print each simulated "
+            "rank's bytes as JSON; no Ray, no training, --out untouched.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
@@ -378,7 +386,7 @@ def train(
     _at_least("--fsdp", fsdp, 1)
     _at_least("--gpus-per-worker", gpus_per_worker, 0)
     data = _data_dir(data)
-    _out_dir(out)
+    _out_dir(out)  # creates nothing
     overrides = list(set_ or [])
     if steps is not None:  # the flag wins over the recipe and --set (and is checked above)
         overrides.append(f"train.steps={steps}")
@@ -388,19 +396,26 @@ def train(
         if value is not None:
             overrides.append(f"train.{key}={value}")
     rec = load_recipe(recipe, overrides)
+    if dry_run:
+        if resume or stop_after is not None or address is not None:
+            raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
+        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers)})
+        return
     dev = _device(device)
     if num_workers is None:
         if any(v not in (None, 1) for v in (cp, ep, fsdp)) or address is not None or gpus_per_worker:
             raise GenoctxError("--cp, --ep, --fsdp, --address and --gpus-per-worker need --num-workers")
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
         return
-    from .parallel.launch import train_distributed
+    from .cluster import run_workers
+    from .train.distributed import train_distributed
 
     _emit_json(
         train_distributed(
             data,
             rec,
             out,
+            run_workers=run_workers,
             num_workers=num_workers,
             cp=rec.train.cp,
             ep=rec.train.ep,
@@ -413,6 +428,41 @@ def train(
             wait=wait,
         )
     )
+
+
+def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:
+    """``genoctx train --dry-run``: ``genoctx.train.dryrun.dry_run`` of the recipe's model (a preset, or
+    ``model.init``'s HF ``config.json`` with the recipe's compute knobs) on ``num_workers`` ranks (1 when None) with
+    ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing and optimizer offload.
+
+    Raises:
+        GenoctxError: ``model.init`` not an HF directory, a layout that does not make ``num_workers`` ranks or that
+            this model or window cannot run (one line naming the flag).
+    """
+    import dataclasses
+
+    from .data.dataset import WindowDataset
+    from .model.hf import read_config
+    from .parallel.layout import Layout
+    from .train.dryrun import dry_run
+
+    cfg = rec.model
+    if rec.init is not None:
+        init = Path(rec.init).expanduser()
+        if not (init / "config.json").is_file():
+            raise GenoctxError(f"--dry-run: --init {rec.init}: give an HF model directory (its config.json is read)")
+        cfg = dataclasses.replace(read_config(init)[0], **rec.model_knobs)
+    t = rec.train
+    try:
+        layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp)
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
+    L = t.seq_len or WindowDataset(data, "train").window
+    if L % t.cp or L // t.cp < cfg.kda_chunk_size:
+        raise GenoctxError(f"--cp {t.cp}: the {L}-token window does not split into {t.cp} pieces of at least "
+                           f"{cfg.kda_chunk_size} tokens")  # fmt: skip
+    return dry_run(cfg, layout, activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
+                   optimizer_offload=t.offload_optimizer)  # fmt: skip
 
 
 def _device(name: str) -> str:
@@ -681,6 +731,14 @@ def plan(
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="bf16 or fp32 (default the recipe's train.dtype or bf16).")] = None,
     format_: Annotated[str, typer.Option("--format", help="table or json (on stdout).")] = "table",
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Also build the model on the layout (the given one, else the best the search picks) with a fake "
+            "process group on the meta device and count rank 0's and the last rank's bytes (genoctx.train.dryrun).",
+        ),
+    ] = False,
 ) -> None:
     """Predict GPU memory per rank of one training step, by component, for a model x window x parallel layout.
 
@@ -692,6 +750,7 @@ def plan(
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --gpu-memory-gib 178
       genoctx plan --preset glm-5.3-flash --seq-len 128k --gpus 64 --ep 2 --fsdp 2 --cp 16 --format json
       genoctx plan --recipe recipes/cpu-small.yaml --seq-len 16k --gpus 4 --gpu-memory-gib 8
+      genoctx plan --dry-run --preset glm-5.3-flash --seq-len 1M --gpus 64 --cp 64
     """
     from .plan import format_table, plan_memory, search_layouts
 
@@ -747,13 +806,41 @@ def plan(
                 plans[0]["total_gib"],
             )  # fmt: skip
         shown = fitting or plans
+    if dry_run:
+        from .parallel.layout import Layout
+        from .train.dryrun import dry_run as run_dry
+
+        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp")})
+        doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not no_recompute, dtype=kwargs["dtype"],
+                                  optimizer_offload=offload_optimizer), **doc}  # fmt: skip
     if format_ == "json":
         _emit_json(doc)
         return
     if doc.get("layouts") == [] and "closest" in doc:
         sys.stdout.write(f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB; the closest:\n")
     sys.stdout.write(format_table(shown) + "\n")
+    if dry_run:
+        sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0]) + "\n")
     sys.stdout.flush()
+
+
+def _format_dry_run(dr: dict, plan: dict) -> str:
+    """A few human lines of ``genoctx plan --dry-run``: per simulated rank its counted GiB next to the plan's."""
+    gib = 2**30
+    lay = " ".join(f"{k}={v}" for k, v in dr["layout"].items() if k != "world")
+    lines = [f"dry run ({lay}, {dr['dtype']}, built on the meta device in {dr['seconds']:.1f} s), GiB per rank "
+             "counted from the built model (plan in brackets):"]  # fmt: skip
+    per = plan["persistent_gib"]
+    for r in dr["ranks"]:
+        g = r["largest_unsharded_group"]
+        lines.append(
+            f"  rank {r['rank']:>3}: params {r['params_local']:.4g}  weights {r['weights'] / gib:.3f} "
+            f"[{per['weights']:.3f}]  gradients {r['gradients'] / gib:.3f} [{per['gradients']:.3f}]  "
+            f"optimizer {r['optimizer_state'] / gib:.3f} [{per['optimizer_state']:.3f}]  buffers "
+            f"{r['buffers'] / gib:.4f}  largest all-gather {g['bytes'] / gib:.3f} ({g['module']}; layer "
+            f"{r['largest_unsharded_layer']['bytes'] / gib:.3f} [{plan['largest_layer_unsharded_gib']:.3f}])"
+        )
+    return "\n".join(lines)
 
 
 def _plan_model(preset, hf, recipe):

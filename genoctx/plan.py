@@ -32,8 +32,12 @@ Assumptions (each one is a place where a measurement can disagree):
 - Training as ``genoctx.parallel.fsdp`` applies it: FSDP2 ``fully_shard`` per decoder layer (routed experts a group
   of their own) and the root (embedding, final norm, ``lm_head``), ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` for ``dtype="bf16"``: fp32 sharded masters, fp32 sharded gradients, fp32 AdamW
-  ``exp_avg`` + ``exp_avg_sq`` (16 bytes per sharded parameter); all-gathered parameters in bf16 (the fp32 islands'
-  few parameters are counted as bf16). With ``recompute`` each decoder layer is checkpointed (``apply_ac``).
+  ``exp_avg`` + ``exp_avg_sq`` (16 bytes per sharded parameter); all-gathered parameters in bf16, the fp32 islands
+  (a KDA layer's whole mixer, the MoE router, the mHC mixings: ``genoctx.parallel.fsdp._islands``) in fp32, as the
+  dry run (``genoctx.train.dryrun``) counts them from the built model. Sharded sizes are what a rank allocates
+  (``shard_numel``): FSDP2 cuts dim 0 of every parameter in ``torch.chunk`` pieces and pads each rank's to the first
+  one's ``ceil(rows / shards)`` rows, so with fewer rows than ranks (288 experts over 64, ``A_log`` of 64 heads over
+  128) a rank holds more than ``P / shards``. With ``recompute`` each decoder layer is checkpointed (``apply_ac``).
   Without FSDP (``dp_shard == cp == 1``) parameters are replicated, and ``dtype="bf16"`` keeps a bf16 compute copy
   of the local parameters for the step.
 - The busiest rank: under context parallelism the rank holding the window's last piece (its DSA layers attend
@@ -102,22 +106,57 @@ def _param_counts_cached(key: str) -> dict:
     cfg = ModelConfig.from_dict(json.loads(key))
     with torch.device("meta"):
         model = HybridLM(cfg)
-    root = {"dense": 0, "expert": 0}
-    layers = [{"dense": 0, "expert": 0} for _ in range(cfg.num_hidden_layers)]
+    root = {"dense": 0, "expert": 0, "shapes": []}
+    layers = [{"dense": 0, "expert": 0, "island": 0, "shapes": []} for _ in range(cfg.num_hidden_layers)]
     largest = embed = 0
     for name, p in model.named_parameters():  # shared (tied) parameters are listed once
         n = p.numel()
         largest = max(largest, n)
         kind = "expert" if ".mlp.experts." in f".{name}" else "dense"
+        shape = (kind, p.shape[0] if p.dim() else 1, n // max(1, p.shape[0]) if p.dim() else 1)
         if name.startswith("layers."):
-            layers[int(name.split(".")[1])][kind] += n
+            i = int(name.split(".")[1])
+            layers[i][kind] += n
+            layers[i]["island"] += n if _is_island(cfg, i, name) else 0
+            layers[i]["shapes"].append(shape)
         else:
             root[kind] += n
+            root["shapes"].append(shape)
             embed += n if name.startswith("embed_tokens.") else 0
     dense = root["dense"] + sum(x["dense"] for x in layers)
     expert = root["expert"] + sum(x["expert"] for x in layers)
+    shapes = root["shapes"] + [sh for x in layers for sh in x["shapes"]]
     return {"dense": dense, "expert": expert, "total": dense + expert, "root": root, "embed": embed,
-            "layers": layers, "largest": largest}  # fmt: skip
+            "layers": layers, "largest": largest, "shapes": shapes}  # fmt: skip
+
+
+def shard_numel(shapes: list[tuple[str, int, int]], layout: Layout) -> dict:
+    """Parameters one rank allocates for ``shapes`` (``(kind, rows, numel per row)`` of dim 0, ``param_counts``)
+    under ``layout``: ``{"dense", "expert"}``.
+
+    FSDP2 shards dim 0 in ``torch.chunk`` pieces of ``ceil(rows / shards)`` rows and pads every rank's piece to
+    that size (``FSDPParam._sharded_param_data``; gradients are reduce-scattered into the same padded size), so
+    every rank allocates ``ceil(rows / s_d)`` rows of a dense parameter and ``ceil((rows / ep) / s_e)`` rows of a
+    routed expert's (its ``E / ep`` block); rank 0's own piece is that large too (its AdamW moments, which are not
+    padded, are the largest there). Without FSDP (``s_d = s_e = 1``) the whole tensor, or the EP block.
+    """
+    sd, se, ep = layout.dense_shard, layout.expert_shard, layout.ep
+    out = {"dense": 0, "expert": 0}
+    for kind, rows, rest in shapes:
+        if kind == "expert":
+            out[kind] += -(-(rows // ep) // se) * rest
+        else:
+            out[kind] += -(-rows // sd) * rest
+    return out
+
+
+def _is_island(cfg: ModelConfig, i: int, name: str) -> bool:
+    """A parameter of decoder layer ``i`` that FSDP2 all-gathers in fp32 under a bf16 ``MixedPrecisionPolicy``
+    (``genoctx.parallel.fsdp._islands``): a KDA layer's whole mixer, the MoE router, the mHC mixings."""
+    part = name.split(".")[2]
+    if part == "self_attn":
+        return cfg.layer_types[i] == KDA
+    return part in ("attn_hc", "ffn_hc") or name.split(".")[2:4] == ["mlp", "gate"]
 
 
 def param_counts(cfg: ModelConfig) -> dict:
@@ -127,7 +166,8 @@ def param_counts(cfg: ModelConfig) -> dict:
         ``{"dense", "expert", "total", "largest"}`` (parameters; ``expert`` = names containing ``.mlp.experts.``,
         the routed experts; ``largest`` = the biggest single tensor), ``"root"`` (embedding, final norm,
         ``lm_head``: ``{"dense", "expert"}``), ``"embed"`` (the embedding's parameters; with tied embeddings also
-        ``lm_head``'s) and ``"layers"`` (one ``{"dense", "expert"}`` per decoder layer).
+        ``lm_head``'s) and ``"layers"`` (one ``{"dense", "expert", "island"}`` per decoder layer; ``island``: its
+        dense parameters all-gathered in fp32 under bf16 mixed precision, ``_is_island``).
     """
     return _param_counts_cached(json.dumps(cfg.to_dict(), sort_keys=True))
 
@@ -437,19 +477,24 @@ def plan_memory(
         "components_gib": {name: GiB at the peak, for every name in COMPONENTS}, "peak_phase": str,
         "next_phases_gib": [[phase, GiB], ...] (the three next largest phases, slack included),
         "working_sets_gib": {name: the largest value over all phases}, "tokens_per_rank": N,
-        "params_per_rank": {"dense", "expert"} (``P_d / s_d``, ``P_e / (ep s_e)``), "persistent_gib": {"weights",
+        "params_per_rank": {"dense", "expert"} (what one rank allocates: ``shard_numel``, about ``P_d / s_d`` and
+        ``P_e / (ep s_e)``, FSDP2's padding of uneven shards included), "persistent_gib": {"weights",
         "gradients", "optimizer_state", "on_host"} (the sharded state of a whole step: 4, 4 and 8 bytes per local
-        parameter; ``on_host`` with offload), "gpu_memory_gib", "dtype", "recompute", "optimizer_offload",
+        parameter; ``on_host`` with offload), "largest_layer_unsharded_gib" (the largest decoder layer's FSDP
+        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "gpu_memory_gib", "dtype",
+        "recompute", "optimizer_offload",
         "batch_size", "seq_len", "device"}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the
         total.
 
     Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = layout.dense_shard``,
-    ``s_e = layout.expert_shard``; local parameters ``P = P_d / s_d + P_e / (ep s_e)``):
+    ``s_e = layout.expert_shard``; local parameters ``P`` = ``shard_numel`` of every parameter, each dim 0 in
+    ``ceil(rows / s)`` rows as FSDP2 allocates it, about ``P_d / s_d + P_e / (ep s_e)``):
 
     - ``weights`` ``4 P`` (fp32 masters, sharded), ``gradients`` ``4 x`` the local parameters whose gradient
       exists in that phase (backward fills them layer by layer), ``optimizer_state`` ``8 P`` (AdamW ``exp_avg``,
       ``exp_avg_sq``); all three 0 with ``optimizer_offload``.
-    - ``unsharded_params``: FSDP's all-gathered blocks in ``a`` bytes: the root (kept from forward to the end of
+    - ``unsharded_params``: FSDP's all-gathered blocks in ``a`` bytes (the fp32 islands in 4): the root (kept from
+    forward to the end of
       backward, FSDP2's root default), the current and the prefetched decoder layer (a layer's routed experts:
       its ``E / ep`` local ones), and in backward the current layer's unsharded gradient; without FSDP and with
       bf16, a bf16 copy of the local parameters.
@@ -492,7 +537,9 @@ def plan_memory(
     pc = param_counts(cfg)
     sd, se = layout.dense_shard, layout.expert_shard
 
-    def local(block: dict) -> float:  # parameters of a block held (sharded) on this rank
+    def local(block: dict) -> float:  # parameters of a block held (sharded, padded: shard_numel) on this rank
+        if "shapes" in block:
+            return sum(shard_numel(block["shapes"], layout).values())
         return block["dense"] / sd + block["expert"] / (ep * se)
 
     def gathered(block: dict) -> float:  # parameters of a block once all-gathered on this rank
@@ -569,6 +616,7 @@ def plan_memory(
             "saved": saved, "ffn_part": ffn_part, "input": N * stream, "cache": cache,
             "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": w_bwd_hc,
             "block": gathered(pc["layers"][i]), "local": local(pc["layers"][i]),
+            "block_bytes": a * gathered(pc["layers"][i]) + (f - a) * pc["layers"][i]["island"],
         })  # fmt: skip
     L = len(layers)
 
@@ -595,7 +643,7 @@ def plan_memory(
     def fsdp_params(i: int, j: int | None) -> float:  # current and prefetched block, all-gathered
         if not fsdp:
             return 0.0
-        return a * (layers[i]["block"] + (layers[j]["block"] if j is not None and 0 <= j < L else 0.0))
+        return layers[i]["block_bytes"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L else 0.0)
 
     def grads_after(i: int) -> float:
         """Gradients of layers i+1.. (sharded ones under FSDP) and of the head (without FSDP: lm_head and the final
@@ -659,7 +707,8 @@ def plan_memory(
         x = layers[i]
         common = {
             "gradients": grads_after(i),
-            "unsharded_params": root_unsharded + compute_copy + fsdp_params(i, i - 1) + (a * x["block"] if fsdp else 0),
+            "unsharded_params": root_unsharded + compute_copy + fsdp_params(i, i - 1)
+            + (x["block_bytes"] if fsdp else 0),
             "fsdp_reduce_scatter": f * layers[i + 1]["block"] if (fsdp and i + 1 < L) else 0.0,
         }
         common["unsharded_params"] += root_grad  # waits for the end of backward
@@ -709,7 +758,8 @@ def plan_memory(
         "next_phases_gib": [[totals[j][0], gib(totals[j][1] * (1 + slack))] for j in order[1:4]],
         "working_sets_gib": {k: gib(v) for k, v in working.items()},
         "tokens_per_rank": N,
-        "params_per_rank": {"dense": pc["dense"] / sd, "expert": pc["expert"] / (ep * se)},
+        "params_per_rank": shard_numel(pc["shapes"], layout),
+        "largest_layer_unsharded_gib": gib(max(x["block_bytes"] for x in layers) if fsdp and layers else 0.0),
         "persistent_gib": {
             "weights": gib(f * P_local),
             "gradients": gib(f * P_local),

@@ -1,0 +1,343 @@
+"""Dry run at the real size: build the model of a parallel layout for one simulated rank at a time, in one CPU
+process, and count the bytes that rank would hold, from the built model (never from the planner's formulas).
+
+For each simulated rank ``r`` of a layout of ``W`` ranks:
+
+1. ``torch.distributed.init_process_group("fake", rank=r, world_size=W)`` (torch's fake backend: collectives
+   return at once, nothing is sent) and ``genoctx.parallel.mesh.init_parallel`` (the real 4-D mesh);
+2. ``genoctx.parallel.build.build_model(..., materialize=False)``: the real construction and ``apply_parallel``
+   (expert parallel, context parallel, activation checkpointing, FSDP2 with the training ``MixedPrecisionPolicy``)
+   on the meta device: every parameter is this rank's piece (an FSDP2 DTensor's ``_local_tensor``), no memory;
+3. ``genoctx.train.loop.build_optimizer`` (AdamW) on those parameters and
+   ``genoctx.parallel.state.canonical_state``, which creates the zero ``exp_avg``/``exp_avg_sq`` (``zeros_like``
+   of each parameter, on meta) as a fresh optimizer about to be loaded holds them;
+4. the counts (bytes, from the local tensors' ``numel() x element_size()``):
+
+   - ``weights``: the bytes allocated for the parameters' local pieces (fp32 sharded masters): FSDP2 pads every
+     rank's piece to the first one's ``torch.chunk`` size (``FSDPParam.padded_sharded_param_size``; the local shard
+     is a view of that storage), so a rank with fewer (or no) rows of a parameter still allocates the padded size;
+     ``params_local`` counts the unpadded pieces; ``buffers`` separately (router biases, load counts: replicated,
+     not FSDP's);
+   - ``gradients``: FSDP2 reduce-scatters each sharded parameter's gradient into the same padded size in the
+     master's dtype (``reduce_dtype`` fp32): ``p.grad = torch.zeros_like(p)`` on meta gives the dtype (done here,
+     then dropped), the padded size the bytes;
+   - ``optimizer_state``: AdamW's ``exp_avg`` + ``exp_avg_sq`` local bytes, read from ``optimizer.state`` (a
+     DTensor's ``_local_tensor``, not padded; the scalar ``step`` is not counted);
+   - ``largest_unsharded_group``: FSDP2's largest all-gather: for each FSDP parameter group (a decoder layer; its
+     routed experts; under bf16 its fp32 islands; the root), the sum over its parameters of the group's global
+     numel (a routed expert: the rank's EP block, the DTensor's global shape) x the group's compute dtype size
+     (``MixedPrecisionPolicy.param_dtype``: bf16 = 2 with ``dtype="bf16"``, the fp32 islands 4);
+     ``largest_unsharded_layer`` the same summed over all groups of one decoder layer (what the planner's
+     ``unsharded_params`` term holds for the current layer).
+
+   Each component is also broken down by name class (``NAME_CLASSES``, ``name_class``).
+
+Processes: every simulated rank is built in its own fresh Python process (``sys.executable -c``, at most
+``min(cpus, 8)`` at a time, arguments pickled on stdin, the counts as JSON on stdout), which initialises the fake
+default process group, counts and exits. The calling
+process never initialises ``torch.distributed``, so ``dry_run`` works the same whether or not it has a process
+group of its own. One process per rank, not one for all: DTensor's sharding-propagation caches are keyed by mesh
+equality (sizes and names, not the rank), so a second rank built in the same process gets the first rank's mesh
+and coordinates back (and wrong local shapes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..errors import GenoctxError
+from ..model.config import KDA, ModelConfig
+from ..parallel.layout import DIMS, Layout
+
+NAME_CLASSES = ("embedding/head", "kda", "dsa", "moe_experts", "moe_other", "dense_mlp", "mhc", "norms", "other")
+COMPONENTS = ("weights", "buffers", "gradients", "optimizer_state")
+DTYPES = {"bf16": torch.bfloat16, "fp32": None}  # FSDP2 param_dtype of the all-gathered parameters
+
+
+def name_class(name: str, cfg: ModelConfig) -> str:
+    """The class of a parameter or buffer by its one-device name.
+
+    ``embed_tokens.*``, ``lm_head.*``: ``embedding/head``; ``norm.*`` (final) and a decoder layer's
+    ``input_layernorm``/``post_attention_layernorm``: ``norms``; ``layers.i.self_attn.*``: ``kda`` or ``dsa`` by
+    the layer's type (the mixer's own norms included); ``layers.i.mlp.experts.*``: ``moe_experts`` (routed experts);
+    the rest of a MoE layer's ``mlp`` (router ``gate`` and its bias, ``shared_experts``, load counts):
+    ``moe_other``; a dense layer's ``mlp``: ``dense_mlp``; ``attn_hc``/``ffn_hc``: ``mhc``; anything else
+    ``other``.
+    """
+    parts = name.split(".")
+    if parts[0] in ("embed_tokens", "lm_head"):
+        return "embedding/head"
+    if parts[0] == "norm":
+        return "norms"
+    if parts[0] != "layers" or len(parts) < 3:
+        return "other"
+    i, part = int(parts[1]), parts[2]
+    if part == "self_attn":
+        return "kda" if cfg.layer_types[i] == KDA else "dsa"
+    if part == "mlp":
+        if cfg.mlp_layer_types[i] != "sparse":
+            return "dense_mlp"
+        return "moe_experts" if len(parts) > 3 and parts[3] == "experts" else "moe_other"
+    if part in ("attn_hc", "ffn_hc"):
+        return "mhc"
+    if part.endswith("layernorm"):
+        return "norms"
+    return "other"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Local bytes of ``t`` (a DTensor's ``_local_tensor``), on any device, meta included."""
+    local = getattr(t, "_local_tensor", t)
+    return local.numel() * local.element_size()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
+
+
+def _padded_numel(model) -> dict[int, int]:
+    """``id(parameter) -> elements FSDP2 allocates for its shard on this rank``: every rank's piece is padded to
+    the first piece's ``torch.chunk`` size (``FSDPParam.padded_sharded_param_size``), the storage the local shard
+    is a view of."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else ():
+                out[id(fp.sharded_param)] = fp.padded_sharded_param_size.numel()
+    return out
+
+
+def _fsdp_groups(model) -> list[dict]:
+    """FSDP2's parameter groups of ``model``: ``[{"module", "params", "bytes"}]``, ``bytes`` the all-gathered size
+    (global numel of each managed parameter x its group's ``param_dtype`` size, the parameter's own dtype when
+    None). Uses FSDP2's internal state (``_get_fsdp_state()._fsdp_param_group``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n for n, m in model.named_modules()}
+    seen, groups = set(), []
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        total, n = 0, 0
+        for fp in group.fsdp_params:
+            numel = fp._orig_size.numel()
+            orig = fp.sharded_param.dtype  # FSDPParam.init_dtype_attrs runs lazily: its rule, from mp_policy
+            dt = fp.mp_policy.param_dtype if fp.mp_policy.param_dtype is not None and orig.is_floating_point else orig
+            total += numel * torch.empty((), dtype=dt).element_size()
+            n += numel
+        groups.append({"module": names.get(id(m), "?") or "<root>", "params": n, "bytes": total})
+    return groups
+
+
+def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpointing: bool, dtype: str,
+                optimizer_offload: bool) -> dict:  # fmt: skip
+    """One simulated rank, the default process group not yet initialised: init (fake), build, count, destroy."""
+    import torch.distributed as dist
+
+    from ..parallel.build import build_model
+    from ..parallel.mesh import init_parallel
+    from ..parallel.state import canonical_state, local_targets
+    from ..recipes import TrainConfig
+    from .loop import build_optimizer
+
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=layout.world)
+    try:
+        dims = init_parallel(layout.cp, "contiguous", ep=layout.ep, dp_shard=layout.dp_shard)
+        assert dims.layout == layout, (dims.layout, layout)
+        model = build_model(cfg, dims, activation_checkpointing=activation_checkpointing,
+                            param_dtype=DTYPES[dtype], offload_optimizer=optimizer_offload,
+                            materialize=False)  # fmt: skip
+        by_class = {c: dict.fromkeys(NAME_CLASSES, 0) for c in (*COMPONENTS, "params")}
+        params = dict(model.named_parameters())
+        padded = _padded_numel(model) if dims.fsdp else {}
+        for name, (local, _, _) in local_targets(model, dims, buffers=False).items():
+            cls = name_class(name, cfg)
+            p = params[name]
+            held = padded.get(id(p), local.numel())  # FSDP2 allocates every rank's shard at the padded size
+            by_class["weights"][cls] += held * local.element_size()
+            by_class["params"][cls] += local.numel()
+            if p.requires_grad:  # FSDP2's reduce-scatter output: the shard's padded size, the master's dtype
+                p.grad = torch.zeros_like(p)
+                by_class["gradients"][cls] += held * _local(p.grad).element_size()
+                p.grad = None
+        for name, b in model.named_buffers():
+            by_class["buffers"][name_class(name, cfg)] += _nbytes(b)
+        optimizer, _ = build_optimizer(model, TrainConfig(), 1)
+        canonical_state(model, optimizer, dims)  # zero exp_avg / exp_avg_sq (zeros_like, on meta)
+        names = {id(p): n for n, p in params.items()}
+        for p, st in optimizer.state.items():
+            cls = name_class(names[id(p)], cfg)
+            by_class["optimizer_state"][cls] += sum(_nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st)
+        groups = _fsdp_groups(model) if dims.fsdp else []
+        largest = max(groups, key=lambda g: g["bytes"], default=None)
+        per_layer: dict[int, int] = {}
+        for g in groups:
+            if g["module"].startswith("layers."):
+                i = int(g["module"].split(".")[1])
+                per_layer[i] = per_layer.get(i, 0) + g["bytes"]
+        big = max(per_layer, key=per_layer.get, default=None)
+        out = {
+            "rank": rank,
+            "coordinates": {"cp_rank": dims.cp_rank, "dp_rank": dims.dp_rank, "ep_rank": dims.ep_rank},
+            **{c: sum(by_class[c].values()) for c in COMPONENTS},
+            "params_local": sum(by_class["params"].values()),
+            "largest_unsharded_group": {
+                "module": largest["module"] if largest else None,
+                "params": largest["params"] if largest else 0,
+                "bytes": largest["bytes"] if largest else 0,
+            },
+            "largest_unsharded_layer": {"layer": big, "bytes": per_layer.get(big, 0) if big is not None else 0},
+            "fsdp_groups": len(groups),
+            "by_class": {c: {k: v for k, v in d.items() if v} for c, d in by_class.items()},
+        }
+        out["total_persistent"] = out["weights"] + out["buffers"] + out["gradients"] + out["optimizer_state"]
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _child_main() -> None:
+    """A simulated rank's process: a pickled ``_count_rank`` argument tuple on stdin, its dict as JSON on stdout."""
+    import json
+    import pickle
+    import sys
+
+    torch.set_num_threads(1)
+    args = pickle.loads(sys.stdin.buffer.read())
+    try:
+        out = {"ok": _count_rank(*args)}
+    except GenoctxError as e:
+        out = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 -- torch's errors while building: reported by the parent in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        out = {"error": f"cannot build the model ({type(e).__name__}: {first})"}
+    sys.stdout.write(json.dumps(out) + "\n")
+
+
+def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload) -> dict:
+    """Every rank in its own fresh Python process (``sys.executable -c``, at most ``min(cpus, 8)`` at a time):
+    DTensor's sharding-propagation caches are keyed by mesh equality, not by rank, so a second rank built in the
+    same process would get the first rank's mesh (and coordinates) back; this process never touches
+    ``torch.distributed``."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    todo = list(ranks)
+    workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
+    running: list[tuple[int, subprocess.Popen]] = []
+    results: dict[int, dict] = {}
+    code = "from genoctx.train.dryrun import _child_main; _child_main()"
+
+    def finish(r: int, proc: subprocess.Popen) -> None:
+        out, err = proc.communicate()
+        try:
+            doc = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            tail = (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            raise GenoctxError(f"dry run {layout.describe()} rank {r}: the rank's process failed ({tail})") from None
+        if "error" in doc:
+            raise GenoctxError(f"dry run {layout.describe()} rank {r}: {doc['error']}")
+        results[r] = doc["ok"]
+
+    try:
+        while todo or running:
+            while todo and len(running) < workers:
+                r = todo.pop(0)
+                proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=False)  # fmt: skip
+                proc.stdin.write(pickle.dumps((cfg, layout, r, activation_checkpointing, dtype, optimizer_offload)))
+                proc.stdin.close()
+                running.append((r, proc))
+            r, proc = running.pop(0)
+            proc.stdin = None
+            finish(r, proc)
+    finally:
+        for _, proc in running:
+            proc.kill()
+            proc.wait()
+    results = [results[r] for r in ranks]
+    return {
+        "layout": {**{d: getattr(layout, d) for d in DIMS}, "world": layout.world},
+        "dtype": dtype,
+        "activation_checkpointing": activation_checkpointing,
+        "optimizer_offload": optimizer_offload,
+        "units": "bytes",
+        "ranks": results,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "process": "one fresh Python process per simulated rank (torch.distributed fake backend, meta device)",
+    }
+
+
+def dry_run(
+    cfg: ModelConfig,
+    layout: Layout,
+    *,
+    ranks: list[int] | str | None = None,
+    activation_checkpointing: bool = True,
+    dtype: str = "bf16",
+    optimizer_offload: bool = False,
+) -> dict:
+    """Build ``cfg`` on ``layout`` for each simulated rank (module docstring) and count its bytes.
+
+    Args:
+        cfg: the model (any size: nothing is allocated, the model stays on the meta device).
+        layout: ``dp_replicate x ep x dp_shard x cp`` (``Layout``); ``world`` ranks are simulated one at a time.
+        ranks: the ranks to build: None = rank 0 and the last rank; ``"all"`` = every rank; or a list of ranks.
+        activation_checkpointing: ``apply_ac`` (names and counts are the same either way; run as training runs).
+        dtype: ``"bf16"`` (FSDP2 all-gathers bf16, fp32 islands, fp32 masters) or ``"fp32"``.
+        optimizer_offload: FSDP2 ``CPUOffloadPolicy`` (the counted pieces then live in host memory).
+
+    Returns:
+        A JSON-ready dict: ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "dtype", "activation_checkpointing",
+        "optimizer_offload", "units": "bytes", "seconds", "process", "ranks": [per rank: {"rank", "coordinates",
+        "weights", "buffers", "gradients", "optimizer_state", "total_persistent", "params_local",
+        "largest_unsharded_group": {"module", "params", "bytes"}, "largest_unsharded_layer": {"layer", "bytes"},
+        "fsdp_groups", "by_class": {component or "params": {class: bytes or params}}, "seconds"}]}``; all sizes in
+        bytes (ints), ``params_local`` in parameters.
+
+    Raises:
+        GenoctxError: a bad ``dtype`` or ``ranks``, a layout this model cannot be built on (``ep`` not dividing the
+            routed experts, ...), or a failure while building (one line naming the layout).
+    """
+    if dtype not in DTYPES:
+        raise GenoctxError(f"dry run: dtype must be bf16 or fp32, got {dtype!r}")
+    W = layout.world
+    if ranks is None:
+        ranks = sorted({0, W - 1})
+    elif ranks == "all":
+        ranks = list(range(W))
+    elif isinstance(ranks, str) or not all(isinstance(r, int) and 0 <= r < W for r in ranks):
+        raise GenoctxError(f"dry run: ranks must be 'all' or ranks in [0, {W}), got {ranks!r}")
+    moe = "sparse" in cfg.mlp_layer_types
+    if (moe and cfg.n_routed_experts % layout.ep) or (not moe and layout.ep > 1):
+        raise GenoctxError(
+            f"dry run {layout.describe()}: ep {layout.ep} must divide the "
+            f"{cfg.n_routed_experts if moe else 0} routed experts"
+        )
+    if optimizer_offload and not layout.fsdp:
+        raise GenoctxError(f"dry run {layout.describe()}: optimizer offload needs FSDP (dp_shard > 1 or cp > 1)")
+    try:
+        return _run(cfg, layout, list(ranks), activation_checkpointing, dtype, optimizer_offload)
+    except GenoctxError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- torch's errors while building: one line naming the layout
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GenoctxError(f"dry run {layout.describe()}: cannot build the model ({type(e).__name__}: {first})") from e
+
+
+__all__ = ["NAME_CLASSES", "dry_run", "name_class"]

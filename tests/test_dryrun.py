@@ -1,0 +1,144 @@
+"""The dry run (genoctx.train.dryrun): the real construction and parallelism code on torch's fake process group,
+meta device. Its counts are the ground truth the planner's static terms (genoctx.plan) must equal; the CLI's
+`plan --dry-run` and `train --dry-run`. Each simulated rank is a fresh process (seconds each)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from genoctx import plan as P
+from genoctx.model.config import preset
+from genoctx.model.model import HybridLM
+from genoctx.parallel.layout import Layout
+from genoctx.train.dryrun import dry_run, name_class
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = preset("cpu-small")  # KDA, DSA, dense MLP and MoE layers; 1.2M parameters
+GIB = 2**30
+
+
+def genoctx(*args):
+    return subprocess.run([sys.executable, "-m", "genoctx", *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, timeout=600)  # fmt: skip
+
+
+def _shapes(cfg):
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _one_row_per_parameter(cfg, layout) -> float:
+    """The most a rank's local parameters can differ from the mean ``P / shards``: FSDP2 shards dim 0 with
+    ``torch.chunk`` sizes, so a rank holds at most one row more (or, at the end, fewer) of each parameter."""
+    if not layout.fsdp:
+        return 0.0
+    return float(sum(math.prod(s[1:]) for s in _shapes(cfg).values() if s))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [Layout(dp_shard=4), Layout(ep=2, dp_shard=2), Layout(dp_replicate=2, cp=2), Layout(dp_replicate=2, dp_shard=2)],
+    ids=["fsdp4", "ep2-fsdp2", "hsdp-cp2", "hsdp-fsdp2"],
+)
+def test_planner_static_terms_equal_the_built_model(layout):
+    d = dry_run(SMALL, layout, ranks="all")
+    plan = P.plan_memory(SMALL, 1 << 14, layout, gpu_memory_gib=80.0)
+    allocated = plan["params_per_rank"]["dense"] + plan["params_per_rank"]["expert"]  # padded shards, exact
+    ranks = d["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(layout.world))
+    # the unpadded shards partition the model
+    counts = P.param_counts(SMALL)
+    replicas = layout.world // layout.dense_shard
+    experts = counts["expert"] * (layout.world // (layout.ep * layout.expert_shard))
+    assert sum(r["params_local"] for r in ranks) == replicas * counts["dense"] + experts
+    pad = _one_row_per_parameter(SMALL, layout)
+    for r in ranks:
+        # what the planner counts is what FSDP2 allocates on every rank (every shard padded to rank 0's size)
+        assert r["weights"] == 4 * allocated and r["gradients"] == r["weights"]
+        assert allocated - pad <= r["params_local"] <= allocated
+        assert r["optimizer_state"] == 8 * r["params_local"]  # exp_avg + exp_avg_sq of the unpadded piece
+        assert r["weights"] / GIB == pytest.approx(plan["persistent_gib"]["weights"], abs=1e-6)
+    r0 = ranks[0]  # rank 0 holds the first, largest torch.chunk piece of every parameter: the planner's rank
+    assert r0["params_local"] == allocated and r0["optimizer_state"] / GIB == pytest.approx(
+        plan["persistent_gib"]["optimizer_state"], abs=1e-6)  # fmt: skip
+    for r in ranks:
+        assert sum(r["by_class"]["weights"].values()) == r["weights"]
+        assert r["by_class"]["weights"]["moe_experts"] > 0 and r["by_class"]["weights"]["kda"] > 0
+        # the planner's unsharded term of the largest layer (bf16, fp32 islands): what FSDP2 all-gathers
+        assert plan["largest_layer_unsharded_gib"] == pytest.approx(r["largest_unsharded_layer"]["bytes"] / GIB,
+                                                                    abs=1e-6)  # fmt: skip
+        assert 0 < r["largest_unsharded_group"]["bytes"] <= r["largest_unsharded_layer"]["bytes"]
+    # every rank of a layout has the same groups: the largest all-gather is the same everywhere
+    assert len({r["largest_unsharded_group"]["bytes"] for r in ranks}) == 1
+
+
+def test_replicated_layout_holds_everything_but_the_other_experts():
+    d = dry_run(SMALL, Layout(dp_replicate=2, ep=2), ranks=[0])
+    pc = P.param_counts(SMALL)
+    r = d["ranks"][0]
+    assert r["params_local"] == pc["dense"] + pc["expert"] // 2
+    assert r["largest_unsharded_group"]["bytes"] == 0 and r["fsdp_groups"] == 0
+
+
+def test_name_classes():
+    classes = {n: name_class(n, SMALL) for n in _shapes(SMALL)}
+    assert classes["embed_tokens.weight"] == "embedding/head" and classes["norm.weight"] == "norms"
+    assert classes["layers.0.self_attn.q_proj.weight"] == "kda"
+    assert classes["layers.3.self_attn.kv_b_proj.weight"] == "dsa"
+    assert classes["layers.0.mlp.up_proj.weight"] == "dense_mlp"
+    assert classes["layers.1.mlp.experts.down_proj"] == "moe_experts"
+    assert classes["layers.1.mlp.gate.weight"] == "moe_other"
+    assert classes["layers.1.attn_hc.fn"] == "mhc"
+    assert "other" not in classes.values()
+
+
+def _rank_rows(d0: int, shards: int, rank: int) -> int:
+    chunk = -(-d0 // shards)  # torch.chunk
+    return max(0, min(chunk, d0 - rank * chunk))
+
+
+def test_cli_plan_dry_run_at_the_real_size():
+    glm = preset("glm-5.3-flash")
+    r = genoctx("plan", "--dry-run", "--preset", "glm-5.3-flash", "--seq-len", "1M", "--gpus", 64, "--cp", 64,
+                "--format", "json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["layouts"][0]["layout"]["cp"] == 64 and doc["dry_run"]["layout"]["cp"] == 64
+    r0, last = doc["dry_run"]["ranks"]
+    assert (r0["rank"], last["rank"]) == (0, 63)
+    mean = 4 * P.param_counts(glm)["total"] / 64
+    pad = 4 * _one_row_per_parameter(glm, Layout(cp=64))
+    assert mean <= r0["weights"] <= mean + pad  # ~20 GiB: one parameter in 64, padded to rank 0's chunks
+    assert last["weights"] == r0["weights"]  # FSDP2 allocates the padded size on every rank
+    assert r0["weights"] / GIB == pytest.approx(doc["layouts"][0]["persistent_gib"]["weights"], abs=1e-6)
+    shapes = _shapes(glm).values()
+    for rank, got in ((0, r0), (63, last)):  # exactly torch.chunk's rows of every parameter
+        assert got["params_local"] == sum(_rank_rows(s[0], 64, rank) * math.prod(s[1:]) for s in shapes)
+    assert doc["layouts"][0]["largest_layer_unsharded_gib"] == pytest.approx(
+        r0["largest_unsharded_layer"]["bytes"] / GIB, abs=1e-6)  # fmt: skip
+
+
+def test_cli_plan_dry_run_bad_layout_is_one_line():
+    r = genoctx("plan", "--dry-run", "--preset", "tiny", "--seq-len", "4k", "--gpus", 4, "--ep", 3)
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "--ep 3" in r.stderr
+
+
+def test_cli_train_dry_run(prepared, tmp_path):
+    out = tmp_path / "run"
+    args = ("train", "--dry-run", "--data", prepared, "--recipe", "recipes/tiny.yaml", "--out", out)
+    r = genoctx(*args, "--num-workers", 4, "--fsdp", 2, "--ep", 2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dr = json.loads(r.stdout)["dry_run"]
+    assert dr["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1, "world": 4}
+    assert [x["rank"] for x in dr["ranks"]] == [0, 3] and all(x["weights"] > 0 for x in dr["ranks"])
+    assert not out.exists()
+    bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fsdp 3" in bad.stderr
+    assert not out.exists()
