@@ -252,19 +252,25 @@ def test_uneven_shards_save_reshard_and_load_exactly(tmp_path):
             _same(got, want)
 
 
-def test_a_misshapen_tensor_is_one_error_on_every_rank(tmp_path):
+def _misshapen_export(tmp_path: Path, cfg, key: str, cut: tuple) -> Path:
+    """An HF export of a seeded ``HybridLM(cfg)`` whose tensor ``key`` is cut to ``cut`` (an index)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    cfg = _three(n_routed_experts=8)
     torch.manual_seed(0)
     save_hf(HybridLM(cfg), tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
     with safe_open(str(f), "pt") as h:
         tensors = {k: h.get_tensor(k) for k in h.keys()}
-    bad = "model.language_model.layers.1.mlp.experts.5.down_proj.weight"  # only EP rank 1's experts
-    tensors[bad] = tensors[bad][:, :-1].contiguous()
+    tensors[key] = tensors[key][cut].contiguous()
     save_file(tensors, str(f))
+    return tmp_path / "hf"
+
+
+def test_a_misshapen_tensor_is_one_error_on_every_rank(tmp_path):
+    cfg = _three(n_routed_experts=8)
+    bad = "model.language_model.layers.1.mlp.experts.5.down_proj.weight"  # only EP rank 1's experts
+    _misshapen_export(tmp_path, cfg, bad, (slice(None), slice(0, -1)))
     ranks = _spawn(tmp_path, "bad", cfg=cfg, hf=str(tmp_path / "hf"))
     errors = {r["error"] for r in ranks}
     assert len(errors) == 1, errors
@@ -275,18 +281,8 @@ def test_a_misshapen_tensor_is_one_error_on_every_rank(tmp_path):
 def test_train_on_a_mesh_refuses_a_misshapen_base_before_any_worker(prepared, tmp_path):
     """``genoctx train --init BAD --num-workers 2 --fsdp 2``: the driver finds the misshapen tensor in the headers
     (``check_hf``) and exits 2 with one line naming it and its file; no Ray is started, ``--out`` is not made."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     cfg = _three(n_routed_experts=8)
-    torch.manual_seed(0)
-    save_hf(HybridLM(cfg), tmp_path / "hf")
-    f = tmp_path / "hf" / "model.safetensors"
-    with safe_open(str(f), "pt") as h:
-        tensors = {k: h.get_tensor(k) for k in h.keys()}
-    bad = "model.language_model.layers.2.mlp.experts.7.up_proj.weight"
-    tensors[bad] = tensors[bad][:-1].contiguous()
-    save_file(tensors, str(f))
+    _misshapen_export(tmp_path, cfg, "model.language_model.layers.2.mlp.experts.7.up_proj.weight", (slice(0, -1),))
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "genoctx", "train", "--data", str(prepared), "--recipe", str(recipe),
