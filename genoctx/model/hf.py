@@ -201,19 +201,28 @@ def weight_files(path: str | Path) -> list[Path]:
     raise GenoctxError(f"{p}: no model.safetensors or model.safetensors.index.json")
 
 
-def _dequant_fp8(
-    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str, file: Path
-) -> torch.Tensor:
-    """Block-wise fp8 -> fp32: ``w[r, c] * scale_inv[r // b0, c // b1]`` (2-D weights)."""
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], origin=(0, 0)) -> torch.Tensor:
+    """Block-wise fp8 -> fp32 (DeepSeek-V3's ``weight_dequant``): ``w[r, c] * scale_inv[r // b0, c // b1]`` over the
+    last two dims, for ``w`` the box of a weight starting at row, column ``origin`` and ``scale_inv`` the scale
+    blocks that cover it (the whole scale for a whole weight)."""
     b0, b1 = block
     rows, cols = w.shape[-2:]
-    want = (math.ceil(rows / b0), math.ceil(cols / b1))
-    if tuple(scale_inv.shape[-2:]) != want:
+    r, c = origin[0] % b0, origin[1] % b1
+    s = scale_inv.float().repeat_interleave(b0, -2)[..., r : r + rows, :]
+    return w.float() * s.repeat_interleave(b1, -1)[..., c : c + cols]
+
+
+def _check_scale(shape: tuple, scale_shape: tuple, block: tuple[int, int], scale_key: str, file: Path) -> None:
+    """A weight of ``shape`` needs ``scale_inv`` of ``[*lead, ceil(rows / b0), ceil(cols / b1)]``.
+
+    Raises:
+        GenoctxError: it has another shape (named with its file).
+    """
+    want = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    if tuple(scale_shape) != want:
         raise GenoctxError(
-            f"{file}: {name}_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for {block} blocks"
+            f"{file.name}: {scale_key} has shape {tuple(scale_shape)}, expected {want} for {block} blocks"
         )
-    s = scale_inv.float().repeat_interleave(b0, -2)[..., :rows, :].repeat_interleave(b1, -1)[..., :cols]
-    return w.float() * s
 
 
 def block_size(raw: dict) -> tuple[int, int] | None:
@@ -259,12 +268,20 @@ class SliceReader:
             self._open[f] = [safe_open(str(f), framework="pt"), 0]
         return self._open[f][0]
 
-    def read(self, f: Path, key: str, box: tuple[slice, ...]) -> torch.Tensor:
-        """``box`` (one ``slice`` per dim) of tensor ``key`` of file ``f``: only those bytes are read."""
+    def nbytes(self, f: Path, key: str, box: tuple[slice, ...] | None = None) -> int:
+        """Bytes of ``box`` (None: all) of tensor ``key`` of file ``f``, from its header."""
         sl = self.handle(f).get_slice(key)
         shape = sl.get_shape()
-        n = math.prod(len(range(*b.indices(d))) for b, d in zip(box, shape, strict=True)) if shape else 1
-        nbytes = n * _ITEM_BYTES.get(sl.get_dtype(), 8)
+        if box is None:
+            n = math.prod(shape)
+        else:
+            n = math.prod(len(range(*b.indices(d))) for b, d in zip(box, shape, strict=True)) if shape else 1
+        return n * _ITEM_BYTES.get(sl.get_dtype(), 8)
+
+    def read(self, f: Path, key: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """``box`` (one ``slice`` per dim) of tensor ``key`` of file ``f``: only those bytes are read."""
+        nbytes = self.nbytes(f, key, box)
+        sl = self.handle(f).get_slice(key)
         if self._open[f][1] and self._open[f][1] + nbytes > self.budget:
             self.close(f)  # frees what earlier reads through it kept
             sl = self.handle(f).get_slice(key)
@@ -292,10 +309,7 @@ def _read_box(reader: SliceReader, f: Path, key: str, box: tuple[slice, ...], sc
     (r0, r1), (c0, c1) = (box[-2].start, box[-2].stop), (box[-1].start, box[-1].stop)
     sbox = (*box[:-2], slice(r0 // b0, -(-r1 // b0)), slice(c0 // b1, -(-c1 // b1)))
     sf, sk = scale
-    s = reader.read(sf, sk, sbox).float()
-    s = s.repeat_interleave(b0, -2)[..., r0 - (r0 // b0) * b0 :, :][..., : r1 - r0, :]
-    s = s.repeat_interleave(b1, -1)[..., c0 - (c0 // b1) * b1 :][..., : c1 - c0]
-    return t.float() * s
+    return _dequant_fp8(t, reader.read(sf, sk, sbox), block, origin=(r0, c0))
 
 
 def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
@@ -331,12 +345,8 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
     layout = checkpoint_layout(cfg)
     reader = SliceReader(budget=1)
     try:
-        handles = {f: reader.handle(f) for f in files}
-        where = {k: f for f, h in handles.items() for k in h.keys()}  # scale_inv lookups may cross shards
-        reader.budget = max(  # the largest tensor: what a handle may keep before it is reopened
-            math.prod(handles[f].get_slice(k).get_shape()) * _ITEM_BYTES.get(handles[f].get_slice(k).get_dtype(), 8)
-            for k, f in where.items()
-        )  # fmt: skip
+        where = {k: f for f in files for k in reader.handle(f).keys()}  # scale_inv lookups may cross shards
+        reader.budget = max(reader.nbytes(f, k) for k, f in where.items())  # the largest tensor (SliceReader)
         filled: set[tuple[str, str]] = set()
         skipped = {"vision": 0, "mtp": 0}
         read = 0
@@ -369,12 +379,7 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
                 sk = key + "_scale_inv"
                 if sk not in where:
                     raise GenoctxError(f"{f.name}: fp8 tensor {key} has no {sk}")
-                sshape = tuple(reader.handle(where[sk]).get_slice(sk).get_shape())
-                swant = (*got[:-2], -(-got[-2] // block[0]), -(-got[-1] // block[1]))
-                if sshape != swant:
-                    raise GenoctxError(
-                        f"{where[sk].name}: {sk} has shape {sshape}, expected {swant} for {block} blocks"
-                    )
+                _check_scale(got, reader.handle(where[sk]).get_slice(sk).get_shape(), block, sk, where[sk])
                 scale = (where[sk], sk)
             filled.add((slot.name, repr(slot.index)))
             inter = [(max(r0, b.start), min(r1, b.stop)) for (r0, r1), b in zip(region, box, strict=True)]
@@ -393,6 +398,14 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
         if (slot.name, "None") not in filled and (slot.name, repr(slot.index)) not in filled:
             raise GenoctxError(f"{root}: tensor {ck} is missing (searched {', '.join(f.name for f in files)})")
     return {"files": [f.name for f in files], "skipped": skipped, "read_bytes": read}
+
+
+def log_skipped(root: str | Path, skipped: dict, cfg: ModelConfig) -> None:
+    """Say what ``read_hf_into`` skipped (``skipped``: its ``{"vision": n, "mtp": n}``), when anything was."""
+    if skipped.get("vision") or skipped.get("mtp"):
+        log.info("%s: skipped %d vision-tower tensors (model.visual.*) and %d multi-token-prediction tensors "
+                 "(layers.%d.*), as transformers does", root, skipped["vision"], skipped["mtp"],
+                 cfg.num_hidden_layers)  # fmt: skip
 
 
 def check_hf(root: str | Path, cfg: ModelConfig) -> dict:
@@ -466,12 +479,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | 
     for b in model.buffers():  # router biases are read; load counts start at 0
         b.zero_()
     info = read_hf_into(root, cfg, whole(model))
-    if info["skipped"]["vision"] or info["skipped"]["mtp"]:
-        log.info(
-            "%s: skipped %d vision-tower tensors (model.visual.*) and %d multi-token-prediction tensors "
-            "(layers.%d.*), as transformers does", root, info["skipped"]["vision"], info["skipped"]["mtp"],
-            cfg.num_hidden_layers,
-        )  # fmt: skip
+    log_skipped(root, info["skipped"], cfg)
     model.hf_source = {"path": str(root), "files": info["files"], "skipped": info["skipped"], "dtype": str(dtype)}
     return model
 
@@ -698,7 +706,10 @@ def _carried_tensors(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[
             return h.get_tensor(key)
 
     def dequantized(key: str) -> torch.Tensor:
-        return _dequant_fp8(read(key), read(key + "_scale_inv"), block, key, where[key]).to(dtype).contiguous()
+        w, sk = read(key), key + "_scale_inv"
+        scale = read(sk)
+        _check_scale(tuple(w.shape), tuple(scale.shape), block, sk, where[sk])
+        return _dequant_fp8(w, scale, block).to(dtype).contiguous()
 
     out = []
     for key, f in where.items():

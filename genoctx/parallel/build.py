@@ -29,7 +29,6 @@ rank (``agree``): a checkpoint tensor missing or misshapen for one rank's slice 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +40,6 @@ from ..model.config import ModelConfig
 from ..model.model import HybridLM
 from .mesh import ParallelDims
 from .state import TIED_HEAD, canonical_state, local_targets
-
-log = logging.getLogger("genoctx")
 
 
 @dataclass(frozen=True)
@@ -239,9 +236,8 @@ def build_model(
                 if b is not None:
                     m._buffers[n] = b.to(device)
     model.build_info = agree(dims, lambda: fill(model, dims, source))
-    skipped = (model.build_info.get("skipped") or {}) if isinstance(source, FromHF) else {}
-    if skipped.get("vision") or skipped.get("mtp"):
-        log.info("%s: skipped %d vision-tower tensors (model.visual.*) and %d multi-token-prediction tensors "
-                 "(layers.%d.*), as transformers does", source.path, skipped["vision"], skipped["mtp"],
-                 cfg.num_hidden_layers)  # fmt: skip
+    if isinstance(source, FromHF):
+        from ..model.hf import log_skipped
+
+        log_skipped(source.path, model.build_info["skipped"], cfg)
     return model

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from genoctx.errors import GenoctxError
 from genoctx.model.config import DSA, KDA, preset
 from genoctx.model.hf import load_hf, read_hf_into, save_hf
 from genoctx.model.init import BLOCK_ELEMENTS, Init, draw_slice, init_spec, whole
@@ -170,6 +171,13 @@ def test_fp8_slices_equal_the_dequantization(tmp_path):
             if n in ref.state_dict() and t.numel():
                 assert torch.equal(t, full[n][box]), (n, rank, world)
     assert E % 2 == 0
+    # a scale of the wrong shape is one error naming it, before anything is read
+    bad = e1 + "down_proj.weight_scale_inv"
+    (tmp_path / "bad").mkdir()
+    save_file({**out, bad: out[bad][:-1].contiguous()}, str(tmp_path / "bad" / "model.safetensors"))
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(GenoctxError, match=f"model.safetensors: {bad} has shape"):
+        load_hf(tmp_path / "bad", dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- many ranks

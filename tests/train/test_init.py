@@ -222,10 +222,9 @@ def test_export_then_init_equals_init_from_the_checkpoint(prepared, base, tmp_pa
     hf = tmp_path / "hf"
     r = _cli(["export", run, "--out", hf], {})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (
-        json.loads(r.stdout)["base"] == str(path)
-        and (hf / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
-    )
+    assert json.loads(r.stdout)["base"] == str(path) and (hf / "tokenizer.json").read_bytes() == (
+        path / "tokenizer.json"
+    ).read_bytes()
     model, _, _ = load_model(run)
     _, Model = reference_modules()
     ref = Model.from_pretrained(str(hf)).eval()
