@@ -39,7 +39,7 @@ from ..errors import GenoctxError
 from ..model.config import ModelConfig
 from ..model.model import HybridLM
 from .mesh import ParallelDims
-from .state import TIED_HEAD, canonical_state, local_targets
+from .state import DCP_DIR, TIED_HEAD, canonical_state, is_sharded, local_targets
 
 
 @dataclass(frozen=True)
@@ -126,10 +126,10 @@ def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
 
     sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
     try:
-        dcp.load(sd, checkpoint_id=str(Path(ckpt) / "dcp"), no_dist=dims is None or not dims.is_distributed)
+        dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
     except Exception as e:  # CheckpointException wraps every rank's failure
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise GenoctxError(f"{ckpt}/dcp: cannot load it into this model ({first})") from None
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({first})") from None
 
 
 def persistent_targets(model: nn.Module, dims) -> dict:
@@ -165,7 +165,7 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)
-        if (ckpt / "dcp" / ".metadata").is_file():
+        if is_sharded(ckpt):
             _load_dcp_weights(ckpt, model, dims)
         else:
             targets = persistent_targets(model, dims)

@@ -25,6 +25,14 @@ from .fsdp import is_expert_parameter
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 TIED_HEAD = "lm_head.weight"  # not stored when tied to embed_tokens.weight
+DCP_DIR = "dcp"  # a checkpoint's torch.distributed.checkpoint shards (genoctx.train.sharded writes them)
+
+
+def is_sharded(ckpt) -> bool:
+    """True for a DCP checkpoint directory (``dcp/.metadata`` present)."""
+    from pathlib import Path
+
+    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
 
 
 def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:

@@ -45,11 +45,10 @@ from ..errors import GenoctxError
 from ..lock import share_like_umask
 from ..model.hf import is_hf_dir
 from ..model.model import HybridLM
+from ..parallel.state import DCP_DIR, TIED_HEAD, is_sharded
 from ..recipes import Recipe, recipe_from_dict
 
 CKPT_DIR = "checkpoints"
-DCP_DIR = "dcp"  # a distributed run's torch.distributed.checkpoint shards (genoctx.train.sharded)
-TIED_HEAD = "lm_head.weight"  # not stored when tied to embed_tokens.weight
 
 
 def checkpoint_name(step: int) -> str:
@@ -221,11 +220,6 @@ def validate_checkpoint(ckpt: Path) -> dict:
 
 
 # DCP checkpoints of a distributed run (written by genoctx.train.sharded), read here in one process
-def is_sharded(ckpt: Path) -> bool:
-    """True for a DCP checkpoint (``dcp/.metadata`` present)."""
-    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
-
-
 def _load_scheduler(ckpt: Path, scheduler) -> None:
     path = Path(ckpt) / "scheduler.json"
     try:
