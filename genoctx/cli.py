@@ -431,27 +431,19 @@ def train(
 
 
 def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:
-    """``genoctx train --dry-run``: ``genoctx.train.dryrun.dry_run`` of the recipe's model (a preset, or
-    ``model.init``'s HF ``config.json`` with the recipe's compute knobs) on ``num_workers`` ranks (1 when None) with
+    """``genoctx train --dry-run``: ``genoctx.train.dryrun.dry_run`` of the recipe's model (``_recipe_model``: a
+    preset, or ``model.init``'s config with the recipe's compute knobs) on ``num_workers`` ranks (1 when None) with
     ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing and optimizer offload.
 
     Raises:
-        GenoctxError: ``model.init`` not an HF directory, a layout that does not make ``num_workers`` ranks or that
-            this model or window cannot run (one line naming the flag).
+        GenoctxError: ``model.init``'s config not readable without a download, a layout that does not make
+            ``num_workers`` ranks or that this model or window cannot run (one line naming the flag).
     """
-    import dataclasses
-
     from .data.dataset import WindowDataset
-    from .model.hf import read_config
     from .parallel.layout import Layout
     from .train.dryrun import dry_run
 
-    cfg = rec.model
-    if rec.init is not None:
-        init = Path(rec.init).expanduser()
-        if not (init / "config.json").is_file():
-            raise GenoctxError(f"--dry-run: --init {rec.init}: give an HF model directory (its config.json is read)")
-        cfg = dataclasses.replace(read_config(init)[0], **rec.model_knobs)
+    cfg = _recipe_model(rec, "--dry-run")
     t = rec.train
     try:
         layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp)
@@ -845,8 +837,6 @@ def _format_dry_run(dr: dict, plan: dict) -> str:
 
 def _plan_model(preset, hf, recipe):
     """``(ModelConfig, Recipe or None)`` of ``genoctx plan``'s --preset / --hf / --recipe (one of them)."""
-    import dataclasses
-
     from .model.config import preset as get_preset
 
     if preset is not None:
@@ -864,8 +854,23 @@ def _plan_model(preset, hf, recipe):
     from .recipes import load_recipe
 
     rec = load_recipe(recipe)
+    return _recipe_model(rec, f"--recipe {recipe}"), rec
+
+
+def _recipe_model(rec, where: str):
+    """The ``ModelConfig`` a recipe trains, without loading weights: its model, or ``model.init``'s config (an HF
+    directory, a genoctx run or checkpoint, or a Hub repo's config.json already in the local cache) with the
+    recipe's compute knobs. ``where`` names the recipe in errors.
+
+    Raises:
+        GenoctxError: a Hub repo whose config.json is not cached, or an unreadable config (named).
+    """
+    import dataclasses
+
+    from .model.hf import read_config
+
     if rec.init is None:
-        return rec.model, rec
+        return rec.model
     init = Path(rec.init).expanduser()
     if (init / "config.json").is_file():
         cfg = read_config(init)[0]
@@ -883,11 +888,11 @@ def _plan_model(preset, hf, recipe):
             cached = None
         if not isinstance(cached, str):
             raise GenoctxError(
-                f"--recipe {recipe}: model.init {rec.init!r} is a Hub repo whose config.json is not in the local "
+                f"{where}: model.init {rec.init!r} is a Hub repo whose config.json is not in the local "
                 "cache; give --hf DIR (a directory with its config.json) or --preset glm-5.3-flash (the published one)"
             )
         cfg = read_config(Path(cached).parent)[0]
-    return dataclasses.replace(cfg, **rec.model_knobs), rec
+    return dataclasses.replace(cfg, **rec.model_knobs)
 
 
 def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload):

@@ -168,5 +168,6 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 def seed_from_generator() -> int:
     """A model seed drawn from torch's global CPU generator: ``torch.manual_seed(s)`` then ``HybridLM(cfg)`` (which
-    draws it first) gives the same model as ``build_model(..., seed=s)`` on any mesh."""
+    draws it first) gives the same model as ``torch.manual_seed(s)`` then ``genoctx.parallel.build.build_model`` on
+    any mesh."""
     return int(torch.randint(0, 2**62, (), device="cpu"))

@@ -9,9 +9,11 @@ layer above it); the worker reaches Ray Train only through the session object th
 - Ray: an existing cluster (``address="auto"`` or ``"ray://HOST:PORT"``) or a local one started with no
   dashboard and a short temporary directory (``genoctx.cluster``). Ray Train
   creates the default process group (gloo on CPU, NCCL on CUDA); each worker then builds the device mesh
-  ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.mesh.init_parallel``) and applies expert parallel,
-  context parallel, activation checkpointing and FSDP2 from outside (``genoctx.parallel.fsdp.apply_parallel``),
-  then builds the optimizer on the sharded parameters. The memory planner (``genoctx.plan``) runs first on GPUs.
+  ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.mesh.init_parallel``) and its model with
+  ``genoctx.parallel.build.build_model`` (meta device, expert parallel, context parallel, activation checkpointing
+  and FSDP2 applied from outside, then only this rank's shards allocated and filled: fresh, from the base's slices,
+  or zeros for the checkpoint ``_resume`` loads), then builds the optimizer on the sharded parameters. The memory
+  planner (``genoctx.plan``) runs first on GPUs.
 - Data: data rank ``d`` (over ``dp_replicate x ep x dp_shard``) takes samples ``(step * dp + d) * batch_size + b``
   (``sample_batch``); the CP ranks of a data rank take the same windows and each runs its pieces of them in the
   layout ``train.cp_layout``: ``contiguous`` (slice ``r`` on CP rank ``r``) or ``zigzag`` (pieces ``r`` and
