@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import GenoctxError
+from ..errors import AgreedError, GenoctxError
 from ..model.config import ModelConfig
 from ..model.model import HybridLM
 from .mesh import ParallelDims
@@ -71,8 +71,8 @@ def agree(dims: ParallelDims | None, fn):
     every rank (one ``all_gather_object`` over the mesh), so no rank goes on into a collective alone.
 
     Raises:
-        GenoctxError: ``fn`` raised one on some rank: this rank's own message, else the first failing rank's as
-            ``"rank R: ..."``.
+        AgreedError: (a ``GenoctxError``) ``fn`` raised one on some rank: this rank's own message, else the first
+            failing rank's as ``"rank R: ..."``; on one device, ``fn``'s own ``GenoctxError``.
     """
     import torch.distributed as dist
 
@@ -87,7 +87,9 @@ def agree(dims: ParallelDims | None, fn):
         first = next(((r, e) for r, e in enumerate(errs) if e is not None), None)
         if err is None and first is not None:  # another rank's error: said with its rank
             r, e = first
-            raise GenoctxError(e if e.startswith("rank ") else f"rank {r}: {e}")
+            raise AgreedError(e if e.startswith("rank ") else f"rank {r}: {e}")
+        if err is not None:
+            raise AgreedError(err)
     if err is not None:
         raise GenoctxError(err)
     return out
@@ -123,13 +125,25 @@ def read_checkpoint_slices(path: Path, targets: dict) -> None:
 def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
     """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
-    except Exception as e:  # CheckpointException wraps every rank's failure
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({first})") from None
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({dcp_error_line(e)})") from None
+
+
+def dcp_error_line(e: BaseException) -> str:
+    """One line for a failed ``dcp.load``: the first failing rank's own error (``CheckpointException.failures``:
+    rank -> (exception, traceback)), e.g. ``rank 1: EOFError`` for a shard file cut short; else the first line."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        err = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        text = str(err).strip().splitlines()
+        return f"rank {rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def persistent_targets(model: nn.Module, dims) -> dict:
@@ -187,6 +201,7 @@ def build_model(
     param_dtype: torch.dtype | None = None,
     offload_optimizer: bool = False,
     materialize: bool = True,
+    cp_chunk_tokens: int | None = None,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -200,6 +215,8 @@ def build_model(
         dtype: the parameters' dtype (fp32 masters; the fp32 islands never below fp32: ``cast_model``).
         activation_checkpointing, param_dtype, offload_optimizer: ``apply_parallel``'s.
         materialize: False stops after step 2 (the model stays on meta): the dry run counts its pieces.
+        cp_chunk_tokens: under CP, stream each piece through a mixing layer in chunks of this many tokens
+            (``apply_parallel``; forward-only evaluation).
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -219,7 +236,8 @@ def build_model(
     handles = []
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
-                                 param_dtype=param_dtype, offload_optimizer=offload_optimizer)  # fmt: skip
+                                 param_dtype=param_dtype, offload_optimizer=offload_optimizer,
+                                 cp_chunk_tokens=cp_chunk_tokens)  # fmt: skip
     elif activation_checkpointing:
         from .fsdp import apply_ac
 

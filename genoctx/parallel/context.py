@@ -33,6 +33,12 @@ cache that the pieces before it in natural order leave (DESIGN.md, the chunk con
   mean of the pieces' losses).
 - MoE / MLP: nothing (position-wise).
 
+Streaming (forward-only evaluation, ``apply_cp(..., chunk_tokens=N)``): a mixing layer runs each local piece as
+consecutive chunks of ``N`` tokens, each after the cache the previous chunk left (the chunk contract), starting from
+the piece's cache above; the KDA ``[L | M]`` pass streams the same way (``chunk_kda`` carries the extended state).
+The layer's working set is then that of one chunk; what grows with the piece is only its residual streams and the
+DSA caches (the gathered window). Equal to one call per piece to fp32 rounding.
+
 Balance. Causal attention makes later positions cost more: the query at position ``t`` scores the
 ``(t + 1) // kpool`` complete pools it sees (``kpool = index_kpool``), so piece ``p`` scores about
 ``(c^2 p + c (c + 1) / 2) / kpool`` pools. Contiguous, the last rank scores the most (busiest / mean 1.5 at
@@ -137,17 +143,24 @@ def _all_gather(x: Tensor, group) -> list[Tensor]:
 
 class CPLayout:
     """This rank's view of a CP layout (built by ``apply_cp``): its pieces (``mine``, natural indices in local
-    order) and the permutation from gathered (rank-major) to natural piece order.
+    order), the permutation from gathered (rank-major) to natural piece order and how a piece is streamed.
 
     Args:
         group: the CP process group (this rank's rank and the group size come from it).
         layout: ``"contiguous"`` or ``"zigzag"`` (``cp_pieces``).
+        chunk_tokens: stream each local piece through a mixing layer in chunks of at most this many tokens with the
+            carried cache (the chunk contract), so that a layer's working set is bounded by the chunk, not the piece
+            (forward-only evaluation, ``genoctx eval --cp C --chunk-tokens N``); None = the whole piece in one call
+            (training).
 
     Raises:
-        ValueError: an unknown layout.
+        ValueError: an unknown layout, or ``chunk_tokens < 1``.
     """
 
-    def __init__(self, group, layout: str):
+    def __init__(self, group, layout: str, chunk_tokens: int | None = None):
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"context parallelism: chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
         self.group = group
         self.rank = dist.get_rank(group)
         pieces = cp_pieces(dist.get_world_size(group), layout)
@@ -173,6 +186,12 @@ class CPLayout:
         if T % self.n_local:
             raise ValueError(f"context parallelism: {T} local tokens do not split into {self.n_local} pieces")
         return B, T // self.n_local
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The ``[s, e)`` token spans in which ``[start, end)`` of a piece is streamed: ``chunk_tokens`` each (the
+        last one shorter), or the whole range when ``chunk_tokens`` is None."""
+        step = self.chunk_tokens or max(1, end - start)
+        return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
 def _to_batch(x: Tensor, n: int) -> Tensor:
@@ -217,13 +236,16 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
     tails = layout.gather_natural(tail.reshape(n, B, w, -1))  # [N, B, w, 3 H K]
     prev = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])  # prev[p]: tail of piece p - 1 (0 for p = 0)
     conv_state = layout.local(prev).reshape(n * B, w, -1)
-    q, k, v, g, beta, _ = mixer.project(xb, conv_state)
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    v_ext = torch.cat([v, v.new_zeros(n * B, c, H, K)], dim=-1)  # [v | 0]
-    eye = torch.eye(K, dtype=ct, device=q.device).expand(n * B, H, K, K)
-    s0 = torch.cat([q.new_zeros(n * B, H, K, V, dtype=ct), eye], -1)  # [0 | I]
-    _, LM = chunk_kda(q, k, v_ext, g, beta, initial_state=s0, chunk_size=mixer.chunk_size)  # [n B, H, K, V + K]
+    LM, cs = None, conv_state  # streamed over the piece's chunks (one call when layout.chunk_tokens is None)
+    for s, e in layout.spans(0, c):
+        q, k, v, g, beta, cs = mixer.project(xb[:, s:e], cs)
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        if LM is None:
+            ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+            eye = torch.eye(K, dtype=ct, device=q.device).expand(n * B, H, K, K)
+            LM = torch.cat([q.new_zeros(n * B, H, K, V, dtype=ct), eye], -1)  # [0 | I]
+        v_ext = torch.cat([v, v.new_zeros(n * B, e - s, H, K)], dim=-1)  # [v | 0]
+        _, LM = chunk_kda(q, k, v_ext, g, beta, initial_state=LM, chunk_size=mixer.chunk_size)  # [n B, H, K, V + K]
     LMs = layout.gather_natural(LM.reshape(n, B, H, K, V + K))  # [N, B, H, K, V + K]
     with torch.autocast(device_type=x.device.type, enabled=False):  # the state stays fp32
         S = LMs.new_zeros(B, H, K, V)
@@ -308,14 +330,20 @@ def cat_selections(sels: list[DSASelection]) -> DSASelection:
 
 
 def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
-    """CP forward of a KDA layer: every local piece at once (batched), each from its predecessors' cache.
-    Returns ``(y [B, T, D], the cache of the last local piece)``; under CP the model ignores the cache."""
+    """CP forward of a KDA layer: every local piece at once (batched), each from its predecessors' cache (streamed in
+    chunks of ``layout.chunk_tokens`` with the carried cache when set). Returns ``(y [B, T, D], the cache of the last
+    local piece)``; under CP the model ignores the cache."""
     if cache is not None:
         raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
     n = layout.n_local
-    B = x.shape[0]
-    piece_cache, zero = kda_cp_cache(module, x, layout)
-    y, new = type(module).forward(module, _to_batch(x, n), piece_cache)
+    B, c = layout.split(x)
+    new, zero = kda_cp_cache(module, x, layout)
+    xb = _to_batch(x, n)
+    ys = []
+    for s, e in layout.spans(0, c):  # the chunk contract: each chunk after the cache the previous one left
+        y, new = type(module).forward(module, xb[:, s:e], new)
+        ys.append(y)
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     last = KDACache(state=new.state[(n - 1) * B :], conv_state=new.conv_state[(n - 1) * B :])
     return _from_batch(y, n) + zero.to(y.dtype), last
 
@@ -324,22 +352,23 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
     """CP forward of a DSA layer: one call per local piece with the cache of the positions before it.
 
     ``selection`` (the previous full layer's, rows in local order; used by a shared layer) is split per local
-    piece. ``stats`` keys_scored/keys_attended are summed over the pieces, ``indexer_loss`` and ``aux_loss``
-    averaged (pieces are equal). Returns ``(y [B, T, D], the cache the last local piece's call returned, the
+    piece; with ``layout.chunk_tokens`` each piece is streamed in chunks of that many tokens (the chunk contract).
+    ``stats`` keys_scored/keys_attended are summed over the calls, ``indexer_loss`` and ``aux_loss`` averaged (equal
+    pieces; chunks of one length). Returns ``(y [B, T, D], the cache the last local piece's call returned, the
     pieces' selections concatenated along T (``cat_selections``; None in dense mode))``."""
     if cache is not None:
         raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
     _, c = layout.split(x)
     caches, zero = dsa_cp_cache(module, x, layout)
     ys, stats, auxes, sels = [], [], [], []
-    for j, piece_cache in enumerate(caches):
-        r0, r1 = j * c, (j + 1) * c
-        sel_in = None if selection is None else selection.rows(r0, r1)
-        y, new, sel = type(module).forward(module, x[:, r0:r1], piece_cache, sel_in)
-        ys.append(y)
-        sels.append(sel)
-        stats.append(module.stats)
-        auxes.append(module.aux_loss)
+    for j, new in enumerate(caches):
+        for r0, r1 in layout.spans(j * c, (j + 1) * c):  # each chunk after the cache the previous one left
+            sel_in = None if selection is None else selection.rows(r0, r1)
+            y, new, sel = type(module).forward(module, x[:, r0:r1], new, sel_in)
+            ys.append(y)
+            sels.append(sel)
+            stats.append(module.stats)
+            auxes.append(module.aux_loss)
     merged = dict(stats[-1])
     for key in ("keys_scored", "keys_attended"):
         merged[key] = sum(int(s.get(key) or 0) for s in stats)
@@ -363,7 +392,7 @@ class _ForwardOverride:
             del self.module.forward
 
 
-def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
+def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous", chunk_tokens: int | None = None) -> list:
     """Make ``model`` (a ``HybridLM``) run this rank's pieces of a window (``cp_pieces``) per rank of ``cp_group``.
 
     Overrides ``forward`` on each layer's mixer instance (``layer.self_attn.forward = <bound wrapper>``): the
@@ -377,6 +406,8 @@ def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
         model: a ``HybridLM`` (its ``layers``, each with ``layer_type`` and ``self_attn``).
         cp_group: the CP process group (every rank of it must call ``apply_cp`` with the same layout).
         layout: ``"contiguous"`` or ``"zigzag"``.
+        chunk_tokens: stream each piece through a mixing layer in chunks of this many tokens (``CPLayout``); None =
+            one call per piece.
 
     Returns:
         The handles (``h.remove()`` on each undoes ``apply_cp``).
@@ -384,7 +415,7 @@ def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous") -> list:
     Raises:
         ValueError: an unknown layout, or a mixer that already has a CP override.
     """
-    lay = CPLayout(cp_group, layout)
+    lay = CPLayout(cp_group, layout, chunk_tokens)
     handles = []
     for layer in model.layers:
         mixer = layer.self_attn

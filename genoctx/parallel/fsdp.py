@@ -236,8 +236,11 @@ def apply_parallel(
     activation_checkpointing: bool = False,
     param_dtype: torch.dtype | None = None,
     offload_optimizer: bool = False,
+    cp_chunk_tokens: int | None = None,
 ) -> list:
     """Apply every parallel dimension of ``dims`` to ``model`` in the documented order (module docstring).
+    ``cp_chunk_tokens``: each CP piece streamed through a mixing layer in chunks of this many tokens
+    (``genoctx.parallel.context.CPLayout``; evaluation); None = one call per piece.
 
     Returns the handles of ``apply_cp``/``apply_ep`` (their ``.remove()`` restores the class forwards).
     """
@@ -249,7 +252,7 @@ def apply_parallel(
 
         handles += apply_ep(model, dims.ep_group, dims.ep, dims.ep_rank)
     if dims.cp > 1:
-        handles += apply_cp(model, dims.cp_group, dims.cp_layout)
+        handles += apply_cp(model, dims.cp_group, dims.cp_layout, cp_chunk_tokens)
     if activation_checkpointing:
         apply_ac(model)
     if dims.fsdp:

@@ -44,7 +44,6 @@ from .checkpoint import (
     CKPT_DIR,
     DCP_DIR,
     TIED_HEAD,
-    _first_line,
     _load_scheduler,
     checkpoint_keys,
     checkpoint_name,
@@ -111,12 +110,15 @@ def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
         GenoctxError: the checkpoint does not hold this model's tensors (named), or its files are unreadable.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ..parallel.build import dcp_error_line
 
     sd = canonical_state(model, optimizer, dims)
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR))
-    except Exception as e:  # CheckpointException wraps every rank's failure
-        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({_first_line(e)})") from None
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
+        raise GenoctxError(f"{ckpt}/{DCP_DIR}: cannot load it into this model ({dcp_error_line(e)})") from None
     _load_scheduler(ckpt, scheduler)
 
 
