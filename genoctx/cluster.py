@@ -2,7 +2,8 @@
 
 This module knows nothing of training or evaluation. ``run_workers(worker_fn, config, ...)`` is handed the function
 every worker runs; the caller (``genoctx train --num-workers N`` through ``genoctx.train.distributed``, later
-distributed eval) prepares the worker's ``config`` and reads what the workers wrote once they are done:
+``genoctx eval --num-workers N`` through ``genoctx.eval.distributed``) prepares the worker's ``config`` and reads what
+rank 0's worker function returned (``WorkerRun.value``) or what the workers wrote once they are done:
 
 - Ray: an existing cluster (``address="auto"`` or ``"ray://HOST:PORT"``) or a local one started with no dashboard
   and a short temporary directory (``_ray_temp_dir``: unix socket paths are limited to ~107 characters), stopped
@@ -22,6 +23,7 @@ worker's device).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -29,9 +31,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .errors import GenoctxError
+from .errors import AgreedError, GenoctxError
 
 _SOCKET_BUDGET = 40  # characters of the Ray temp dir that keep its socket paths under the unix limit
 
@@ -87,12 +91,42 @@ class WorkerSession:
             yield Path(d)
 
 
-def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], None], config: dict, gpus_per_worker: float) -> None:
-    worker_fn(config, WorkerSession(gpus_per_worker))
+_AGREED = "genoctx_agreed_error"  # the key of a worker's return value that carries an error every rank raised
+
+
+def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float) -> Any:
+    """``worker_fn(config, session)``; an ``AgreedError`` (a user error raised on every rank at once, so none waits in
+    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print."""
+    try:
+        return worker_fn(config, WorkerSession(gpus_per_worker))
+    except AgreedError as e:
+        return {_AGREED: str(e)}
+
+
+@dataclass(frozen=True)
+class WorkerRun:
+    """What ``run_workers`` hands back: the seconds the worker group ran (``TorchTrainer.fit``, Ray's start and
+    shutdown excluded) and the value the rank-0 worker function returned (``Result.return_value``; plain data)."""
+
+    seconds: float
+    value: Any = None
+
+
+def _worker_error(e: BaseException) -> str | None:
+    """The message of a ``GenoctxError`` a worker raised (a user error every rank agreed on, e.g. an unreadable
+    checkpoint), found in Ray Train's ``WorkerGroupError.worker_failures``; None when there is none."""
+    failures = getattr(e, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        err = failures[rank]
+        while err is not None:
+            if isinstance(err, GenoctxError) or type(err).__name__ == "GenoctxError":
+                return str(err).strip().splitlines()[0] if str(err).strip() else None
+            err = getattr(err, "cause", None) or err.__cause__
+    return None
 
 
 def run_workers(
-    worker_fn: Callable[[dict, WorkerSession], None],
+    worker_fn: Callable[[dict, WorkerSession], Any],
     config: dict,
     *,
     num_workers: int,
@@ -103,7 +137,7 @@ def run_workers(
     max_failures: int = 0,
     keep_checkpoints: int = 0,
     what: str = "distributed run",
-) -> float:
+) -> WorkerRun:
     """Run ``worker_fn(config, session)`` on ``num_workers`` Ray Train workers and wait for them.
 
     Args:
@@ -122,10 +156,12 @@ def run_workers(
         what: the failure message's subject (``"distributed training"``).
 
     Returns:
-        Seconds the worker group ran (``TorchTrainer.fit``, Ray's start and shutdown excluded).
+        ``WorkerRun``: the seconds the worker group ran and what rank 0's ``worker_fn`` returned.
 
     Raises:
-        GenoctxError: the group still failed after ``max_failures`` restarts (one line: the error's first line).
+        GenoctxError: a user error every rank agreed on (``AgreedError``: its message, and no restart), or the group
+            still failed after ``max_failures`` restarts: one line, a worker's own ``GenoctxError`` message when one
+            raised it, else the first line of Ray's error.
     """
     with contextlib.redirect_stdout(sys.stderr):  # Ray's worker and raylet lines: stdout is the caller's
         return _fit(worker_fn, config, Path(storage_path), run_name, num_workers, gpus_per_worker, address,
@@ -138,6 +174,8 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
     from ray.train.torch import TorchTrainer
 
     started, temp_dir = False, None
+    root = logging.getLogger()  # Ray's LoggingConfig sets the root logger's level and handlers: ours come back after
+    saved = (root.level, list(root.handlers))
     if not ray.is_initialized():
         if address:
             ray.init(address=address, log_to_driver=True)
@@ -159,8 +197,8 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
     if gpus_per_worker > 0:
         resources["GPU"] = gpus_per_worker
 
-    def loop(cfg: dict) -> None:  # runs on every worker (cloudpickled: worker_fn travels by reference)
-        _run_on_worker(worker_fn, cfg, gpus_per_worker)
+    def loop(cfg: dict):  # runs on every worker (cloudpickled: worker_fn travels by reference)
+        return _run_on_worker(worker_fn, cfg, gpus_per_worker)
 
     trainer = TorchTrainer(
         loop,
@@ -177,12 +215,20 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
     )
     t0 = time.perf_counter()
     try:
-        trainer.fit()
+        result = trainer.fit()
     except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
+        mine = _worker_error(e)
+        if mine is not None:
+            raise GenoctxError(mine) from e
         raise GenoctxError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     finally:
         if started:
             ray.shutdown()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-    return time.perf_counter() - t0
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+    value = getattr(result, "return_value", None)
+    if isinstance(value, dict) and _AGREED in value:
+        raise GenoctxError(value[_AGREED])
+    return WorkerRun(time.perf_counter() - t0, value)

@@ -305,7 +305,7 @@ def train_distributed(
     recipe: Recipe,
     out: str | Path,
     *,
-    run_workers: Callable[..., float],
+    run_workers: Callable,
     num_workers: int,
     cp: int = 1,
     ep: int = 1,
@@ -325,7 +325,7 @@ def train_distributed(
         data_dir: prepared data directory (``genoctx prepare --out``).
         recipe: the resolved recipe; ``train.batch_size`` is per DP rank.
         out: run directory (``checkpoints/``, ``metrics.jsonl``, ``ray/``).
-        run_workers: runs the worker function on the workers and returns the seconds they ran:
+        run_workers: runs the worker function on the workers and returns the seconds they ran (``.seconds``):
             ``genoctx.cluster.run_workers`` (the CLI passes it in: this layer does not import the one above it).
         num_workers: Ray workers (processes), one rank each.
         cp: context-parallel size; the window (or ``train.seq_len``) in tokens must split into ``cp`` pieces
@@ -424,7 +424,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         "invocation": invocation,
         "extra": extra,
     }
-    elapsed = run_workers(  # Ray's stdout lines go to stderr there: stdout is for the JSON summary only
+    run = run_workers(  # Ray's stdout lines go to stderr there: stdout is for the JSON summary only
         _train_worker,
         config,
         num_workers=layout.world,
@@ -436,7 +436,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         keep_checkpoints=recipe.train.keep_checkpoints,
         what="distributed training",
     )
-    return _summary(out, recipe, invocation, elapsed)
+    return _summary(out, recipe, invocation, run.seconds)
 
 
 def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool) -> None:
