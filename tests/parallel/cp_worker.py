@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from genoctx.model.config import DSA, KDA, ModelConfig, preset
 from genoctx.model.model import HybridLM
-from genoctx.parallel.context import apply_cp
+from genoctx.parallel.context import apply_cp, shard_sequence
 from genoctx.parallel.mesh import destroy_parallel, init_parallel
 from genoctx.train.loop import forward_backward
 
@@ -74,6 +74,51 @@ def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor])
     destroy_parallel()
 
 
+STREAM_CHUNK = 13  # tokens per chunk of the streamed CP case: no piece length (162, 81) is a multiple of it
+
+
+def _stream_case(res: dict, windows: dict[str, torch.Tensor]) -> None:
+    """``res["stream_<name>"]``: the forward loss sum of CP=2 zigzag with every piece streamed through each mixing
+    layer in chunks of ``STREAM_CHUNK`` tokens (``apply_cp(..., chunk_tokens)``, eval's path, no grad), and the
+    lengths of the chunks each mixer class's forward received (the streaming happened)."""
+    from genoctx.data.dataset import scored_mask
+    from genoctx.data.tokenizer import BOS
+    from genoctx.model.dsa import DeepSeekSparseAttention
+    from genoctx.model.kda import KimiDeltaAttention
+    from genoctx.model.model import shift_inputs, token_losses
+
+    dims = init_parallel(cp=2, layout="zigzag")
+    model = tiny_model().eval()
+    apply_cp(model, dims.cp_group, dims.cp_layout, chunk_tokens=STREAM_CHUNK)
+    seen = {"kda": [], "dsa": []}
+    originals = {cls: cls.forward for cls in (KimiDeltaAttention, DeepSeekSparseAttention)}
+
+    def counting(cls, key):
+        def forward(self, x, *args, **kwargs):
+            seen[key].append(x.shape[1])
+            return originals[cls](self, x, *args, **kwargs)
+
+        return forward
+
+    KimiDeltaAttention.forward = counting(KimiDeltaAttention, "kda")
+    DeepSeekSparseAttention.forward = counting(DeepSeekSparseAttention, "dsa")
+    try:
+        for name, tokens in windows.items():
+            t = tokens[None]
+            parts = (shift_inputs(t, BOS), t, scored_mask(t))
+            inputs, targets, scored = (shard_sequence(x, 2, dims.cp_rank, "zigzag") for x in parts)
+            seen["kda"].clear()
+            seen["dsa"].clear()
+            with torch.no_grad():
+                logits, _ = model(inputs)
+            res[f"stream_{name}"] = {"loss_sum": float(token_losses(logits, targets, scored).sum()),
+                                     "count": int(scored.sum()), "chunks": {k: list(v) for k, v in seen.items()}}
+    finally:
+        for cls, f in originals.items():
+            cls.forward = f
+    destroy_parallel()
+
+
 def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -82,6 +127,7 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str) 
     if world == 2:
         _cp_cases(res, 2, "contiguous", {"cp2": w["dna"], "cp2_n": w["n_start"]})
         _cp_cases(res, 2, "zigzag", {"cp2z": w["dna"], "cp2z_n": w["n_start"]})
+        _stream_case(res, {"dna": w["dna"], "n_start": w["n_start"]})
         dims = init_parallel(cp=1)
         assert (dims.cp, dims.dp) == (1, 2)
         res["dp2"] = _case(tiny_model(), w["pair"][dims.dp_rank][None], dims)

@@ -121,6 +121,24 @@ def _assert_same(dist_case: dict, ref: dict) -> None:
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4 * float(g_ref.abs().max()) + 1e-9, msg=name)
 
 
+@pytest.mark.parametrize("name", ["dna", "n_start"])
+def test_cp_pieces_streamed_in_chunks_equal_one_process(distributed, reference, name):
+    """Eval's CP path: each zigzag piece (81 tokens) streamed through every mixing layer in chunks of 13 tokens with
+    the carried cache gives the one-process forward loss (the N window: rank 0's first piece all N), and the
+    mixers really ran chunk by chunk: per piece 6 chunks of 13 and one of 3."""
+    from cp_worker import STREAM_CHUNK
+
+    ref = reference(name)
+    total = sum(r[f"stream_{name}"]["loss_sum"] for r in distributed)
+    assert sum(r[f"stream_{name}"]["count"] for r in distributed) == ref["count"]
+    assert total / ref["count"] == pytest.approx(ref["loss_sum"] / ref["count"], rel=1e-5)
+    per_piece = [STREAM_CHUNK] * (81 // STREAM_CHUNK) + [81 % STREAM_CHUNK]
+    for r in distributed:
+        chunks = r[f"stream_{name}"]["chunks"]
+        assert chunks["kda"] == per_piece  # one KDA layer: the two local pieces run batched, chunk by chunk
+        assert chunks["dsa"] == (per_piece + per_piece) * 2  # two DSA layers, one call per chunk of each piece
+
+
 def _dsa_keys(case: dict) -> int:
     """(query, pool) pairs scored by one rank's indexer (the full DSA layer; the shared layer scores none)."""
     assert case["keys_scored"][SHARED] == 0
