@@ -27,22 +27,40 @@ import csv
 import io
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from ..data.dataset import WindowDataset, load_manifest, scored_mask
-from ..data.tokenizer import BOS, PAD, VOCAB, reverse_complement
+from ..data.dataset import WindowDataset, load_manifest
+from ..data.tokenizer import VOCAB
 from ..errors import GenoctxError
-from ..model.model import shift_inputs, token_losses
-from ..train.checkpoint import load_model, resolve_checkpoint
+from ..train.checkpoint import resolve_checkpoint
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
-from .copyprobe import REACH_GAIN, SEGMENT, TailScoreFn, copy_distances, probe_windows, summarize
-from .markov import MAX_ORDER, MarkovModel, fit_markov
+from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
+from .markov import MAX_ORDER, fit_markov
 from .plot import plot
+from .scoring import (  # noqa: F401 -- the scoring names stay importable from here
+    MAIN_VIEW,
+    MASKS,
+    STRANDS,
+    BinnedLoss,
+    EvalCheckpoint,
+    ScoreFn,
+    _hf_token_map,
+    binned_losses,
+    eval_checkpoint,
+    load_eval_model,
+    loss_vocab_of,
+    markov_scorer,
+    model_scorer,
+    model_tail_scorer,
+    position_losses,
+    rc_window,
+    score_windows,
+    view_names,
+    with_head,
+)
 
 __all__ = [
     "BinnedLoss",
@@ -60,9 +78,6 @@ __all__ = [
 
 log = logging.getLogger("genoctx.eval")
 LN2 = math.log(2.0)
-STRANDS = ("forward", "reverse", "both")
-MASKS = ("all", "softmasked", "unmasked")
-MAIN_VIEW = "forward/all"
 
 
 def parse_bins(spec: str, window: int) -> list[int]:
@@ -105,203 +120,6 @@ def parse_bins(spec: str, window: int) -> list[int]:
     if edges[-1] != window:
         edges.append(window)
     return edges
-
-
-@torch.no_grad()
-def position_losses(model, tokens: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
-    """Per-position next-token loss of one batch of windows, in nats, 0 where not scored.
-
-    Args:
-        model: any object with the chunk contract ``model(inputs [B, T] int64, cache) -> (logits [B, T, V],
-            cache)`` (``HybridLM`` in eval mode; a plain object with ``forward`` works too). The first call
-            gets ``cache=None``.
-        tokens: [B, W] int64 window bases.
-        chunk_tokens: feed the window in consecutive chunks of this many tokens with the carried cache
-            (bounded memory); None = one pass.
-
-    Returns:
-        [B, W] float64 losses (nats).
-    """
-    forward = model if callable(model) else model.forward
-    return _chunk_losses(forward, tokens, 0, tokens.shape[1], chunk_tokens, None)[0]
-
-
-def _chunk_losses(forward, tokens: torch.Tensor, start: int, end: int, chunk_tokens: int | None, cache):
-    """Losses [B, end - start] float64 of positions ``[start, end)`` of ``tokens`` [B, W] (each predicted from the
-    tokens before it), fed in chunks of ``chunk_tokens`` after ``cache`` (the cache of positions ``[0, start)``;
-    None when ``start == 0``) -> (losses, the cache of ``[0, end)``)."""
-    inputs = shift_inputs(tokens, BOS)
-    scored = scored_mask(tokens)
-    step = chunk_tokens or (end - start)
-    out = []
-    for s in range(start, end, step):
-        e = min(s + step, end)
-        logits, cache = forward(inputs[:, s:e], cache)
-        out.append(
-            token_losses(
-                logits.float() if logits.dtype == torch.float16 else logits, tokens[:, s:e], scored[:, s:e]
-            ).double()
-        )
-    return torch.cat(out, dim=1), cache
-
-
-@dataclass
-class BinnedLoss:
-    """Per-window, per-bin sums: ``loss_sum`` [windows, bins] float64 nats, ``count`` [windows, bins] int64."""
-
-    edges: list[int]
-    loss_sum: np.ndarray
-    count: np.ndarray
-
-    def bins(self) -> list[dict]:
-        s, c = self.loss_sum.sum(0), self.count.sum(0)
-        return [
-            {
-                "start": self.edges[i],
-                "end": self.edges[i + 1],
-                "tokens": int(c[i]),
-                "loss": float(s[i] / c[i]) if c[i] else None,
-            }
-            for i in range(len(c))
-        ]
-
-    def overall(self) -> dict:
-        s, c = float(self.loss_sum.sum()), int(self.count.sum())
-        return {"tokens": c, "loss": s / c if c else None}
-
-    def __add__(self, other: BinnedLoss) -> BinnedLoss:
-        return BinnedLoss(self.edges, self.loss_sum + other.loss_sum, self.count + other.count)
-
-
-def view_names(reverse: bool = False, softmask: bool = False) -> list[str]:
-    """The views an evaluation reports, main view first: ``"{strand}/{mask}"``."""
-    strands = list(STRANDS) if reverse else ["forward"]
-    masks = list(MASKS) if softmask else ["all"]
-    return [f"{s}/{m}" for s in strands for m in masks]
-
-
-def rc_window(tokens: np.ndarray, softmask: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Reverse-complement strand of a window whose first ``length`` entries are bases (the rest PAD).
-
-    tokens int [W], softmask bool [W] -> (int64 [W], bool [W]); padding stays at the end, so position p of
-    the result is predicted from the p bases before it on that strand.
-    """
-    t = np.full(tokens.shape[0], PAD, dtype=np.int64)
-    m = np.zeros(tokens.shape[0], dtype=bool)
-    t[:length] = reverse_complement(np.asarray(tokens[:length]).astype(np.uint8)).astype(np.int64)
-    m[:length] = np.asarray(softmask[:length])[::-1]
-    return t, m
-
-
-ScoreFn = Callable[[np.ndarray], np.ndarray]
-"""Scores one window: int64 [W] token ids -> float64 [W] loss in nats (0 where not scored)."""
-
-
-def model_scorer(model, chunk_tokens: int | None = None, device: str | torch.device = "cpu") -> ScoreFn:
-    """A :data:`ScoreFn` for a chunk-contract model (see :func:`position_losses`)."""
-    if hasattr(model, "eval"):
-        model.eval()
-
-    def score(tokens: np.ndarray) -> np.ndarray:
-        t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
-        return position_losses(model, t, chunk_tokens)[0].cpu().numpy()
-
-    return score
-
-
-def model_tail_scorer(model, chunk_tokens: int | None = None, device: str | torch.device = "cpu") -> TailScoreFn:
-    """A :data:`genoctx.eval.copyprobe.TailScoreFn` for a chunk-contract model: the prefix ``[0, dst)`` is run once
-    and every tail (the unedited one, then each edit) continues from its cache, as ``position_losses`` would score
-    the whole edited window (the chunk contract: a chunk after the cache of the positions before it). For the copy
-    probe this costs one window plus ``len(tails)`` tails instead of ``1 + len(tails)`` windows. The cache must not
-    be changed by the forward that reads it (genoctx's layers build new caches)."""
-    if hasattr(model, "eval"):
-        model.eval()
-    forward = model if callable(model) else model.forward
-
-    @torch.no_grad()
-    def score_tails(tokens: np.ndarray, dst: int, tails: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
-        W = t.shape[1]
-        prefix, cache = _chunk_losses(forward, t, 0, dst, chunk_tokens, None)
-        out = []
-        for tail in [tokens[dst:], *tails]:
-            edited = t.clone()
-            edited[0, dst:] = torch.as_tensor(tail, dtype=torch.long, device=t.device)
-            out.append(_chunk_losses(forward, edited, dst, W, chunk_tokens, cache)[0][0].cpu().numpy())
-        return np.concatenate([prefix[0].cpu().numpy(), out[0]]), out[1:]
-
-    return score_tails
-
-
-def markov_scorer(markov: MarkovModel) -> ScoreFn:
-    """A :data:`ScoreFn` for a fitted :class:`MarkovModel`."""
-    return markov.token_losses
-
-
-def score_windows(
-    score: ScoreFn,
-    ds: WindowDataset,
-    edges: list[int],
-    max_windows: int | None = None,
-    views: list[str] | None = None,
-) -> dict[str, BinnedLoss]:
-    """Score the windows of ``ds`` (or the first ``max_windows``) and sum losses per window, bin and view.
-
-    Args:
-        score: window scorer (:func:`model_scorer`, :func:`markov_scorer`).
-        ds: the windows; ``ds[i]`` gives ``tokens`` [W], ``softmask`` [W], ``start``/``end``.
-        edges: bin edges in tokens of context (:func:`parse_bins`).
-        views: names from :func:`view_names`; default the main view only.
-
-    Returns:
-        ``{view: BinnedLoss}`` with arrays [windows, bins]; ``both/*`` views are forward + reverse sums.
-    """
-    views = views or [MAIN_VIEW]
-    n = len(ds) if max_windows is None else min(len(ds), max_windows)
-    nb = len(edges) - 1
-    strands = ["forward"] + (["reverse"] if any(v.split("/")[0] in ("reverse", "both") for v in views) else [])
-    masks = sorted({v.split("/")[1] for v in views}, key=MASKS.index)
-    sums = {(s, m): np.zeros((n, nb)) for s in strands for m in masks}
-    cnts = {(s, m): np.zeros((n, nb), dtype=np.int64) for s in strands for m in masks}
-    bin_of = np.searchsorted(np.asarray(edges[1:-1]), np.arange(ds.window), side="right")
-    for i in range(n):
-        item = ds[i]
-        tokens, soft = item["tokens"].numpy(), item["softmask"].numpy()
-        for strand in strands:
-            if strand == "reverse":
-                tokens, soft = rc_window(tokens, soft, item["end"] - item["start"])
-            losses = np.asarray(score(tokens), dtype=np.float64)
-            scored = (tokens >= 0) & (tokens <= 3)
-            for mask in masks:
-                sel = scored if mask == "all" else scored & (soft if mask == "softmasked" else ~soft)
-                b = bin_of[sel]
-                sums[strand, mask][i] = np.bincount(b, weights=losses[sel], minlength=nb)
-                cnts[strand, mask][i] = np.bincount(b, minlength=nb)
-        log.debug("window %d/%d scored", i + 1, n)
-    out = {}
-    for v in views:
-        strand, mask = v.split("/")
-        if strand == "both":
-            out[v] = BinnedLoss(edges, sums["forward", mask], cnts["forward", mask]) + BinnedLoss(
-                edges, sums["reverse", mask], cnts["reverse", mask]
-            )
-        else:
-            out[v] = BinnedLoss(edges, sums[strand, mask], cnts[strand, mask])
-    return out
-
-
-def binned_losses(
-    model,
-    ds: WindowDataset,
-    edges: list[int],
-    chunk_tokens: int | None = None,
-    max_windows: int | None = None,
-    device: str | torch.device = "cpu",
-) -> BinnedLoss:
-    """Score every window of ``ds`` (or the first ``max_windows``) with a chunk-contract ``model`` and sum
-    losses into position bins (forward strand, all scored bases)."""
-    return score_windows(model_scorer(model, chunk_tokens, device), ds, edges, max_windows)[MAIN_VIEW]
 
 
 def _with_bits(d: dict) -> dict:
@@ -406,70 +224,6 @@ def last_vs_first_bin(
     }
 
 
-def load_eval_model(path: str | Path, device: str | torch.device = "cpu", loss_vocab: str | None = None):
-    """The model of a genoctx checkpoint (or run directory: its latest checkpoint) or of an HF model directory
-    (``config.json`` + safetensors: ``genoctx.model.load_hf``), on ``device``, in eval mode, with the chunk contract
-    of :func:`position_losses` over genoctx's ids.
-
-    A model with the 8 nucleotide tokens is returned as is. A model with a text vocabulary (a pretrained base, or a
-    run started from one with ``--init``) is wrapped in ``genoctx.model.vocab.MappedLM``: its token map is the run's
-    (state.json) or, for an HF directory, built from its tokenizer.json; its loss vocabulary is ``loss_vocab`` when
-    given, else the run's ``loss.vocab``, else ``full``. An HF model is loaded in fp32 on the CPU and in the
-    checkpoint's dtype elsewhere.
-
-    Raises:
-        GenoctxError: no such checkpoint, unreadable files, a text vocabulary without a usable tokenizer.json.
-    """
-    from ..model.hf import load_hf
-    from ..model.vocab import MappedLM, TokenMap, VocabHead
-
-    ck = resolve_checkpoint(path)
-    if not _is_hf(ck):
-        model, recipe, state = load_model(ck, device)
-        token_map = TokenMap.from_dict(state["token_map"]) if state.get("token_map") else None
-        if token_map is None or token_map.is_identity:
-            return model.eval()
-        vocab = loss_vocab or state.get("loss_vocab") or recipe.loss.vocab
-        return MappedLM(model, VocabHead(token_map, vocab, recipe.loss.chunk_tokens)).eval()
-    token_map = _hf_token_map(ck)
-    dtype = torch.float32 if torch.device(device).type == "cpu" else None
-    model = load_hf(ck, dtype=dtype).to(device).eval()
-    if token_map is None:
-        return model
-    return MappedLM(model, VocabHead(token_map, loss_vocab or "full")).eval()
-
-
-def loss_vocab_of(model) -> str | None:
-    """``full`` or ``nucleotide`` for a model read through a token map (``load_eval_model``), None for a model of
-    the 8 nucleotide tokens."""
-    head = getattr(model, "head", None)
-    return getattr(head, "vocab", None)
-
-
-def _is_hf(ck: Path) -> bool:
-    from ..model.hf import is_hf_dir
-
-    return is_hf_dir(ck) and not (ck / "state.json").is_file()
-
-
-def _hf_token_map(ck: Path):
-    """The token map of an HF model directory with a text vocabulary (from its tokenizer.json); None for a genoctx
-    checkpoint or a nucleotide model. Reads config.json and tokenizer files only.
-
-    Raises:
-        GenoctxError: an unreadable config.json, or a text vocabulary without a usable tokenizer.json.
-    """
-    from ..model.hf import read_config
-    from ..model.vocab import build_token_map
-
-    if not _is_hf(ck):
-        return None
-    cfg, _ = read_config(ck)
-    if cfg.vocab_size == len(VOCAB):
-        return None
-    return build_token_map(ck / "tokenizer.json", cfg.vocab_size)
-
-
 def _label(ck: Path, taken: set[str]) -> str:
     name = f"{ck.parent.parent.name}:{ck.name}" if ck.parent.name == "checkpoints" else ck.name
     base, i = name, 2
@@ -501,6 +255,7 @@ def evaluate(
     copy_probe: bool = False,
     copy_segment: int = SEGMENT,
     copy_distances_n: int = 8,
+    mesh=None,
 ) -> dict:
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
@@ -526,6 +281,9 @@ def evaluate(
         copy_probe: also run the copy probe (``genoctx.eval.copyprobe``) on the same windows with every model: a
             ``copy_segment``-base segment copied to the window's end from ``copy_distances_n`` log-spaced distances;
             each model entry gets ``copy_probe`` (rows by distance, ``reach``), the document the distances.
+        mesh: a ``genoctx.eval.distributed.MeshEval``: score the checkpoints on Ray workers on that mesh (FSDP, EP,
+            CP; no rank holds a model) instead of in this process; every statistic is then computed here from the
+            sums the workers reduced, exactly as for one process. ``models`` and ``copy_probe`` need one process.
 
     Returns:
         The document described in ``docs/eval_schema.md``: ``{"bins": [...], "overall": {...}, "checkpoint",
@@ -536,33 +294,17 @@ def evaluate(
         GenoctxError: no model to score, a missing checkpoint, an HF model whose vocabulary is not the
             nucleotide one, data prepared with another vocabulary or
             without a soft-mask channel (with ``split_by="softmask"``), an empty split, bins beyond the
-            window, no scored token in the windows, bad bootstrap or Markov parameters.
+            window, no scored token in the windows, bad bootstrap or Markov parameters; with ``mesh``, a layout the
+            models or the window cannot take, a plan that does not fit, the copy probe, a failed worker group.
     """
     data_dir = Path(data_dir)
-    manifest = load_manifest(data_dir)
-    if list(manifest.get("vocabulary", [])) != list(VOCAB):
+    _check_eval_args(data_dir, split_by, level, resamples, max_windows, chunk_tokens, seed, markov, markov_alpha)
+    if mesh is not None and (copy_probe or models):
         raise GenoctxError(
-            f"{data_dir}/manifest.json: prepared with vocabulary {manifest.get('vocabulary')}, "
-            f"genoctx uses {list(VOCAB)}"
-        )
-    if split_by not in (None, "softmask"):
-        raise GenoctxError(f"--split-by {split_by!r}: the only split is 'softmask'")
-    if split_by == "softmask" and manifest.get("policies", {}).get("case") == "uppercase":
-        raise GenoctxError(f"--split-by softmask: {data_dir} was prepared with --uppercase-only (no soft-mask)")
-    if not 0 < level < 1:
-        raise GenoctxError(f"confidence level {level} must be between 0 and 1")
-    if resamples < 0:
-        raise GenoctxError(f"--resamples {resamples} must be >= 0")
-    if max_windows is not None and max_windows < 1:
-        raise GenoctxError(f"--max-windows {max_windows} must be >= 1")
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise GenoctxError(f"--chunk-tokens {chunk_tokens} must be >= 1")
-    if seed < 0:
-        raise GenoctxError(f"--seed {seed} must be >= 0")
-    if markov is not None and not 0 <= markov <= MAX_ORDER:  # checked again by MarkovModel.fit; fail before scoring
-        raise GenoctxError(f"--markov {markov}: the order must be between 0 and {MAX_ORDER}")
-    if not (math.isfinite(markov_alpha) and markov_alpha >= 0):
-        raise GenoctxError(f"--markov-alpha {markov_alpha}: must be a finite number >= 0")
+            "--copy-probe needs one process (omit --num-workers): it continues every edited tail from a cached "
+            "prefix, which the context-parallel mesh does not carry" if copy_probe else
+            "evaluate(models=...) scores in-process models: not with a mesh"
+        )  # fmt: skip
     ckpts_in = [] if checkpoint is None else list(checkpoint) if isinstance(checkpoint, list | tuple) else [checkpoint]
     if baseline is not None:
         ckpts_in = [baseline, *ckpts_in]
@@ -589,18 +331,18 @@ def evaluate(
         sums = probe_windows(score, probe_windows_, distances, copy_segment, score_tails)
         return {"segment": copy_segment, **summarize(sums, distances, resamples, seed, level)}
 
-    scored: list[_Scored] = []
     taken: set[str] = set()
-    for ck in ckpts:
-        model = load_eval_model(ck, device, loss_vocab)
-        vocab = loss_vocab_of(model)
-        log.info("scoring %d %s windows of %d tokens with %s%s", n, split, ds.window, ck,
-                 f" (softmax over the {vocab} vocabulary)" if vocab else "")  # fmt: skip
-        score = model_scorer(model, chunk_tokens, device)
-        res = score_windows(score, ds, edges, max_windows, views)
-        entry = {"name": _label(ck, taken), "kind": "checkpoint", "path": str(ck), "loss_vocab": vocab}
-        scored.append(_Scored(entry, res, probe(score, model_tail_scorer(model, chunk_tokens, device))))
-        del model, score
+    if mesh is not None:
+        from .distributed import score_on_mesh
+
+        scored = [
+            _Scored(_entry(spec.path, taken, spec.loss_vocab), res)
+            for spec, res in score_on_mesh(ckpts, data_dir, split, edges, views, n, ds.window, chunk_tokens,
+                                           loss_vocab, mesh)  # fmt: skip
+        ]
+    else:
+        scored = _score_in_process(ckpts, ds, edges, views, max_windows, chunk_tokens, device, loss_vocab, taken,
+                                   probe)  # fmt: skip
     for name, model in models or []:
         score = model_scorer(model, chunk_tokens, device)
         res = score_windows(score, ds, edges, max_windows, views)
@@ -609,26 +351,88 @@ def evaluate(
         scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score, tails)))
     if scored and scored[0].views[MAIN_VIEW].count.sum() == 0:
         raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
-    mk: _Scored | None = None
+    mk = None
     if markov is not None:
-        log.info("fitting an order-%d Markov chain on the train split of %s", markov, data_dir)
-        chain = fit_markov(data_dir, markov, markov_alpha)
-        res = score_windows(markov_scorer(chain), ds, edges, max_windows, views)
-        mk = _Scored(
-            {
-                "name": f"markov-{markov}",
-                "kind": "markov",
-                "path": None,
-                "order": markov,
-                "alpha": markov_alpha,
-                "train_tokens": chain.tokens_seen,
-            },
-            res,
-            probe(markov_scorer(chain)),
-        )
-        if res[MAIN_VIEW].count.sum() == 0:
+        mk = _score_markov(data_dir, markov, markov_alpha, ds, edges, max_windows, views, probe)
+        if mk.views[MAIN_VIEW].count.sum() == 0:
             raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
+    doc = _document(scored, mk, views, n, resamples, seed, level)
+    doc.update(split=split, windows=n, window=ds.window, edges=list(edges))
+    doc = {k: doc[k] for k in _DOC_ORDER if k in doc}
+    if copy_probe:
+        doc["copy_probe"] = {"segment": copy_segment, "distances": distances, "reach_gain": REACH_GAIN}
+    return doc
 
+
+_DOC_ORDER = ("bins", "overall", "checkpoint", "baseline", "reported", "split", "windows", "window", "edges",
+              "confidence", "models", "views")  # fmt: skip
+
+
+def _check_eval_args(data_dir, split_by, level, resamples, max_windows, chunk_tokens, seed, markov, markov_alpha):
+    """``evaluate``'s argument checks, before anything is loaded or scored (one-line ``GenoctxError``)."""
+    manifest = load_manifest(data_dir)
+    if list(manifest.get("vocabulary", [])) != list(VOCAB):
+        raise GenoctxError(
+            f"{data_dir}/manifest.json: prepared with vocabulary {manifest.get('vocabulary')}, "
+            f"genoctx uses {list(VOCAB)}"
+        )
+    if split_by not in (None, "softmask"):
+        raise GenoctxError(f"--split-by {split_by!r}: the only split is 'softmask'")
+    if split_by == "softmask" and manifest.get("policies", {}).get("case") == "uppercase":
+        raise GenoctxError(f"--split-by softmask: {data_dir} was prepared with --uppercase-only (no soft-mask)")
+    if not 0 < level < 1:
+        raise GenoctxError(f"confidence level {level} must be between 0 and 1")
+    if resamples < 0:
+        raise GenoctxError(f"--resamples {resamples} must be >= 0")
+    if max_windows is not None and max_windows < 1:
+        raise GenoctxError(f"--max-windows {max_windows} must be >= 1")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise GenoctxError(f"--chunk-tokens {chunk_tokens} must be >= 1")
+    if seed < 0:
+        raise GenoctxError(f"--seed {seed} must be >= 0")
+    if markov is not None and not 0 <= markov <= MAX_ORDER:  # checked again by MarkovModel.fit; fail before scoring
+        raise GenoctxError(f"--markov {markov}: the order must be between 0 and {MAX_ORDER}")
+    if not (math.isfinite(markov_alpha) and markov_alpha >= 0):
+        raise GenoctxError(f"--markov-alpha {markov_alpha}: must be a finite number >= 0")
+
+
+def _entry(path: Path, taken: set[str], vocab: str | None) -> dict:
+    """A checkpoint's identity in the document's ``models``."""
+    return {"name": _label(path, taken), "kind": "checkpoint", "path": str(path), "loss_vocab": vocab}
+
+
+def _score_in_process(ckpts, ds, edges, views, max_windows, chunk_tokens, device, loss_vocab, taken, probe):
+    """Every checkpoint loaded in turn in this process and scored on the windows (and by the copy probe)."""
+    n = len(ds) if max_windows is None else min(len(ds), max_windows)
+    scored = []
+    for ck in ckpts:
+        model = load_eval_model(ck, device, loss_vocab)
+        vocab = loss_vocab_of(model)
+        log.info("scoring %d %s windows of %d tokens with %s%s", n, ds.split, ds.window, ck,
+                 f" (softmax over the {vocab} vocabulary)" if vocab else "")  # fmt: skip
+        score = model_scorer(model, chunk_tokens, device)
+        res = score_windows(score, ds, edges, max_windows, views)
+        scored.append(_Scored(_entry(ck, taken, vocab), res, probe(score, model_tail_scorer(model, chunk_tokens,
+                                                                                            device))))  # fmt: skip
+        del model, score
+    return scored
+
+
+def _score_markov(data_dir, markov, markov_alpha, ds, edges, max_windows, views, probe) -> _Scored:
+    """The order-``markov`` chain fitted on the train split, scored on the same windows."""
+    log.info("fitting an order-%d Markov chain on the train split of %s", markov, data_dir)
+    chain = fit_markov(data_dir, markov, markov_alpha)
+    res = score_windows(markov_scorer(chain), ds, edges, max_windows, views)
+    entry = {"name": f"markov-{markov}", "kind": "markov", "path": None, "order": markov, "alpha": markov_alpha,
+             "train_tokens": chain.tokens_seen}  # fmt: skip
+    return _Scored(entry, res, probe(markov_scorer(chain)))
+
+
+def _document(scored: list[_Scored], mk: _Scored | None, views: list[str], n: int, resamples: int, seed: int,
+              level: float) -> dict:  # fmt: skip
+    """The statistics of every model from its per-window sums: intervals (bootstrap over the ``n`` windows, paired
+    across models), changes vs the baseline (the first checkpoint when there are two or more) and vs the Markov
+    chain, ``last_vs_first_bin``; the top-level ``bins``/``overall`` report the last checkpoint."""
     all_models = scored + ([mk] if mk else [])
     base = scored[0] if len(scored) >= 2 else None
     reported = scored[-1] if scored else mk
@@ -667,29 +471,22 @@ def evaluate(
             e["copy_probe"] = m.copy_probe
         entries.append(e)
     top = next(e for e in entries if e["reported"])
-    doc = {"bins": top["bins"], "overall": top["overall"]}
-    doc.update(
-        {
-            "checkpoint": top["path"] if top["kind"] == "checkpoint" else None,
-            "baseline": base.entry["path"] if base is not None else None,
-            "reported": top["name"],
-            "split": split,
-            "windows": n,
-            "window": ds.window,
-            "edges": list(edges),
-            "confidence": {
-                "level": level,
-                "method": "percentile bootstrap over windows, paired across models",
-                "resamples": resamples if weights is not None else 0,
-                "seed": seed,
-            },
-            "models": entries,
-        }
-    )
+    doc = {
+        "bins": top["bins"],
+        "overall": top["overall"],
+        "checkpoint": top["path"] if top["kind"] == "checkpoint" else None,
+        "baseline": base.entry["path"] if base is not None else None,
+        "reported": top["name"],
+        "confidence": {
+            "level": level,
+            "method": "percentile bootstrap over windows, paired across models",
+            "resamples": resamples if weights is not None else 0,
+            "seed": seed,
+        },
+        "models": entries,
+    }
     if len(views) > 1:
         doc["views"] = top["views"]
-    if copy_probe:
-        doc["copy_probe"] = {"segment": copy_segment, "distances": distances, "reach_gain": REACH_GAIN}
     return doc
 
 

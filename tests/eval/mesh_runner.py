@@ -1,0 +1,68 @@
+"""A stand-in for ``genoctx.cluster.run_workers`` without Ray: spawned gloo processes run the worker function.
+
+``spawn_workers`` has ``run_workers``' signature and result (``WorkerRun``: seconds, rank 0's return value), so the
+driver code under test (``genoctx.eval.distributed.score_on_mesh``) runs unchanged; only Ray's start-up (~30 s per
+run on this machine) is left out. A ``GenoctxError`` raised on the workers is raised again here with the first
+failing rank's message, as ``run_workers`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+
+class LocalSession:
+    """The part of ``genoctx.cluster.WorkerSession`` the eval worker uses: the CPU device."""
+
+    gpus_per_worker = 0
+
+    def device(self):
+        return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, worker_fn, config: dict, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from genoctx.errors import GenoctxError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        value = worker_fn(config, LocalSession())
+        if rank == 0:
+            torch.save({"value": value}, Path(out) / "value.pt")
+    except GenoctxError as e:
+        (Path(out) / f"error{rank}.txt").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",
+                  gpus_per_worker: float = 0, address=None, max_failures: int = 0, keep_checkpoints: int = 0,
+                  what: str = "distributed run"):  # fmt: skip
+    """``run_workers`` on ``num_workers`` spawned gloo processes (CPU only; the Ray-only arguments are ignored)."""
+    import torch.multiprocessing as mp
+
+    from genoctx.cluster import WorkerRun
+    from genoctx.errors import GenoctxError
+
+    out = Path(storage_path) / run_name
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    mp.spawn(_entry, args=(worker_fn, config, num_workers, _free_port(), str(out)), nprocs=num_workers, join=True)
+    seconds = time.perf_counter() - t0
+    errors = sorted(out.glob("error*.txt"))
+    if errors:
+        raise GenoctxError(errors[0].read_text())
+    return WorkerRun(seconds, torch.load(out / "value.pt", weights_only=False)["value"])
