@@ -1,9 +1,10 @@
 """The memory planner against measured peaks: one JSON line per (preset, length, layout).
 
     .venv/bin/python bench/plan_vs_measured.py [--presets tiny cpu-small] [--lengths 1k 4k] [--threads 2]
-        [--layouts single single-ac fsdp2-cp2]
+        [--layouts single single-ac fsdp2-cp2 single-eval single-eval-chunk fsdp2-cp2-eval fsdp2-cp2-eval-chunk]
 
-Default lengths (``DEFAULT_LENGTHS``): one process 1k/2k/4k (tiny) and 1k/4k/16k (cpu-small); the other layouts 4k.
+Default lengths (``DEFAULT_LENGTHS``): one process 1k/2k/4k (tiny) and 1k/4k/16k (cpu-small); the other training
+layouts 4k; the evaluation layouts 4k (tiny) and 16k (cpu-small).
 
 Prints, per preset, length and layout::
 
@@ -32,6 +33,16 @@ Method:
   ``single-ac``: one process with every decoder layer checkpointed (``genoctx.parallel.fsdp.apply_ac``);
   ``fsdp2-cp2``: 4 gloo processes, FSDP over 2 x CP 2 with layer recomputation (``genoctx.parallel.fsdp``), the
   busiest rank's peak. A layout whose code is not there yet prints a line with ``"skipped"`` and the reason.
+- Evaluation layouts (``"mode": "eval"``, predicted by ``genoctx.plan.plan_eval``, forward only under
+  ``torch.no_grad``, the model in eval mode, a first window of 256 tokens before the measured one):
+  ``single-eval``: one process, ``genoctx.eval.scoring.position_losses(model, tokens)`` on the whole window;
+  ``single-eval-chunk``: the same fed in chunks of ``L / 4`` tokens with the carried cache (``chunk_tokens``);
+  ``fsdp2-cp2-eval``: 4 gloo processes, FSDP 2 x CP 2 (contiguous) built with ``genoctx.parallel.build.build_model``
+  and scored with ``genoctx.eval.distributed.mesh_scorer`` (what ``genoctx eval --num-workers`` runs), the busiest
+  rank's peak; ``fsdp2-cp2-eval-chunk``: each CP piece streamed in chunks of ``L / 8`` (``cp_chunk_tokens``).
+  The CP rows depend on thread timing: gloo's worker thread may drop its references to an all-gather's buffers after
+  the main thread has moved on, so on a busy machine a rank can read up to one gathered DSA window (``L (R + 2 dI)``
+  fp32) higher (cpu-small 16k chunked: 101.9 MiB idle, 107.8-109.9 MiB with the load average at 6 on 2 cores).
 """
 
 from __future__ import annotations
@@ -55,6 +66,10 @@ DEFAULT_LENGTHS = {
     "single": {"tiny": ["1k", "2k", "4k"], "cpu-small": ["1k", "4k", "16k"]},
     "single-ac": {"tiny": ["4k"], "cpu-small": ["4k"]},
     "fsdp2-cp2": {"tiny": ["4k"], "cpu-small": ["4k"]},
+    "single-eval": {"tiny": ["4k"], "cpu-small": ["16k"]},
+    "single-eval-chunk": {"tiny": ["4k"], "cpu-small": ["16k"]},
+    "fsdp2-cp2-eval": {"tiny": ["4k"], "cpu-small": ["16k"]},
+    "fsdp2-cp2-eval-chunk": {"tiny": ["4k"], "cpu-small": ["16k"]},
 }
 
 
@@ -219,11 +234,103 @@ def measure_fsdp2_cp2(preset_name: str, L: int, threads: int) -> dict:
             "layout": layout, "per_rank_mib": [round(r["peak"] / 2**20, 2) for r in ranks]}  # fmt: skip
 
 
+def _predict_eval(cfg, L: int, layout, chunk: int | None) -> dict:
+    from genoctx.plan import plan_eval
+
+    return plan_eval(cfg, L, layout, gpu_memory_gib=1024.0, chunk_tokens=chunk, dtype="fp32", device="cpu")
+
+
+def measure_single_eval(preset_name: str, L: int, threads: int, chunk: int | None = None) -> dict:
+    """One process, fp32: ``position_losses(model, tokens, chunk)`` on one window (eval mode, ``torch.no_grad``)."""
+    import torch
+
+    from genoctx.eval.scoring import position_losses
+    from genoctx.model.config import preset
+    from genoctx.model.model import HybridLM
+    from genoctx.parallel.layout import Layout
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = preset(preset_name)
+    model = HybridLM(cfg).eval()
+    tokens = _tokens(L)
+    position_losses(model, tokens[:, :WARMUP_TOKENS], chunk)
+    base = _live_storage_bytes(tokens, *model.parameters(), *model.buffers())
+    delta, seconds = _profiled_peak(lambda: position_losses(model, tokens, chunk))
+    return {"measured": base + delta, "seconds": seconds, "plan": _predict_eval(cfg, L, Layout(), chunk),
+            "layout": Layout()}  # fmt: skip
+
+
+def measure_single_eval_chunk(preset_name: str, L: int, threads: int) -> dict:
+    """``measure_single_eval`` with the window fed in 4 chunks (``chunk_tokens = L / 4``) with the carried cache."""
+    return measure_single_eval(preset_name, L, threads, chunk=L // 4)
+
+
+def _eval_mesh_worker(rank: int, world: int, port: int, preset_name: str, L: int, chunk, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from genoctx.eval.distributed import mesh_scorer
+    from genoctx.model.config import preset
+    from genoctx.parallel.build import build_model
+    from genoctx.parallel.mesh import init_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        dims = init_parallel(cp=2, dp_shard=2)
+        model = build_model(preset(preset_name), dims, cp_chunk_tokens=chunk).eval()
+        score = mesh_scorer(model, dims, chunk, torch.device("cpu"))
+        tokens = _tokens(L)[0].numpy()
+        score(tokens[:WARMUP_TOKENS])  # FSDP2's lazy initialisation; the root's parameters stay all-gathered
+        base = _live_storage_bytes(*model.parameters(), *model.buffers())
+        delta, seconds = _profiled_peak(lambda: score(tokens))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"peak": base + delta, "seconds": seconds}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fsdp2_cp2_eval(preset_name: str, L: int, threads: int, chunk: int | None = None) -> dict:
+    """4 gloo processes, FSDP (dp_shard 2) x CP 2 (contiguous), built with ``genoctx.parallel.build.build_model`` and
+    scored with ``genoctx.eval.distributed.mesh_scorer`` (forward only); the busiest rank's peak."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from genoctx.model.config import preset
+    from genoctx.parallel.layout import Layout
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_eval_mesh_worker, args=(4, port, preset_name, L, chunk, tmp), nprocs=4, join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+    layout = Layout(dp_shard=2, cp=2)
+    busiest = max(ranks, key=lambda r: r["peak"])
+    return {"measured": busiest["peak"], "seconds": max(r["seconds"] for r in ranks),
+            "plan": _predict_eval(preset(preset_name), L, layout, chunk), "layout": layout,
+            "per_rank_mib": [round(r["peak"] / 2**20, 2) for r in ranks]}  # fmt: skip
+
+
+def measure_fsdp2_cp2_eval_chunk(preset_name: str, L: int, threads: int) -> dict:
+    """``measure_fsdp2_cp2_eval`` with each CP piece (``L / 2`` tokens) streamed in 4 chunks of ``L / 8``."""
+    return measure_fsdp2_cp2_eval(preset_name, L, threads, chunk=L // 8)
+
+
 LAYOUTS = {
     "single": (measure_single, None),
     "single-ac": (measure_single_ac, "genoctx.parallel.fsdp"),
     "fsdp2-cp2": (measure_fsdp2_cp2, "genoctx.parallel.fsdp"),
+    "single-eval": (measure_single_eval, None),
+    "single-eval-chunk": (measure_single_eval_chunk, None),
+    "fsdp2-cp2-eval": (measure_fsdp2_cp2_eval, "genoctx.eval.distributed"),
+    "fsdp2-cp2-eval-chunk": (measure_fsdp2_cp2_eval_chunk, "genoctx.eval.distributed"),
 }
+EVAL_LAYOUTS = ("single-eval", "single-eval-chunk", "fsdp2-cp2-eval", "fsdp2-cp2-eval-chunk")
 
 
 def main() -> None:
@@ -256,8 +363,10 @@ def main() -> None:
                 plan = r["plan"]
                 pred, meas = plan["total_gib"] * 2**30, r["measured"]
                 err = (pred - meas) / meas
+                if plan.get("mode") == "eval":
+                    line.update(mode="eval", chunk_tokens=plan["chunk_tokens"])
                 line.update(
-                    mesh=r["layout"].to_dict(), recompute=plan["recompute"], dtype="fp32", threads=a.threads,
+                    mesh=r["layout"].to_dict(), recompute=plan.get("recompute"), dtype="fp32", threads=a.threads,
                     predicted_mib=round(pred / 2**20, 2), measured_mib=round(meas / 2**20, 2),
                     rel_error=round(err, 4), within_15pct=abs(err) <= 0.15, peak_phase=plan["peak_phase"],
                     seconds=round(r["seconds"], 1), wall_s=round(time.perf_counter() - t0, 1),

@@ -323,3 +323,221 @@ def test_plan_is_pure():
     before = cfg.to_dict()
     _plan(cfg, 4096, Layout(cp=2))
     assert cfg.to_dict() == before
+
+
+# ---------------------------------------------------------------- evaluation (plan_eval)
+
+
+def _eval(cfg, L, layout=Layout(), **kw):
+    kw.setdefault("gpu_memory_gib", 178.0)
+    return P.plan_eval(cfg, L, layout, **kw)
+
+
+CPU = dict(dtype="fp32", device="cpu")
+
+
+@pytest.mark.parametrize(
+    "cfg,L,layout,kw",
+    [
+        (TINY, 4096, Layout(), dict(CPU)),
+        (SMALL, 1 << 14, Layout(), dict(CPU, chunk_tokens=4096)),
+        (SMALL, 1 << 14, Layout(dp_shard=2, cp=2), dict(CPU, chunk_tokens=2048)),
+        (SMALL, 1 << 14, Layout(ep=2, cp=4), dict(CPU, cp_layout="zigzag")),
+        (GLM, 1 << 19, Layout(ep=2, cp=32), {}),
+        (GLM, 1 << 19, Layout(ep=32, dp_shard=2), dict(chunk_tokens=4096, loss_vocab_rows=5)),
+        (GLM, 1 << 17, Layout(dp_replicate=8, ep=8), dict(chunk_tokens=8192)),  # no FSDP: every weight replicated
+    ],
+)
+def test_eval_components_add_up_and_hold_no_training_state(cfg, L, layout, kw):
+    p = _eval(cfg, L, layout, **kw)
+    assert p["mode"] == "eval" and p["batch_size"] == 1 and p["chunk_tokens"] == kw.get("chunk_tokens")
+    assert set(p["components_gib"]) == set(P.EVAL_COMPONENTS)
+    assert not {"gradients", "optimizer_state", "optimizer_step", "fsdp_reduce_scatter"} & set(p["components_gib"])
+    assert sum(p["components_gib"].values()) == pytest.approx(p["total_gib"], abs=1e-5)
+    assert all(v >= 0 for v in p["components_gib"].values()) and p["fits"] == (p["total_gib"] <= 178.0)
+    assert p["persistent_gib"]["gradients"] == p["persistent_gib"]["optimizer_state"] == 0
+    assert p["tokens_per_rank"] == L // layout.cp
+    # the weights are what a training step's plan holds for the same layout: the local fp32 parameters
+    train = _plan(cfg, L, layout, **{k: v for k, v in kw.items() if k in ("dtype", "device")})
+    assert p["components_gib"]["weights"] == train["components_gib"]["weights"] == p["persistent_gib"]["weights"]
+    assert p["params_per_rank"] == train["params_per_rank"]
+    assert (p["components_gib"]["unsharded_params"] > 0) == layout.fsdp
+    assert p["total_gib"] < train["total_gib"]  # no gradients, no optimizer state, nothing saved for backward
+
+
+def test_eval_smaller_chunks_lower_the_peak_until_the_caches_dominate():
+    """Without CP a chunk's working set shrinks with the chunk; the window's DSA caches (held twice in the last chunk)
+    do not, and become the largest term."""
+    totals, caches, kda = [], [], []
+    for chunk in (None, 1 << 16, 1 << 14, 1 << 12, 1 << 10, 1 << 8):
+        p = _eval(SMALL, 1 << 18, chunk_tokens=chunk, **CPU)
+        totals.append(p["total_gib"])
+        caches.append(p["components_gib"]["carried_caches"])
+        kda.append(p["working_sets_gib"]["kda_forward"])
+    assert totals == sorted(totals, reverse=True) and totals[0] > 30 * totals[-1]
+    assert kda[1] == pytest.approx(4 * kda[2], rel=1e-3)  # a KDA layer's working set: linear in the chunk
+    assert caches[-1] == pytest.approx(caches[-2], rel=0.02)  # the caches: the window's, whatever the chunk
+    last = _eval(SMALL, 1 << 18, chunk_tokens=1 << 8, **CPU)["components_gib"]
+    assert last["carried_caches"] == max(last.values())
+    assert totals[-2] - totals[-1] < 0.05 * totals[-1]  # nothing left to gain
+
+
+def test_eval_carried_dsa_latents_grow_linearly_with_the_window():
+    """At a fixed chunk the last chunk holds the window's latents (the cache handed in and the one built): every
+    doubling of L adds the same bytes per added token (R a, twice, per DSA layer)."""
+    R, kp, dI = SMALL.kv_lora_rank, SMALL.index_kpool, SMALL.index_head_dim
+    n_dsa = SMALL.layer_types.count("indexed_attention")
+    got = [_eval(SMALL, L, chunk_tokens=1024, **CPU)["components_gib"]["carried_caches"] * 2**30
+           for L in (1 << 16, 1 << 17, 1 << 18)]  # fmt: skip
+    per_token = 2 * n_dsa * 4 * (R + dI / kp)  # fp32 latents and pooled keys, old and new cache
+    assert got[1] - got[0] == pytest.approx(per_token * (1 << 16), rel=1e-3)
+    assert got[2] - got[1] == pytest.approx(per_token * (1 << 17), rel=1e-3)
+
+
+def test_eval_cp_divides_the_residual_streams_and_the_busiest_rank_holds_the_window():
+    kw = dict(CPU, chunk_tokens=1024)
+    two, four = _eval(SMALL, 1 << 16, Layout(cp=2), **kw), _eval(SMALL, 1 << 16, Layout(cp=4), **kw)
+    assert two["peak_phase"].split(":")[1] == four["peak_phase"].split(":")[1]  # the same moment of a layer
+    assert two["tokens_per_rank"] == 2 * four["tokens_per_rank"] == 1 << 15
+    assert two["components_gib"]["residual_streams"] == pytest.approx(2 * four["components_gib"]["residual_streams"],
+                                                                      rel=1e-4)  # fmt: skip
+    assert four["working_sets_gib"]["cp_gather"] > 0 and two["working_sets_gib"]["cp_gather"] > 0
+    # zigzag: every rank holds a late piece; its rank has as many tokens as contiguous's
+    zz = _eval(SMALL, 1 << 16, Layout(cp=4), cp_layout="zigzag", **kw)
+    assert zz["cp_layout"] == "zigzag" and zz["tokens_per_rank"] == four["tokens_per_rank"]
+
+
+def test_eval_search_glm_512k_on_64_gpus():
+    """`genoctx plan --eval --preset glm-5.3-flash --seq-len 512k --gpus 64 --gpu-memory-gib 178`: layouts that fit,
+    best first; whole windows need CP (each rank's KDA layers run their piece in one call), chunks let CP=1 fit."""
+    plans = P.search_layouts(GLM, 1 << 19, 64, 178.0, mode="eval")
+    assert len(plans) == len(P.valid_layouts(GLM, 1 << 19, 64, mode="eval")) > 50
+    fitting = [p for p in plans if p["fits"]]
+    assert len(fitting) >= 5 and all(p["total_gib"] <= 178 for p in fitting)
+    best = fitting[0]
+    assert best["layout"]["world"] == 64 and best["layout"]["cp"] >= 16 and 60 < best["total_gib"] < 100
+    assert best["components_gib"]["kda_forward"] > 10 and "autocast_cache" not in best["components_gib"]
+    assert not any(p["fits"] for p in plans if p["layout"]["cp"] == 1)  # a 512k-token KDA call: too large
+    chunked = P.search_layouts(GLM, 1 << 19, 64, 178.0, mode="eval", chunk_tokens=4096)
+    assert any(p["fits"] and p["layout"]["cp"] == 1 for p in chunked)
+    assert chunked[0]["total_gib"] < best["total_gib"]
+    one_m = [p for p in P.search_layouts(GLM, 1 << 20, 64, 178.0, mode="eval") if p["fits"]]
+    assert one_m and one_m[0]["layout"]["cp"] == 64 and one_m[0]["total_gib"] > best["total_gib"]
+    json.dumps(plans)
+
+
+def test_eval_table_and_check_fits_say_eval():
+    p = _eval(SMALL, 1 << 14, Layout(dp_shard=2), chunk_tokens=2048, **CPU)
+    table = P.format_table([p])
+    assert "mode eval, chunk 2048" in table and "recompute" not in table and "carried_caches" in table
+    tight = _eval(GLM, 1 << 19, Layout(dp_replicate=2, ep=32), gpu_memory_gib=80.0)
+    with pytest.raises(GenoctxError) as e:
+        P.check_fits(tight)
+    msg = str(e.value)
+    assert "\n" not in msg and "genoctx plan --eval --gpus N" in msg and "--chunk-tokens" in msg and "--force" in msg
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (dict(chunk_tokens=0), "chunk_tokens"),
+        (dict(cp_layout="diagonal"), "cp_layout"),
+        (dict(layout=Layout(cp=3)), "does not split into 3"),
+        (dict(layout=Layout(cp=2), cp_layout="zigzag", L=6), "does not split into 4 equal pieces of at least 3"),
+        (dict(layout=Layout(ep=3)), "ep=3 does not divide"),
+        (dict(dtype="fp16"), "dtype must be"),
+    ],
+)
+def test_plan_eval_rejects_bad_arguments(args, match):
+    layout = args.pop("layout", Layout())
+    with pytest.raises(ValueError, match=match):
+        _eval(TINY, args.pop("L", 4096), layout, **args)
+
+
+def test_eval_pieces_may_be_shorter_than_a_kda_chunk():
+    """genoctx eval splits a window into CP pieces of at least the conv tail (3 tokens), not a KDA chunk (16)."""
+    assert _eval(TINY, 64, Layout(cp=8), **CPU)["tokens_per_rank"] == 8
+    assert Layout(cp=8) in P.valid_layouts(TINY, 64, 8, mode="eval")
+    assert Layout(cp=8) not in P.valid_layouts(TINY, 64, 8)
+
+
+def _no_grad_peak(module, *args) -> int:
+    """The largest running sum of the CPU allocator's events while ``module(*args)`` runs under ``torch.no_grad``
+    (after a first call: the kernels' lazy allocations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        module(*args)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            module(*args)
+    cur = peak = 0
+    for e in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
+        if e.name() == "[memory]":
+            cur += e.nbytes()
+            peak = max(peak, cur)
+    return peak
+
+
+def test_eval_working_sets_match_the_allocator():
+    """The per-layer no-grad working sets plan_eval adds up are what the layers allocate (tiny and cpu-small, fp32,
+    2048 tokens): a KDA layer, a DSA layer without and with a cache (its returned cache included), an MoE and a
+    dense MLP."""
+    from genoctx.model.dsa import DeepSeekSparseAttention
+    from genoctx.model.kda import KimiDeltaAttention
+    from genoctx.model.moe import MLP, MoE
+
+    T, s = 2048, P._Sizes(a=4)
+    torch.manual_seed(0)
+    for cfg in (TINY, SMALL):
+        x = torch.randn(1, T, cfg.hidden_size)
+        dsa, i = DeepSeekSparseAttention(cfg, 0).eval(), cfg.layer_types.index("indexed_attention")
+        with torch.no_grad():
+            cache = dsa(torch.randn(1, 1024, cfg.hidden_size))[1]
+        dsa_want = [P._dsa_eval(cfg, s, True, T, S)["attention"]["dsa_attention"] + P._eval_cache(cfg, s, i, S + T, T)
+                    for S in (0, 1024)]  # fmt: skip
+        cases = [
+            (KimiDeltaAttention(cfg).eval(), (x,), T * P._kda_eval(cfg, s), 0.02),
+            (dsa, (x,), dsa_want[0], 0.12),
+            (dsa, (x, cache), dsa_want[1], 0.12),
+            (MoE(cfg).eval(), (x,), P._ffn_eval(cfg, s, 1, T, 1)["moe_dispatch"], 0.03),
+            (MLP(cfg.hidden_size, cfg.intermediate_size), (x,), P._ffn_eval(cfg, s, 0, T, 1)["dense_mlp"], 0.02),
+        ]
+        for j, (module, args, want, rel) in enumerate(cases):
+            assert _no_grad_peak(module, *args) == pytest.approx(want, rel=rel), (cfg.hidden_size, j)
+
+
+def test_cli_eval_json():
+    r = _cli("--eval", "--preset", "cpu-small", "--seq-len", "16k", "--gpus", "4", "--chunk-tokens", "4k",
+             "--dtype", "fp32", "--format", "json")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["mode"] == "eval" and doc["seq_len"] == 16384 and doc["layouts"]
+    for p in doc["layouts"]:
+        assert p["mode"] == "eval" and p["chunk_tokens"] == 4096 and p["fits"] and p["layout"]["world"] == 4
+        assert set(p["components_gib"]) == set(P.EVAL_COMPONENTS)
+    assert [p["total_gib"] for p in doc["layouts"]] == sorted(p["total_gib"] for p in doc["layouts"])
+    want = P.plan_eval(SMALL, 16384, Layout(dp_shard=2, cp=2), gpu_memory_gib=178.0, chunk_tokens=4096, dtype="fp32")
+    one = _cli("--eval", "--preset", "cpu-small", "--seq-len", "16k", "--gpus", "4", "--fsdp", "2", "--cp", "2",
+               "--chunk-tokens", "4k", "--dtype", "fp32", "--format", "json")  # fmt: skip
+    assert json.loads(one.stdout)["layouts"] == [want]
+    table = _cli("--eval", "--preset", "glm-5.3-flash", "--seq-len", "512k", "--gpus", "64")
+    assert table.exit_code == 0 and "mode eval, chunk whole" in table.stdout and "components of #1" in table.stdout
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--eval", "--no-recompute"], "--no-recompute"),
+        (["--eval", "--offload-optimizer", "--fsdp", "2", "--gpus", "2"], "--offload-optimizer"),
+        (["--eval", "--batch-size", "2"], "--batch-size"),
+        (["--chunk-tokens", "1k"], "--chunk-tokens"),
+        (["--eval", "--chunk-tokens", "0"], "--chunk-tokens"),
+        (["--eval", "--cp-layout", "diagonal"], "--cp-layout"),
+        (["--eval", "--gpus", "2", "--cp", "2", "--cp-layout", "zigzag", "--seq-len", "18"], "--ep/--fsdp/--cp"),
+    ],
+)
+def test_cli_eval_bad_flags_exit_2_with_one_line(args, flag):
+    r = _cli("--preset", "tiny", *args)
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip()
+    assert err.startswith("genoctx: error:") and "\n" not in err and flag in err, err
