@@ -533,16 +533,46 @@ def eval_(
     copy_segment: Annotated[int, typer.Option(help="Bases copied by --copy-probe.")] = 200,
     copy_distances: Annotated[int, typer.Option(help="Log-spaced distances of --copy-probe (64 to W - segment).")] = 8,
     device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
+    num_workers: Annotated[
+        int | None,
+        typer.Option(help="Score on Ray with N workers on the training mesh (FSDP x EP x CP); omit for one process."),
+    ] = None,
+    fsdp: Annotated[int | None, typer.Option(help="FSDP2 size: workers sharding each model's parameters.")] = None,
+    ep: Annotated[int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts.")] = None,
+    cp: Annotated[
+        int | None, typer.Option(help="Context-parallel size: workers sharing one window (pieces as in training).")
+    ] = None,
+    cp_layout: Annotated[
+        str, typer.Option(help="CP pieces: contiguous or zigzag (as train.cp_layout).")
+    ] = "contiguous",
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
+    ] = None,
+    gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
+    memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            help="Memory of one worker's device in GiB for the memory plan (default: the GPU's; on the CPU with a "
+            "local Ray, host memory / workers)."
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Score even when the memory planner predicts a rank does not fit.")
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Held-out next-token loss, binned by how many tokens of context each token had, with 95% bootstrap
     intervals over windows. Several --checkpoint: the first is the baseline (paired intervals of the change).
+    With --num-workers the checkpoints are scored on Ray workers on the training mesh (no rank holds a model;
+    forward only; the statistics are then computed here exactly as for one process).
 
     Examples:
       genoctx eval --by-position --checkpoint runs/init --checkpoint runs/demo --data prepared --markov 8
       genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
       genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
       genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --copy-probe
+      genoctx eval --by-position --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4
+        --fsdp 2 --cp 2 --chunk-tokens 16k
     """
     _setup_logging(verbose)
     if format_ not in ("table", "json", "csv"):
@@ -559,6 +589,7 @@ def eval_(
     if loss_vocab not in (None, "full", "nucleotide"):
         raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
+    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force)
     from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
@@ -584,6 +615,7 @@ def eval_(
             copy_probe=copy_probe,
             copy_segment=copy_segment,
             copy_distances_n=copy_distances,
+            mesh=mesh,
         )
     except BaseException:
         remove_folders(created)  # no output of a failed run, not even --plot's empty folder
@@ -599,6 +631,31 @@ def eval_(
     if plot is not None:
         write_plot(doc, plot, metric=plot_metric)
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
+
+
+def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force):
+    """``genoctx.eval.distributed.MeshEval`` of eval's --num-workers flags, or None for one process.
+
+    Raises:
+        GenoctxError: a size below 1, or a mesh flag without --num-workers (one line naming it).
+    """
+    for flag, value in (("--num-workers", num_workers), ("--fsdp", fsdp), ("--ep", ep), ("--cp", cp)):
+        _at_least(flag, value, 1)
+    _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    if memory_gib is not None and not 0 < memory_gib < float("inf"):
+        raise GenoctxError(f"--memory-gib: must be a positive number of GiB, got {memory_gib}")
+    if num_workers is None:
+        given = [f for f, v in (("--fsdp", fsdp), ("--ep", ep), ("--cp", cp), ("--address", address),
+                                ("--gpus-per-worker", gpus_per_worker or None), ("--memory-gib", memory_gib),
+                                ("--force", force or None)) if v is not None]  # fmt: skip
+        if given or cp_layout != "contiguous":
+            raise GenoctxError(f"{(given or ['--cp-layout'])[0]} needs --num-workers (evaluation on a mesh)")
+        return None
+    from .cluster import run_workers
+    from .eval.distributed import MeshEval
+
+    return MeshEval(run_workers, num_workers, fsdp=fsdp or 1, ep=ep or 1, cp=cp or 1, cp_layout=cp_layout,
+                    address=address, gpus_per_worker=gpus_per_worker, memory_gib=memory_gib, force=force)  # fmt: skip
 
 
 @app.command()
@@ -731,8 +788,28 @@ def plan(
             "process group on the meta device and count rank 0's and the last rank's bytes (genoctx.train.dryrun).",
         ),
     ] = False,
+    eval_: Annotated[
+        bool,
+        typer.Option(
+            "--eval",
+            help="Plan scoring one window (genoctx eval, one process or --num-workers): forward only, no gradients, "
+            "no optimizer (genoctx.plan.plan_eval).",
+        ),
+    ] = False,
+    chunk_tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--chunk-tokens",
+            help="With --eval: genoctx eval's --chunk-tokens (the window, or each CP piece, streamed in chunks of "
+            "this many tokens with the carried cache); default whole windows.",
+        ),
+    ] = None,
+    cp_layout: Annotated[
+        str, typer.Option("--cp-layout", help="With --eval: contiguous or zigzag CP pieces (genoctx eval's).")
+    ] = "contiguous",
 ) -> None:
     """Predict GPU memory per rank of one training step, by component, for a model x window x parallel layout.
+    With --eval: of scoring one window in evaluation instead (the peak of one forward, no gradients).
 
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
     listed, best first (the table shows the top 10; none fitting: the closest). See genoctx/plan.py for every
@@ -743,8 +820,10 @@ def plan(
       genoctx plan --preset glm-5.3-flash --seq-len 128k --gpus 64 --ep 2 --fsdp 2 --cp 16 --format json
       genoctx plan --recipe recipes/cpu-small.yaml --seq-len 16k --gpus 4 --gpu-memory-gib 8
       genoctx plan --dry-run --preset glm-5.3-flash --seq-len 1M --gpus 64 --cp 64
+      genoctx plan --eval --preset glm-5.3-flash --seq-len 512k --gpus 64 --gpu-memory-gib 178
+      genoctx plan --eval --chunk-tokens 4k --preset glm-5.3-flash --seq-len 1M --gpus 64 --format json
     """
-    from .plan import format_table, plan_memory, search_layouts
+    from .plan import format_table, plan_eval, plan_memory, search_layouts
 
     _setup_logging(False)
     if format_ not in ("table", "json"):
@@ -763,31 +842,24 @@ def plan(
     L = _size("--seq-len", seq_len) if seq_len is not None else default_len
     if L < cfg.kda_chunk_size:
         raise GenoctxError(f"--seq-len: {L} tokens is shorter than one KDA chunk ({cfg.kda_chunk_size} tokens)")
-    kwargs = dict(
-        gpu_memory_gib=gpu_memory_gib,
-        recompute=not no_recompute,
-        optimizer_offload=offload_optimizer,
-        batch_size=batch_size or (rec.train.batch_size if rec is not None else 1),
-        dtype=dtype or (rec.train.dtype if rec is not None else "bf16"),
-        loss_vocab_rows=5 if rec is not None and rec.loss.vocab == "nucleotide" else None,
-        loss_chunk_tokens=rec.loss.chunk_tokens if rec is not None else 2048,
-    )
-    doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib}
+    kwargs = _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload_optimizer, batch_size, dtype, dry_run,
+                          chunk_tokens, cp_layout)  # fmt: skip
+    doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {})}
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
-        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer)
+        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_)
         try:
-            plans = [plan_memory(cfg, L, layout, **kwargs)]
+            plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
             raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
         doc["layouts"] = plans
         shown = plans
     else:
-        plans = search_layouts(cfg, L, gpus, **kwargs)
+        plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train", **kwargs)
         if not plans:
+            piece = "CP pieces of >= linear_conv_kernel_dim - 1" if eval_ else f"pieces of >= {cfg.kda_chunk_size}"
             raise GenoctxError(
                 f"--gpus {gpus}: no layout of this model can run a {L}-token window on {gpus} ranks (cp must divide "
-                f"--seq-len and leave pieces of >= {cfg.kda_chunk_size} tokens, ep must divide {cfg.n_routed_experts} "
-                "experts)"
+                f"--seq-len and leave {piece} tokens, ep must divide {cfg.n_routed_experts} experts)"
             )
         fitting = [p for p in plans if p["fits"]]
         doc.update(searched=len(plans), layouts=fitting)
@@ -803,7 +875,7 @@ def plan(
         from .train.dryrun import dry_run as run_dry
 
         lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp")})
-        doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not no_recompute, dtype=kwargs["dtype"],
+        doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
                                   optimizer_offload=offload_optimizer), **doc}  # fmt: skip
     if format_ == "json":
         _emit_json(doc)
@@ -812,12 +884,42 @@ def plan(
         sys.stdout.write(f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB; the closest:\n")
     sys.stdout.write(format_table(shown) + "\n")
     if dry_run:
-        sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0]) + "\n")
+        sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
 
 
-def _format_dry_run(dr: dict, plan: dict) -> str:
-    """A few human lines of ``genoctx plan --dry-run``: per simulated rank its counted GiB next to the plan's."""
+def _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload, batch_size, dtype, dry_run, chunk_tokens,
+                 cp_layout) -> dict:  # fmt: skip
+    """The keyword arguments of ``plan_memory`` (``plan_eval`` with --eval) from ``genoctx plan``'s flags and recipe.
+
+    Raises:
+        GenoctxError: a training flag with --eval, an eval flag without it, a bad --chunk-tokens or --cp-layout.
+    """
+    head = dict(loss_vocab_rows=5 if rec is not None and rec.loss.vocab == "nucleotide" else None,
+                loss_chunk_tokens=rec.loss.chunk_tokens if rec is not None else 2048)  # fmt: skip
+    if not eval_:
+        if chunk_tokens is not None or cp_layout != "contiguous":
+            raise GenoctxError(f"{'--chunk-tokens' if chunk_tokens is not None else '--cp-layout'} plans evaluation: "
+                               "add --eval")  # fmt: skip
+        return dict(gpu_memory_gib=gpu_memory_gib, recompute=not no_recompute, optimizer_offload=offload,
+                    batch_size=batch_size or (rec.train.batch_size if rec is not None else 1),
+                    dtype=dtype or (rec.train.dtype if rec is not None else "bf16"), **head)  # fmt: skip
+    for flag, on in (("--no-recompute", no_recompute), ("--offload-optimizer", offload),
+                     ("--batch-size", batch_size is not None)):  # fmt: skip
+        if on:
+            raise GenoctxError(f"{flag} is about a training step; --eval plans scoring one window (no gradients, no "
+                               "optimizer)")  # fmt: skip
+    if cp_layout not in ("contiguous", "zigzag"):
+        raise GenoctxError(f"--cp-layout must be contiguous or zigzag, got {cp_layout!r}")
+    chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    # eval runs bf16 under autocast on the GPU whatever the recipe trained in: --dtype only
+    return dict(gpu_memory_gib=gpu_memory_gib, chunk_tokens=chunk, dtype=dtype or "bf16", cp_layout=cp_layout,
+                **head)  # fmt: skip
+
+
+def _format_dry_run(dr: dict, plan: dict, eval_: bool = False) -> str:
+    """A few human lines of ``genoctx plan --dry-run``: per simulated rank its counted GiB next to the plan's (with
+    --eval only what evaluation holds: the weights and the all-gathers; no gradients, no optimizer state)."""
     gib = 2**30
     lay = " ".join(f"{k}={v}" for k, v in dr["layout"].items() if k != "world")
     lines = [f"dry run ({lay}, {dr['dtype']}, built on the meta device in {dr['seconds']:.1f} s), GiB per rank "
@@ -825,10 +927,11 @@ def _format_dry_run(dr: dict, plan: dict) -> str:
     per = plan["persistent_gib"]
     for r in dr["ranks"]:
         g = r["largest_unsharded_group"]
+        train = "" if eval_ else (f"gradients {r['gradients'] / gib:.3f} [{per['gradients']:.3f}]  optimizer "
+                                  f"{r['optimizer_state'] / gib:.3f} [{per['optimizer_state']:.3f}]  ")  # fmt: skip
         lines.append(
             f"  rank {r['rank']:>3}: params {r['params_local']:.4g}  weights {r['weights'] / gib:.3f} "
-            f"[{per['weights']:.3f}]  gradients {r['gradients'] / gib:.3f} [{per['gradients']:.3f}]  "
-            f"optimizer {r['optimizer_state'] / gib:.3f} [{per['optimizer_state']:.3f}]  buffers "
+            f"[{per['weights']:.3f}]  {train}buffers "
             f"{r['buffers'] / gib:.4f}  largest all-gather {g['bytes'] / gib:.3f} ({g['module']}; layer "
             f"{r['largest_unsharded_layer']['bytes'] / gib:.3f} [{plan['largest_layer_unsharded_gib']:.3f}])"
         )
@@ -895,8 +998,9 @@ def _recipe_model(rec, where: str):
     return dataclasses.replace(cfg, **rec.model_knobs)
 
 
-def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload):
+def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=False):
     """The ``Layout`` of ``genoctx plan``'s layout flags (unset ones 1; --dp-replicate unset: the rest of --gpus).
+    With ``eval_`` a CP piece may be shorter than a KDA chunk (``plan_eval`` checks the pieces of its CP layout).
 
     Raises:
         GenoctxError: the sizes do not make --gpus ranks, or the model cannot run them (the flag is named).
@@ -918,7 +1022,7 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload):
         raise GenoctxError(f"--ep {ep}: must divide the {cfg.n_routed_experts if moe else 0} routed experts")
     if seq_len % cp:
         raise GenoctxError(f"--cp {cp}: must divide --seq-len {seq_len}")
-    if seq_len // cp < cfg.kda_chunk_size:
+    if seq_len // cp < cfg.kda_chunk_size and not eval_:
         raise GenoctxError(
             f"--cp {cp}: pieces of {seq_len // cp} tokens are shorter than one KDA chunk ({cfg.kda_chunk_size})"
         )

@@ -331,21 +331,20 @@ def cat_selections(sels: list[DSASelection]) -> DSASelection:
 
 def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
     """CP forward of a KDA layer: every local piece at once (batched), each from its predecessors' cache (streamed in
-    chunks of ``layout.chunk_tokens`` with the carried cache when set). Returns ``(y [B, T, D], the cache of the last
-    local piece)``; under CP the model ignores the cache."""
+    chunks of ``layout.chunk_tokens`` with the carried cache when set). Returns ``(y [B, T, D], None)``: no cache
+    (these pieces' caches are not a whole window's; returning none frees them before the next layer)."""
     if cache is not None:
         raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
     n = layout.n_local
-    B, c = layout.split(x)
+    _, c = layout.split(x)
     new, zero = kda_cp_cache(module, x, layout)
     xb = _to_batch(x, n)
     ys = []
     for s, e in layout.spans(0, c):  # the chunk contract: each chunk after the cache the previous one left
         y, new = type(module).forward(module, xb[:, s:e], new)
         ys.append(y)
-    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    last = KDACache(state=new.state[(n - 1) * B :], conv_state=new.conv_state[(n - 1) * B :])
-    return _from_batch(y, n) + zero.to(y.dtype), last
+    y = _from_batch(ys[0] if len(ys) == 1 else torch.cat(ys, dim=1), n)
+    return _tie(y, zero), None
 
 
 def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layout: CPLayout):
@@ -354,8 +353,8 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
     ``selection`` (the previous full layer's, rows in local order; used by a shared layer) is split per local
     piece; with ``layout.chunk_tokens`` each piece is streamed in chunks of that many tokens (the chunk contract).
     ``stats`` keys_scored/keys_attended are summed over the calls, ``indexer_loss`` and ``aux_loss`` averaged (equal
-    pieces; chunks of one length). Returns ``(y [B, T, D], the cache the last local piece's call returned, the
-    pieces' selections concatenated along T (``cat_selections``; None in dense mode))``."""
+    pieces; chunks of one length). Returns ``(y [B, T, D], None (no cache: see ``_kda_forward``), the pieces'
+    selections concatenated along T (``cat_selections``; None in dense mode))``."""
     if cache is not None:
         raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
     _, c = layout.split(x)
@@ -378,7 +377,13 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
     module.aux_loss = None if any(a is None for a in auxes) else torch.stack(auxes).mean()
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     out_sel = None if any(s is None for s in sels) else cat_selections(sels)
-    return y + zero.to(y.dtype), new, out_sel
+    return _tie(y, zero), None, out_sel
+
+
+def _tie(y: Tensor, zero: Tensor) -> Tensor:
+    """``y + zero`` when gradients are on (every rank's backward then runs the gathers' collectives); ``y`` itself
+    under ``torch.no_grad`` (evaluation: no copy of the layer output)."""
+    return y + zero.to(y.dtype) if torch.is_grad_enabled() else y
 
 
 class _ForwardOverride:
@@ -399,8 +404,8 @@ def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous", chunk_token
     wrapper cuts its input ``[B, n_local c, hidden_size]`` into the local pieces, builds each piece's cache from
     the other ranks (``kda_cp_cache``, ``dsa_cp_cache``) and runs the class ``forward`` on them (a DSA wrapper
     also takes and returns the selection, in local row order). The model's forward is then called on this
-    rank's pieces only (``shard_sequence`` with the same layout), with no cache; the mixers' returned caches
-    are not those of a whole window (the model ignores them under CP).
+    rank's pieces only (``shard_sequence`` with the same layout), with no cache; the mixers return no cache
+    (their pieces' caches are not those of a whole window).
 
     Args:
         model: a ``HybridLM`` (its ``layers``, each with ``layer_type`` and ``self_attn``).
