@@ -686,12 +686,7 @@ def plan_memory(
             out["activations_mhc"] -= minus - ffn_amt
         return out
 
-    def add(*ds: dict) -> dict:
-        out: dict = {}
-        for d in ds:
-            for k, v in d.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+    add = _add
 
     caches = 0.0
     for i, x in enumerate(layers):
@@ -939,6 +934,7 @@ class _EvalRun:
 
 
 def _add(*ds: dict) -> dict:
+    """The sum of component dicts, key by key."""
     out: dict = {}
     for d in ds:
         for k, v in d.items():

@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -126,10 +127,11 @@ def mesh_scorer(model, dims, chunk_tokens: int | None, device, autocast=None):
     return score
 
 
-def score_rank(score, ds, n: int, edges: list[int], views: list[str], dims) -> dict:
+def score_rank(score, ds, n: int, edges: list[int], views: list[str], dims, progress: bool = False) -> dict:
     """This rank's part of the sums of ``n`` windows of ``ds``: ``{(strand, mask): (loss sum float64 [n, bins],
     count int64 [n, bins])}`` over the windows of its data rank (``round_robin``) and its positions, zero elsewhere.
-    A collective when the mesh has more than one rank (each round's forwards)."""
+    A collective when the mesh has more than one rank (each round's forwards). ``progress``: an INFO line per round
+    (windows done over the whole mesh, tokens/s; rank 0 says it for all)."""
     nb = len(edges) - 1
     strands, masks = view_parts(views)
     sums = {(s, m): np.zeros((n, nb)) for s in strands for m in masks}
@@ -138,6 +140,7 @@ def score_rank(score, ds, n: int, edges: list[int], views: list[str], dims) -> d
     dp, dp_rank = (dims.dp, dims.dp_rank) if dims is not None else (1, 0)
     schedule = round_robin(n, dp, dp_rank)
     pad = _pad_item(ds.window)
+    t0 = time.perf_counter()
     for r, i in enumerate(schedule):
         for strand, tokens, soft in window_strands(ds[i] if i is not None else pad, strands):
             losses, mine = score(tokens)
@@ -146,7 +149,10 @@ def score_rank(score, ds, n: int, edges: list[int], views: list[str], dims) -> d
             for mask, (s_, c_) in window_sums(losses, tokens, soft, bin_of, nb, masks, mine).items():
                 sums[strand, mask][i] += s_
                 cnts[strand, mask][i] += c_
-        log.debug("round %d/%d scored (window %s)", r + 1, len(schedule), i)
+        if progress:
+            done, dt = min(n, (r + 1) * dp), time.perf_counter() - t0
+            log.info("round %d/%d: %d/%d windows scored, %.0f tokens/s", r + 1, len(schedule), done, n,
+                     done * len(strands) * ds.window / max(dt, 1e-9))  # fmt: skip
     return {k: (sums[k], cnts[k]) for k in sums}
 
 
@@ -199,14 +205,9 @@ def _eval_worker(config: dict, session) -> dict | None:
     from ..data.dataset import WindowDataset
     from ..parallel.build import agree
     from ..parallel.mesh import init_parallel
+    from ..train.distributed import worker_logging
 
-    glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
-    if not glog.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        glog.addHandler(handler)
-    glog.setLevel(logging.INFO)
-    glog.propagate = False
+    worker_logging()
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     torch.set_num_threads(config["threads"])
     dims = init_parallel(config["cp"], layout=config["cp_layout"], ep=config["ep"], dp_shard=config["dp_shard"])
@@ -224,7 +225,7 @@ def _eval_worker(config: dict, session) -> dict | None:
             log.info("scoring %d %s windows with %s on %s", config["windows"], config["split"], spec.path,
                      dims.layout.describe())  # fmt: skip
         score = mesh_scorer(model, dims, config["chunk_tokens"], device, autocast)
-        parts = score_rank(score, ds, config["windows"], config["edges"], config["views"], dims)
+        parts = score_rank(score, ds, config["windows"], config["edges"], config["views"], dims, progress=rank == 0)
         totals = reduce_sums(parts, dims)
         models.append({"loss_vocab": spec.loss_vocab,
                        "sums": {f"{s}/{m}": [v[0], v[1]] for (s, m), v in totals.items()}})  # fmt: skip

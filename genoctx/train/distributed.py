@@ -79,6 +79,17 @@ def _rank_line(dims, ranks: list[dict]) -> str:
     return line
 
 
+def worker_logging() -> None:
+    """In a Ray worker: genoctx's progress lines (INFO, plain) on stderr, whatever level Ray's own logging is at."""
+    glog = logging.getLogger("genoctx")
+    if not glog.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        glog.addHandler(handler)
+    glog.setLevel(logging.INFO)
+    glog.propagate = False
+
+
 def _train_worker(config: dict, session) -> None:
     """The worker loop (one process per rank of the mesh). ``config``: recipe dict, paths, layout, fault;
     ``session``: the worker's view of Ray Train (``genoctx.cluster.WorkerSession``: ``report``, ``checkpoint_dir``,
@@ -96,13 +107,7 @@ def _train_worker(config: dict, session) -> None:
     from .loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
     from .sharded import save_sharded
 
-    glog = logging.getLogger("genoctx")  # our progress lines, whatever level Ray's own logging is at
-    if not glog.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        glog.addHandler(handler)
-    glog.setLevel(logging.INFO)
-    glog.propagate = False
+    worker_logging()
     if config.get("fault"):  # fault injection of the restart tests (genoctx.train.faults)
         os.environ[ENV], os.environ[DRIVER_ENV] = config["fault"], str(config["driver_pid"])
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
