@@ -1,8 +1,8 @@
 """``genoctx eval --num-workers N [--fsdp F] [--ep E] [--cp C]``: evaluation on the training mesh equals one process.
 
 The driver (``genoctx.eval.distributed.score_on_mesh`` through ``evaluate(..., mesh=...)``) runs unchanged; the
-workers are spawned gloo processes (``mesh_runner.spawn_workers``) instead of Ray workers, which
-``tests/test_cli_eval_mesh.py`` covers once through the CLI. Three checkpoints of every kind eval reads are scored
+workers are spawned gloo processes (``mesh_runner.spawn_workers``) instead of Ray workers (Ray is covered once, through
+the CLI, by ``test_cli_on_ray_equals_one_process``). Three checkpoints of every kind eval reads are scored
 together (the first is the baseline: paired intervals): a genoctx run (one-process safetensors), a DCP checkpoint
 written by an FSDP=2 run (read here in other layouts), and an HF directory of a model with a text vocabulary (read
 through its token map). The windows are real DNA (chr22), one with a second half of N (one CP piece all N), and a
