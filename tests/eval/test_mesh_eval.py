@@ -212,12 +212,13 @@ def _cli(*args):
     "args, msg",
     [
         (["--cp", "2"], "--cp needs --num-workers"),
-        (["--num-workers", "3", "--fsdp", "2"], "--ep 1 x --fsdp 2 x --cp 1 = 2 must divide --num-workers 3"),
+        (["--num-workers", "3", "--fsdp", "2", "--memory-gib", "0.0001"],
+         "--ep 1 x --fsdp 2 x --cp 1 = 2 must divide --num-workers 3"),
         (["--num-workers", "2", "--fsdp", "2", "--memory-gib", "0.0001"], "more than 0.0001 GiB"),
-        (["--num-workers", "2", "--copy-probe"], "--copy-probe needs one process"),
     ],
 )
 def test_cli_refuses_a_bad_mesh_before_any_worker_starts(data, checkpoints, args, msg):
+    """One line, exit 2, nothing on stdout, no Ray started (the other refusals: ``test_bad_layouts...``)."""
     r = _cli("--data", data, "--checkpoint", checkpoints[0], *args)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
