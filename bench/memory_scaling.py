@@ -1,6 +1,7 @@
 """Peak memory of one forward+backward of the ``cpu-small`` model by sequence length; one JSON line per L.
 
     .venv/bin/python bench/memory_scaling.py [--lengths 8192 16384 32768 65536] [--threads 2]
+        [--recompute] [--kda-block-tokens N]
 
 Prints, per length L::
 
@@ -13,6 +14,9 @@ Method (as ``bench/dsa_vs_dense.py``):
 - Step: ``HybridLM(preset("cpu-small"))`` forward over the whole L tokens in one pass (no chunking, no
   activation checkpointing beyond the model's own: MoE chunks are recomputed in backward), next-token
   cross-entropy + the auxiliary losses (indexer KL), backward. fp32.
+- ``--recompute``: each decoder layer recomputed in backward (``apply_ac``, as ``train.activation_checkpointing``).
+  ``--kda-block-tokens N``: the KDA core's block (``ModelConfig.kda_block_tokens``; 0 = the whole sequence in one
+  block, the core before blocks): the core's working set, forward and recomputed backward, is one block's.
 - Each L runs in a fresh subprocess. Peak memory on CPU is ``ru_maxrss`` (the process's peak resident set)
   after the step minus the resident set just before it (model, optimizer-free, inputs allocated; a warm-up
   step at 512 tokens has loaded kernels). On CUDA: ``torch.cuda.max_memory_allocated()`` minus the
@@ -47,7 +51,7 @@ def _tokens(L: int):
     return inputs, tokens
 
 
-def worker(L: int, preset_name: str, device: str) -> dict:
+def worker(L: int, preset_name: str, device: str, recompute: bool = False, kda_block_tokens: int | None = None) -> dict:
     """One forward+backward at length L in this process; returns its time and peak memory."""
     import torch
     import torch.nn.functional as F
@@ -55,9 +59,15 @@ def worker(L: int, preset_name: str, device: str) -> dict:
 
     from genoctx.model.config import preset
     from genoctx.model.model import HybridLM
+    from genoctx.parallel.fsdp import apply_ac
 
     torch.manual_seed(0)
-    model = HybridLM(preset(preset_name)).to(device)
+    cfg = preset(preset_name)
+    if kda_block_tokens is not None:
+        cfg.kda_block_tokens = kda_block_tokens or 1 << 40  # 0: one block
+    model = HybridLM(cfg).to(device)
+    if recompute:
+        apply_ac(model)
 
     def step(inputs, targets):
         logits, _ = model(inputs.to(device))
@@ -89,20 +99,25 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--recompute", action="store_true", help="recompute each decoder layer in backward")
+    ap.add_argument("--kda-block-tokens", type=int, help="KDA core block in tokens (0: one block); default: model's")
     ap.add_argument("--worker-L", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker_L:
         import torch
 
         torch.set_num_threads(a.threads)
-        print(json.dumps(worker(a.worker_L, a.preset, a.device)))
+        print(json.dumps(worker(a.worker_L, a.preset, a.device, a.recompute, a.kda_block_tokens)))
         return
     prev = None
     for L in a.lengths:
         cmd = [sys.executable, __file__, "--worker-L", str(L), "--preset", a.preset, "--device", a.device]
-        cmd += ["--threads", str(a.threads)]
+        cmd += ["--threads", str(a.threads)] + (["--recompute"] if a.recompute else [])
+        if a.kda_block_tokens is not None:
+            cmd += ["--kda-block-tokens", str(a.kda_block_tokens)]
         p = subprocess.run(cmd, capture_output=True, text=True)
-        line = {"bench": "memory_scaling", "L": L, "preset": a.preset, "device": a.device, "threads": a.threads}
+        line = {"bench": "memory_scaling", "L": L, "preset": a.preset, "device": a.device, "threads": a.threads,
+                "recompute": a.recompute, "kda_block_tokens": a.kda_block_tokens}
         if p.returncode:
             err = p.stderr.strip().splitlines()
             line["error"] = err[-1] if err else p.returncode

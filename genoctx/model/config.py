@@ -125,6 +125,9 @@ class ModelConfig:
 
     # ---- genoctx compute knobs (not part of config.json) ----
     kda_chunk_size: int = 64  # tokens per chunk of the chunked WY form
+    # tokens per block of the PyTorch KDA core (whole chunks): its working set, forward and recomputed backward,
+    # is one block's (``chunk_kda(block_tokens=)``)
+    kda_block_tokens: int = 1024
     indexer_tile_tokens: int = 1 << 22  # query rows x pool columns of indexer scores held at once
     moe_chunk_tokens: int = 4096  # tokens per MoE dispatch chunk
     # "sparse": attention over the indexer's selection (default). "dense": full causal attention, only when
@@ -143,8 +146,8 @@ class ModelConfig:
     kernels: str = "triton"
 
     _runtime = (
-        "kda_chunk_size", "indexer_tile_tokens", "moe_chunk_tokens", "dsa_mode", "indexer_stage",
-        "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef", "kernels",
+        "kda_chunk_size", "kda_block_tokens", "indexer_tile_tokens", "moe_chunk_tokens", "dsa_mode",
+        "indexer_stage", "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef", "kernels",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -208,7 +211,8 @@ class ModelConfig:
             raise ValueError(f"indexer_stage must be 'sparse', 'warmup' or 'off', got {self.indexer_stage!r}")
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"kernels must be 'triton' or 'torch', got {self.kernels!r}")
-        for name in ("kda_chunk_size", "indexer_tile_tokens", "moe_chunk_tokens", "linear_conv_kernel_dim"):
+        for name in ("kda_chunk_size", "kda_block_tokens", "indexer_tile_tokens", "moe_chunk_tokens",
+                     "linear_conv_kernel_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

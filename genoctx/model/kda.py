@@ -153,6 +153,8 @@ def chunk_kda(
     initial_state: Tensor | None = None,
     output_final_state: bool = True,
     chunk_size: int = 64,
+    block_tokens: int | None = None,
+    recompute: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Kimi Delta Attention in the chunked WY/UT form (Kimi Linear, 2025; fla ``chunk_kda``).
 
@@ -162,6 +164,13 @@ def chunk_kda(
     ``V' = U - W S``; ``O = (Q e^Gamma) S + A_qk V'`` with
     ``A_qk[i,j] = sum_d q_id k_jd e^{Gamma_id - Gamma_jd}`` (j <= i);
     ``S <- Diag(e^{Gamma_C}) S + (e^{Gamma_C - Gamma} * K)^T V'``. All exponents are <= 0.
+
+    The sequence runs in blocks of ``block_tokens`` tokens (whole chunks), the state S passed from block to
+    block; the intra-chunk work of a block is batched over its chunks, so the working set (forward, and the
+    backward's recomputed decay factors) is bounded by the block, not the sequence. With ``recompute`` (and
+    grad enabled) each block is a ``torch.utils.checkpoint`` of its own: the graph keeps only the block inputs
+    (views of q, k, v, g, beta) and the state entering each block; backward recomputes one block at a time, last
+    block first, each taking the gradient its successor sent into its outgoing state.
 
     Args:
         q, k: ``[B, T, H, K]`` queries and keys.
@@ -173,14 +182,17 @@ def chunk_kda(
         output_final_state: return the final state (else None).
         chunk_size: tokens per chunk C. T need not be a multiple (padded internally with k = 0, beta = 0,
             g = 0, which leave the state unchanged, then cut).
+        block_tokens: tokens per block (rounded down to a multiple of C, at least C); None = one block.
+        recompute: checkpoint each block (only when grad is enabled).
 
     Returns:
         ``(o, S)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``S`` ``[B, H, K, V]`` in fp32 (fp64 when q is
         fp64), or None. Computed in fp32 (fp64 for fp64 inputs) with autocast disabled; gradients flow to
-        every input, including ``initial_state``. Memory is linear in T.
+        every input, including ``initial_state``. Memory is linear in T (the output and, with ``recompute``,
+        one state per block); the working set is that of one block.
 
     Raises:
-        ValueError: inconsistent shapes or a non-positive ``chunk_size``.
+        ValueError: inconsistent shapes or a non-positive ``chunk_size`` or ``block_tokens``.
     """
     if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(
@@ -196,50 +208,72 @@ def chunk_kda(
         raise ValueError(f"initial_state must be [B, H, K, V] = [{B}, {H}, {K}, {V}]; got {tuple(initial_state.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if block_tokens is not None and block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     if scale is None:
         scale = K**-0.5
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out_dtype = v.dtype
     C = chunk_size
-    N = -(-T // C)
-    pad = N * C - T
+    block = T if block_tokens is None else max(C, block_tokens // C * C)
     with torch.autocast(device_type=q.device.type, enabled=False):
         S = q.new_zeros(B, H, K, V, dtype=ct)
         if initial_state is not None:
             S = S + initial_state.to(ct)
         if T == 0:
             return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
-
-        def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, N, C, D]
-            x = F.pad(x.to(ct), (0, 0, 0, 0, 0, pad))
-            return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
-
-        q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
-        beta = F.pad(beta.to(ct), (0, 0, 0, pad)).reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
-        G = g.cumsum(-2)
-        eG = G.exp()
-        A_kk, A_qk = _causal_decay_scores((k, q), k, G)
-        A_kk = A_kk.tril(-1) * beta[..., None]
-        eye = torch.eye(C, dtype=ct, device=q.device)
-        rhs = beta[..., None] * torch.cat([eG * k, v], dim=-1)
-        WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
-        W, U = WU.split([K, V], dim=-1)
-        q_dec = q * eG  # query against the state at the chunk start
-        G_last = G[..., -1:, :]
-        k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
-        state_decay = G_last.squeeze(-2).exp()[..., None]  # [B, H, N, K, 1]
-        # unbind once: indexing [:, :, n] inside the loop would make autograd write a full-size zero
-        # gradient per chunk (quadratic in T); unbind's backward stacks the per-chunk gradients once.
-        wq = torch.cat([W, q_dec], dim=-2)  # [B, H, N, 2C, K]: one product with S gives W S and Q S
-        per_chunk = (t.unbind(2) for t in (wq, U, A_qk, state_decay, k_dec))
+        ckpt = recompute and torch.is_grad_enabled()
         outs = []
-        for wq_n, U_n, A_n, decay_n, k_n in zip(*per_chunk, strict=True):
-            WS, QS = (wq_n @ S).split(C, dim=-2)
-            v_new = U_n - WS
-            outs.append(QS + A_n @ v_new)
-            S = decay_n * S + k_n.transpose(-1, -2) @ v_new
-        o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o.to(out_dtype), (S if output_final_state else None)
+        # split once: slicing per block would make autograd write a full-size zero gradient of each input per
+        # block (quadratic in T); split's backward concatenates the blocks' gradients once
+        for qb, kb, vb, gb, bb in zip(*(x.split(block, dim=1) for x in (q, k, v, g, beta)), strict=True):
+            args = (qb, kb, vb, gb, bb, S, scale, C)
+            o, S = checkpoint(_kda_block, *args, use_reentrant=False) if ckpt else _kda_block(*args)
+            outs.append(o)
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return o, (S if output_final_state else None)
+
+
+def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
+    """One block of ``chunk_kda`` (its formulas; autocast already off): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
+    beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the compute dtype) -> ``(o [B, T, H, V]
+    in v's dtype, the leaving state)``. T is padded to whole chunks of C (k = beta = g = 0) and the pad cut."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    ct = S.dtype
+    out_dtype = v.dtype
+    N = -(-T // C)
+    pad = N * C - T
+
+    def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, N, C, D]
+        x = F.pad(x.to(ct), (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
+    beta = F.pad(beta.to(ct), (0, 0, 0, pad)).reshape(B, N, C, H).permute(0, 3, 1, 2)  # [B, H, N, C]
+    G = g.cumsum(-2)
+    eG = G.exp()
+    A_kk, A_qk = _causal_decay_scores((k, q), k, G)
+    A_kk = A_kk.tril(-1) * beta[..., None]
+    eye = torch.eye(C, dtype=ct, device=q.device)
+    rhs = beta[..., None] * torch.cat([eG * k, v], dim=-1)
+    WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    W, U = WU.split([K, V], dim=-1)
+    q_dec = q * eG  # query against the state at the chunk start
+    G_last = G[..., -1:, :]
+    k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
+    state_decay = G_last.squeeze(-2).exp()[..., None]  # [B, H, N, K, 1]
+    # unbind once: indexing [:, :, n] inside the loop would make autograd write a full-size zero
+    # gradient per chunk (quadratic in T); unbind's backward stacks the per-chunk gradients once.
+    wq = torch.cat([W, q_dec], dim=-2)  # [B, H, N, 2C, K]: one product with S gives W S and Q S
+    per_chunk = (t.unbind(2) for t in (wq, U, A_qk, state_decay, k_dec))
+    outs = []
+    for wq_n, U_n, A_n, decay_n, k_n in zip(*per_chunk, strict=True):
+        WS, QS = (wq_n @ S).split(C, dim=-2)
+        v_new = U_n - WS
+        outs.append(QS + A_n @ v_new)
+        S = decay_n * S + k_n.transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+    return o.to(out_dtype), S
 
 
 @dataclass
@@ -366,10 +400,12 @@ class KimiDeltaAttention(nn.Module):
 
     Args:
         cfg: uses ``hidden_size``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``,
-            ``linear_lower_bound``, ``kda_chunk_size``, ``rms_norm_eps``, ``initializer_range``.
+            ``linear_lower_bound``, ``kda_chunk_size``, ``kda_block_tokens``, ``rms_norm_eps``,
+            ``initializer_range``.
         use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``).
-        recompute: with grad enabled, save only the core's inputs and rerun ``chunk_kda`` in backward
-            (``torch.utils.checkpoint``): about 6x less activation memory for the core, one extra core forward.
+        recompute: with grad enabled, save only the core's inputs (and one state per block of
+            ``kda_block_tokens``) and rerun ``chunk_kda`` in backward block by block (``chunk_kda(recompute=True)``):
+            the core's backward working set is one block's, one extra core forward.
     """
 
     def __init__(self, cfg: ModelConfig, use_fla: bool = False, recompute: bool = True) -> None:
@@ -378,6 +414,7 @@ class KimiDeltaAttention(nn.Module):
         self.n_heads, self.head_dim, self.key_dim = H, Dh, H * Dh
         self.conv_size = cfg.linear_conv_kernel_dim
         self.chunk_size = cfg.kda_chunk_size
+        self.block_tokens = cfg.kda_block_tokens
         self.init_std = cfg.initializer_range
         self.use_fla = use_fla
         self.recompute = recompute
@@ -470,11 +507,10 @@ class KimiDeltaAttention(nn.Module):
             )  # fmt: skip
             path = "fla"
         else:
-            args = (q, k, v, g, beta, None, initial_state, True, self.chunk_size)
-            if self.recompute and torch.is_grad_enabled():
-                o, state = checkpoint(chunk_kda, *args, use_reentrant=False)
-            else:
-                o, state = chunk_kda(*args)
+            o, state = chunk_kda(
+                q, k, v, g, beta, initial_state=initial_state, chunk_size=self.chunk_size,
+                block_tokens=self.block_tokens, recompute=self.recompute,
+            )  # fmt: skip
             path = "chunk"
         self.stats = {"path": path}
         return self.output(o, x), KDACache(state=state, conv_state=conv_state)

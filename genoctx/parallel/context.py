@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..model.config import DSA
 from ..model.dsa import SENTINEL, DSACache, DSASelection
@@ -207,6 +208,20 @@ def _from_batch(y: Tensor, n: int) -> Tensor:
     return y.reshape(n, B, c, *y.shape[2:]).transpose(0, 1).reshape(B, n * c, *y.shape[2:])
 
 
+def _state_pass(mixer, x: Tensor, conv_state: Tensor, LM: Tensor) -> tuple[Tensor, Tensor]:
+    """One span of the ``[L | M]`` pass of ``kda_cp_cache``: the layer's projections of x ``[rows, t, D]`` after the
+    pre-convolution tail ``conv_state``, then ``chunk_kda`` with values ``[v | 0]`` from the state ``LM`` ``[rows, H,
+    K, V + K]``. Returns the state after the span and the new conv tail."""
+    q, k, v, g, beta, cs = mixer.project(x, conv_state)
+    rows, t, H, K = k.shape
+    v_ext = torch.cat([v, v.new_zeros(rows, t, H, K)], dim=-1)  # [v | 0]
+    _, LM = chunk_kda(
+        q, k, v_ext, g, beta, initial_state=LM, chunk_size=mixer.chunk_size,
+        block_tokens=mixer.block_tokens, recompute=mixer.recompute,
+    )  # fmt: skip
+    return LM, cs
+
+
 def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
     """The ``KDACache`` each local piece needs: what the natural-order pieces before it leave.
 
@@ -236,16 +251,17 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
     tails = layout.gather_natural(tail.reshape(n, B, w, -1))  # [N, B, w, 3 H K]
     prev = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])  # prev[p]: tail of piece p - 1 (0 for p = 0)
     conv_state = layout.local(prev).reshape(n * B, w, -1)
-    LM, cs = None, conv_state  # streamed over the piece's chunks (one call when layout.chunk_tokens is None)
-    for s, e in layout.spans(0, c):
-        q, k, v, g, beta, cs = mixer.project(xb[:, s:e], cs)
-        H, K, V = q.shape[2], q.shape[3], v.shape[3]
-        if LM is None:
-            ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-            eye = torch.eye(K, dtype=ct, device=q.device).expand(n * B, H, K, K)
-            LM = torch.cat([q.new_zeros(n * B, H, K, V, dtype=ct), eye], -1)  # [0 | I]
-        v_ext = torch.cat([v, v.new_zeros(n * B, e - s, H, K)], dim=-1)  # [v | 0]
-        _, LM = chunk_kda(q, k, v_ext, g, beta, initial_state=LM, chunk_size=mixer.chunk_size)  # [n B, H, K, V + K]
+    H, K = mixer.n_heads, mixer.head_dim
+    V = K  # the layer's value width (v_proj is H K wide)
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    eye = torch.eye(K, dtype=ct, device=x.device).expand(n * B, H, K, K)
+    LM = torch.cat([x.new_zeros(n * B, H, K, V, dtype=ct), eye], -1)  # [0 | I]
+    ckpt = mixer.recompute and torch.is_grad_enabled()
+    cs = conv_state
+    for s, e in layout.spans(0, c):  # streamed over the piece's chunks (one call when layout.chunk_tokens is None)
+        args = (mixer, xb[:, s:e], cs, LM)
+        # with recompute the pass keeps only its input and the states (the core's blocks again inside backward)
+        LM, cs = checkpoint(_state_pass, *args, use_reentrant=False) if ckpt else _state_pass(*args)
     LMs = layout.gather_natural(LM.reshape(n, B, H, K, V + K))  # [N, B, H, K, V + K]
     with torch.autocast(device_type=x.device.type, enabled=False):  # the state stays fp32
         S = LMs.new_zeros(B, H, K, V)

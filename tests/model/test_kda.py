@@ -269,3 +269,60 @@ def test_causal_decay_scores_hand_backward_gradcheck(C):
         return (a_kk * w[0]).sum() + (a_qk * w[1]).sum()
 
     assert torch.autograd.gradcheck(f, (k, q, G))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("T,chunk,block", [(130, 16, 48), (130, 16, 40), (64, 16, 16), (45, 12, 1000), (97, 8, 8)])
+def test_blocks_equal_one_pass_and_the_recurrence_fp64(T, chunk, block, recompute):
+    """``chunk_kda`` in blocks of whole chunks (``block_tokens`` rounded down to chunks: 40 -> 32 tokens), with and
+    without each block checkpointed, equals one pass over the sequence and the token recurrence, forward and the
+    gradient of every input, the initial state included (T not a multiple of the block or the chunk)."""
+    torch.manual_seed(T + block)
+    B, H, K, V = 2, 2, 8, 6
+    xs = _inputs(B, T, H, K, V)
+    do = torch.randn(B, T, H, V, dtype=torch.float64)
+    dS = torch.randn(B, H, K, V, dtype=torch.float64)
+    o1, S1, g1 = _run_with_grads(chunk_kda, xs, do, dS, chunk_size=chunk, block_tokens=block, recompute=recompute)
+    o0, S0, g0 = _run_with_grads(chunk_kda, xs, do, dS, chunk_size=chunk)
+    o2, S2, g2 = _run_with_grads(recurrent_kda, xs, do, dS)
+    torch.testing.assert_close(o1, o0, atol=1e-12, rtol=0)
+    torch.testing.assert_close(S1, S0, atol=1e-12, rtol=0)
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=0)
+    torch.testing.assert_close(S1, S2, atol=1e-6, rtol=0)
+    for name, a, b, c in zip(["q", "k", "v", "g", "beta", "initial_state"], g1, g0, g2, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=f"grad of {name} vs one pass")
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=0, msg=f"grad of {name} vs the recurrence")
+
+
+def test_recomputed_backward_runs_one_block_at_a_time(monkeypatch):
+    """With ``recompute`` the forward keeps no block's graph and backward recomputes the blocks one at a time, last
+    first: every ``_kda_block`` call sees at most ``block_tokens`` tokens, the forward saves for backward only the
+    block inputs (views) and the states between blocks, and the saved bytes do not grow with the block's work."""
+    import genoctx.model.kda as kda
+
+    calls = []
+    real = kda._kda_block
+
+    def spy(q, *args):
+        calls.append((q.shape[1], torch.is_grad_enabled()))
+        return real(q, *args)
+
+    monkeypatch.setattr(kda, "_kda_block", spy)
+    B, T, H, K, V, C, block = 1, 200, 2, 8, 8, 16, 64
+    xs = _inputs(B, T, H, K, V)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size() if t.untyped_storage().data_ptr() not in ptrs else 0)
+        return t
+
+    ptrs = {x.untyped_storage().data_ptr() for x in xs}  # views of the inputs cost nothing
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, S = chunk_kda(*xs[:5], initial_state=xs[5], chunk_size=C, block_tokens=block, recompute=True)
+    n_blocks = -(-T // block)
+    assert [t for t, _ in calls] == [64, 64, 64, 8]
+    state_bytes = B * H * K * V * 8
+    assert sum(saved) <= n_blocks * state_bytes  # the states entering blocks 2..n (and the initial state's copy)
+    calls.clear()
+    (o.sum() + S.sum()).backward()
+    assert [t for t, _ in calls] == [8, 64, 64, 64]  # recomputed last block first, one at a time
