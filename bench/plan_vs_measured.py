@@ -32,7 +32,10 @@ Method:
   ``single``: one process, no layer recomputation (what ``genoctx train`` runs on one device);
   ``single-ac``: one process with every decoder layer checkpointed (``genoctx.parallel.fsdp.apply_ac``);
   ``fsdp2-cp2``: 4 gloo processes, FSDP over 2 x CP 2 with layer recomputation (``genoctx.parallel.fsdp``), the
-  busiest rank's peak. A layout whose code is not there yet prints a line with ``"skipped"`` and the reason.
+  busiest rank's peak; ``fsdp2-cp2-fep2``: the same with folded EP 2 (``Layout.ep_folded``: the EP groups drawn
+  from the four ranks), ``-forced`` with every token routed to the first k experts (all on EP rank 0: the receive
+  bound of the dispatch rounds); ``cp4-fep4``: CP 4 with folded EP 4 (one expert block per rank). A layout whose
+  code is not there yet prints a line with ``"skipped"`` and the reason.
 - Evaluation layouts (``"mode": "eval"``, predicted by ``genoctx.plan.plan_eval``, forward only under
   ``torch.no_grad``, the model in eval mode, a first window of 256 tokens before the measured one):
   ``single-eval``: one process, ``genoctx.eval.scoring.position_losses(model, tokens)`` on the whole window;
@@ -66,6 +69,9 @@ DEFAULT_LENGTHS = {
     "single": {"tiny": ["1k", "2k", "4k"], "cpu-small": ["1k", "4k", "16k"]},
     "single-ac": {"tiny": ["4k"], "cpu-small": ["4k"]},
     "fsdp2-cp2": {"tiny": ["4k"], "cpu-small": ["4k"]},
+    "fsdp2-cp2-fep2": {"tiny": ["4k"], "cpu-small": ["4k"]},
+    "fsdp2-cp2-fep2-forced": {"tiny": ["4k"], "cpu-small": ["4k"]},
+    "cp4-fep4": {"tiny": ["4k"], "cpu-small": ["4k"]},
     "single-eval": {"tiny": ["4k"], "cpu-small": ["16k"]},
     "single-eval-chunk": {"tiny": ["4k"], "cpu-small": ["16k"]},
     "fsdp2-cp2-eval": {"tiny": ["4k"], "cpu-small": ["16k"]},
@@ -184,12 +190,13 @@ def measure_single_ac(preset_name: str, L: int, threads: int) -> dict:
     return measure_single(preset_name, L, threads, recompute=True)
 
 
-def _fsdp_worker(rank: int, world: int, port: int, preset_name: str, L: int, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, preset_name: str, L: int, out: str, mesh: dict) -> None:
     import torch
     import torch.distributed as dist
 
     from genoctx.model.config import preset
     from genoctx.model.model import HybridLM
+    from genoctx.model.moe import MoE
     from genoctx.parallel.fsdp import apply_parallel
     from genoctx.parallel.mesh import init_parallel
     from genoctx.recipes import TrainConfig
@@ -200,8 +207,12 @@ def _fsdp_worker(rank: int, world: int, port: int, preset_name: str, L: int, out
     try:
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        dims = init_parallel(cp=2, dp_shard=2)
+        dims = init_parallel(cp=mesh["cp"], dp_shard=mesh["dp_shard"], ep=mesh["ep"], ep_folded=mesh["ep_folded"])
         model = HybridLM(preset(preset_name))
+        if mesh["forced"]:  # every token's top-k experts are the first k: all on EP rank 0
+            for m in model.modules():
+                if isinstance(m, MoE):
+                    m.gate.e_score_correction_bias.data[: m.top_k] += 100.0
         apply_parallel(model, dims, activation_checkpointing=True)
         tc = TrainConfig(steps=10, lr=1e-3, warmup_steps=0)
         optimizer, scheduler = build_optimizer(model, tc, tc.steps)
@@ -211,27 +222,56 @@ def _fsdp_worker(rank: int, world: int, port: int, preset_name: str, L: int, out
         dist.destroy_process_group()
 
 
-def measure_fsdp2_cp2(preset_name: str, L: int, threads: int) -> dict:
-    """4 gloo processes: FSDP (dp_shard 2) x CP 2, layers recomputed; the busiest rank's peak."""
+def _measure_mesh(preset_name: str, L: int, layout, forced: bool = False) -> dict:
+    """``layout.world`` gloo processes training one step with layers recomputed; the busiest rank's peak."""
     import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
     from genoctx.model.config import preset
-    from genoctx.parallel.layout import Layout
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    mesh = {"cp": layout.cp, "dp_shard": layout.dp_shard, "ep": layout.ep, "ep_folded": layout.ep_folded,
+            "forced": forced}  # fmt: skip
+    world = layout.world
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_fsdp_worker, args=(4, port, preset_name, L, tmp), nprocs=4, join=True)
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
-    layout = Layout(dp_shard=2, cp=2)
+        mp.spawn(_fsdp_worker, args=(world, port, preset_name, L, tmp, mesh), nprocs=world, join=True)
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     plan = _predict(preset(preset_name), L, layout, True)
     busiest = max(ranks, key=lambda r: r["peak"])
     return {"measured": busiest["peak"], "seconds": max(r["seconds"] for r in ranks), "plan": plan,
             "layout": layout, "per_rank_mib": [round(r["peak"] / 2**20, 2) for r in ranks]}  # fmt: skip
+
+
+def measure_fsdp2_cp2(preset_name: str, L: int, threads: int) -> dict:
+    """4 gloo processes: FSDP (dp_shard 2) x CP 2, layers recomputed; the busiest rank's peak."""
+    from genoctx.parallel.layout import Layout
+
+    return _measure_mesh(preset_name, L, Layout(dp_shard=2, cp=2))
+
+
+def measure_fsdp2_cp2_fep2(preset_name: str, L: int, threads: int) -> dict:
+    """4 gloo processes: FSDP 2 x CP 2 with folded EP 2 (the EP group drawn from the four ranks), recomputed."""
+    from genoctx.parallel.layout import Layout
+
+    return _measure_mesh(preset_name, L, Layout(dp_shard=2, cp=2, ep=2, ep_folded=True))
+
+
+def measure_fsdp2_cp2_fep2_forced(preset_name: str, L: int, threads: int) -> dict:
+    """``measure_fsdp2_cp2_fep2`` with every token routed to the first k experts (all on EP rank 0)."""
+    from genoctx.parallel.layout import Layout
+
+    return _measure_mesh(preset_name, L, Layout(dp_shard=2, cp=2, ep=2, ep_folded=True), forced=True)
+
+
+def measure_cp4_fep4(preset_name: str, L: int, threads: int) -> dict:
+    """4 gloo processes: CP 4 with folded EP 4 (one expert block per rank, no expert sharding), recomputed."""
+    from genoctx.parallel.layout import Layout
+
+    return _measure_mesh(preset_name, L, Layout(cp=4, ep=4, ep_folded=True))
 
 
 def _predict_eval(cfg, L: int, layout, chunk: int | None) -> dict:
@@ -325,6 +365,9 @@ LAYOUTS = {
     "single": (measure_single, None),
     "single-ac": (measure_single_ac, "genoctx.parallel.fsdp"),
     "fsdp2-cp2": (measure_fsdp2_cp2, "genoctx.parallel.fsdp"),
+    "fsdp2-cp2-fep2": (measure_fsdp2_cp2_fep2, "genoctx.parallel.fsdp"),
+    "fsdp2-cp2-fep2-forced": (measure_fsdp2_cp2_fep2_forced, "genoctx.parallel.fsdp"),
+    "cp4-fep4": (measure_cp4_fep4, "genoctx.parallel.fsdp"),
     "single-eval": (measure_single_eval, None),
     "single-eval-chunk": (measure_single_eval_chunk, None),
     "fsdp2-cp2-eval": (measure_fsdp2_cp2_eval, "genoctx.eval.distributed"),

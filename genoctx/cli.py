@@ -347,6 +347,14 @@ def train(
         int | None,
         typer.Option(help="FSDP2 size: workers sharding parameters and optimizer state; = train.fsdp."),
     ] = None,
+    ep_folded: Annotated[
+        bool | None,
+        typer.Option(
+            "--ep-folded/--no-ep-folded",
+            help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding) instead of an axis of "
+            "its own; = train.ep_folded.",
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
     ] = False,
@@ -395,6 +403,8 @@ def train(
     for key, value in (("cp", cp), ("ep", ep), ("fsdp", fsdp)):
         if value is not None:
             overrides.append(f"train.{key}={value}")
+    if ep_folded is not None:
+        overrides.append(f"train.ep_folded={str(ep_folded).lower()}")
     rec = load_recipe(recipe, overrides)
     if dry_run:
         if resume or stop_after is not None or address is not None:
@@ -403,8 +413,8 @@ def train(
         return
     dev = _device(device)
     if num_workers is None:
-        if any(v not in (None, 1) for v in (cp, ep, fsdp)) or address is not None or gpus_per_worker:
-            raise GenoctxError("--cp, --ep, --fsdp, --address and --gpus-per-worker need --num-workers")
+        if any(v not in (None, 1) for v in (cp, ep, fsdp)) or address is not None or gpus_per_worker or ep_folded:
+            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address and --gpus-per-worker need --num-workers")
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
         return
     from .cluster import run_workers
@@ -420,6 +430,7 @@ def train(
             cp=rec.train.cp,
             ep=rec.train.ep,
             fsdp=rec.train.fsdp,
+            ep_folded=rec.train.ep_folded,
             force=force,
             address=address,
             gpus_per_worker=gpus_per_worker,
@@ -446,7 +457,7 @@ def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:
     cfg = _recipe_model(rec, "--dry-run")
     t = rec.train
     try:
-        layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp)
+        layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp, ep_folded=t.ep_folded)
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     L = t.seq_len or WindowDataset(data, "train").window
@@ -539,6 +550,10 @@ def eval_(
     ] = None,
     fsdp: Annotated[int | None, typer.Option(help="FSDP2 size: workers sharding each model's parameters.")] = None,
     ep: Annotated[int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts.")] = None,
+    ep_folded: Annotated[
+        bool,
+        typer.Option("--ep-folded", help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding)."),
+    ] = False,
     cp: Annotated[
         int | None, typer.Option(help="Context-parallel size: workers sharing one window (pieces as in training).")
     ] = None,
@@ -589,7 +604,7 @@ def eval_(
     if loss_vocab not in (None, "full", "nucleotide"):
         raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
-    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force)
+    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded)
     from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
@@ -633,7 +648,7 @@ def eval_(
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
 
 
-def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force):
+def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded=False):
     """``genoctx.eval.distributed.MeshEval`` of eval's --num-workers flags, or None for one process.
 
     Raises:
@@ -647,7 +662,8 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
     if num_workers is None:
         given = [f for f, v in (("--fsdp", fsdp), ("--ep", ep), ("--cp", cp), ("--address", address),
                                 ("--gpus-per-worker", gpus_per_worker or None), ("--memory-gib", memory_gib),
-                                ("--force", force or None)) if v is not None]  # fmt: skip
+                                ("--force", force or None), ("--ep-folded", ep_folded or None))
+                 if v is not None]  # fmt: skip
         if given or cp_layout != "contiguous":
             raise GenoctxError(f"{(given or ['--cp-layout'])[0]} needs --num-workers (evaluation on a mesh)")
         return None
@@ -655,7 +671,8 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
     from .eval.distributed import MeshEval
 
     return MeshEval(run_workers, num_workers, fsdp=fsdp or 1, ep=ep or 1, cp=cp or 1, cp_layout=cp_layout,
-                    address=address, gpus_per_worker=gpus_per_worker, memory_gib=memory_gib, force=force)  # fmt: skip
+                    address=address, gpus_per_worker=gpus_per_worker, memory_gib=memory_gib, force=force,
+                    ep_folded=ep_folded)  # fmt: skip
 
 
 @app.command()
@@ -767,6 +784,9 @@ def plan(
     gpu_memory_gib: Annotated[float, typer.Option(help="Memory of one GPU in GiB (B200: 178).")] = 178.0,
     dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
     ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
+    ep_folded: Annotated[
+        bool, typer.Option("--ep-folded", help="The --ep group drawn from the --fsdp x --cp ranks (MoE folding).")
+    ] = False,
     fsdp: Annotated[int | None, typer.Option("--fsdp", help="FSDP ranks (dp_shard; > 1 shards parameters).")] = None,
     cp: Annotated[int | None, typer.Option(help="Context-parallel ranks (pieces of one window).")] = None,
     no_recompute: Annotated[
@@ -845,8 +865,10 @@ def plan(
     kwargs = _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload_optimizer, batch_size, dtype, dry_run,
                           chunk_tokens, cp_layout)  # fmt: skip
     doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {})}
+    if ep_folded and ep is None:
+        raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
-        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_)
+        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
         try:
             plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
@@ -874,7 +896,7 @@ def plan(
         from .parallel.layout import Layout
         from .train.dryrun import dry_run as run_dry
 
-        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp")})
+        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")})
         doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
                                   optimizer_offload=offload_optimizer), **doc}  # fmt: skip
     if format_ == "json":
@@ -921,7 +943,8 @@ def _format_dry_run(dr: dict, plan: dict, eval_: bool = False) -> str:
     """A few human lines of ``genoctx plan --dry-run``: per simulated rank its counted GiB next to the plan's (with
     --eval only what evaluation holds: the weights and the all-gathers; no gradients, no optimizer state)."""
     gib = 2**30
-    lay = " ".join(f"{k}={v}" for k, v in dr["layout"].items() if k != "world")
+    lay = " ".join(f"{k}={v}" + (" (folded)" if k == "ep" and dr["layout"].get("ep_folded") else "")
+                   for k, v in dr["layout"].items() if k not in ("world", "ep_folded"))  # fmt: skip
     lines = [f"dry run ({lay}, {dr['dtype']}, built on the meta device in {dr['seconds']:.1f} s), GiB per rank "
              "counted from the built model (plan in brackets):"]  # fmt: skip
     per = plan["persistent_gib"]
@@ -998,9 +1021,10 @@ def _recipe_model(rec, where: str):
     return dataclasses.replace(cfg, **rec.model_knobs)
 
 
-def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=False):
+def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=False, ep_folded=False):
     """The ``Layout`` of ``genoctx plan``'s layout flags (unset ones 1; --dp-replicate unset: the rest of --gpus).
     With ``eval_`` a CP piece may be shorter than a KDA chunk (``plan_eval`` checks the pieces of its CP layout).
+    ``ep_folded``: the EP group drawn from ``fsdp x cp`` (``Layout.ep_folded``).
 
     Raises:
         GenoctxError: the sizes do not make --gpus ranks, or the model cannot run them (the flag is named).
@@ -1008,14 +1032,18 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=
     from .parallel.layout import Layout
 
     ep, fsdp, cp = ep or 1, fsdp or 1, cp or 1
-    if gpus % (ep * fsdp * cp):
-        raise GenoctxError(f"--ep {ep} x --fsdp {fsdp} x --cp {cp} = {ep * fsdp * cp} ranks must divide --gpus {gpus}")
-    layout = Layout(dp_replicate=gpus // (ep * fsdp * cp) if dp_replicate is None else dp_replicate, ep=ep,
-                    dp_shard=fsdp, cp=cp)  # fmt: skip
+    axis = 1 if ep_folded else ep
+    if ep_folded and (fsdp * cp) % ep:
+        raise GenoctxError(f"--ep {ep} (folded) must divide --fsdp {fsdp} x --cp {cp} = {fsdp * cp}")
+    if gpus % (axis * fsdp * cp):
+        ranks = f"--fsdp {fsdp} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {fsdp} x --cp {cp}"
+        raise GenoctxError(f"{ranks} = {axis * fsdp * cp} ranks must divide --gpus {gpus}")
+    layout = Layout(dp_replicate=gpus // (axis * fsdp * cp) if dp_replicate is None else dp_replicate, ep=ep,
+                    dp_shard=fsdp, cp=cp, ep_folded=ep_folded)  # fmt: skip
     if layout.world != gpus:
         raise GenoctxError(
-            f"--dp-replicate {layout.dp_replicate} x --ep {ep} x --fsdp {fsdp} x --cp {cp} = {layout.world} ranks, "
-            f"not --gpus {gpus}"
+            f"--dp-replicate {layout.dp_replicate} x --ep {axis} x --fsdp {fsdp} x --cp {cp} = {layout.world} "
+            f"ranks, not --gpus {gpus}"
         )
     moe = "sparse" in cfg.mlp_layer_types
     if (moe and cfg.n_routed_experts % ep) or (not moe and ep > 1):

@@ -47,15 +47,11 @@ Assumptions (each one is a place where a measurement can disagree):
   over the whole window); under expert parallelism a rank receives at most ``moe_chunk_tokens x k`` rows per
   dispatch round (the bound of ``genoctx.parallel.layout``'s expert parallelism).
 - KDA runs genoctx's own chunked core (``chunk_kda``, ``use_fla=False``, what ``genoctx train`` runs, and what the
-  CP state passing of ``genoctx.parallel.context`` always runs); fla's Triton kernel would need far less. DSA runs
+  CP state passing of ``genoctx.parallel.context`` always runs) in blocks of ``kda_block_tokens``, each recomputed
+  in backward on its own (``_kda_core_recompute``); fla's Triton kernel would need far less. DSA runs
   sparse (``dsa_mode="sparse"``) with the indexer KL of the ``sparse`` stage (``indexer_stage="off"`` drops the KL
   terms); its tiles are those of the PyTorch path (``kernels="torch"``, and always on CPU): with the Triton kernels
   of ``kernels/`` on CUDA the tiles stay on chip and the tile terms are upper bounds.
-- Not modelled (a defect to fix, not a cost to plan for): under recomputation a DSA layer's recomputed forward sets
-  ``aux_loss`` again, and that tensor keeps the recomputation's graph, with the saved tensors of the indexer's
-  branch (on the rank holding the window's last piece also the all-gathered window), alive after the layer's
-  backward. Measured with tiny at 4k tokens, CP=2: about 650 bytes per window token on the last-piece rank, gone
-  when ``aux_loss`` is cleared after each layer's backward (``bench/plan_vs_measured.py``, layout ``fsdp2-cp2``).
 - CUDA: the caching allocator's slack is ``allocator_slack`` (default ``ALLOCATOR_SLACK`` = 5% of the peak, with
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); the CUDA context and NCCL's own buffers (outside
   PyTorch's allocator, about 1 GiB) are not counted. CPU (``device="cpu"``): no slack, AdamW's per-tensor loop.
@@ -116,7 +112,8 @@ def _param_counts_cached(key: str) -> dict:
         n = p.numel()
         largest = max(largest, n)
         kind = "expert" if ".mlp.experts." in f".{name}" else "dense"
-        shape = (kind, p.shape[0] if p.dim() else 1, n // max(1, p.shape[0]) if p.dim() else 1)
+        shape = (kind, p.shape[0] if p.dim() else 1, n // max(1, p.shape[0]) if p.dim() else 1,
+                 p.shape[1] if p.dim() > 1 else 1)
         if name.startswith("layers."):
             i = int(name.split(".")[1])
             layers[i][kind] += n
@@ -133,21 +130,27 @@ def _param_counts_cached(key: str) -> dict:
             "layers": layers, "largest": largest, "shapes": shapes}  # fmt: skip
 
 
-def shard_numel(shapes: list[tuple[str, int, int]], layout: Layout) -> dict:
-    """Parameters one rank allocates for ``shapes`` (``(kind, rows, numel per row)`` of dim 0, ``param_counts``)
-    under ``layout``: ``{"dense", "expert"}``.
+def shard_numel(shapes: list[tuple[str, int, int, int]], layout: Layout) -> dict:
+    """Parameters one rank allocates for ``shapes`` (``(kind, rows, numel per row, size of dim 1)``,
+    ``param_counts``) under ``layout``: ``{"dense", "expert"}``.
 
     FSDP2 shards dim 0 in ``torch.chunk`` pieces of ``ceil(rows / shards)`` rows and pads every rank's piece to
     that size (``FSDPParam._sharded_param_data``; gradients are reduce-scattered into the same padded size), so
     every rank allocates ``ceil(rows / s_d)`` rows of a dense parameter and ``ceil((rows / ep) / s_e)`` rows of a
     routed expert's (its ``E / ep`` block); rank 0's own piece is that large too (its AdamW moments, which are not
-    padded, are the largest there). Without FSDP (``s_d = s_e = 1``) the whole tensor, or the EP block.
+    padded, are the largest there). Without FSDP (``s_d = s_e = 1``) the whole tensor, or the EP block. Folded EP
+    shards a block whose experts do not split evenly over ``s_e`` on dim 1 instead (``genoctx.parallel.fsdp.
+    expert_placement``): ``(rows / ep) x numel per row / s_e``.
     """
     sd, se, ep = layout.dense_shard, layout.expert_shard, layout.ep
     out = {"dense": 0, "expert": 0}
-    for kind, rows, rest in shapes:
+    for kind, rows, rest, dim1 in shapes:
         if kind == "expert":
-            out[kind] += -(-(rows // ep) // se) * rest
+            block = rows // ep
+            if layout.ep_folded and block % se and dim1 % se == 0:
+                out[kind] += block * rest // se
+            else:
+                out[kind] += -(-block // se) * rest
         else:
             out[kind] += -(-rows // sd) * rest
     return out
@@ -260,6 +263,37 @@ def _kda_core_forward(cfg: ModelConfig) -> float:
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     m = C // sub - 1
     return F32 * H * K * (14 + 2 * m + (C / K) * (1 + C / 64))
+
+
+def _kda_block(cfg: ModelConfig, T: int) -> tuple[int, int]:
+    """``(Tb, blocks)``: tokens per block of ``chunk_kda`` over a sequence of ``T`` tokens (``kda_block_tokens``
+    rounded down to whole chunks, at least one chunk, at most ``T``) and the number of blocks."""
+    C = cfg.kda_chunk_size
+    Tb = min(T, max(C, cfg.kda_block_tokens // C * C))
+    return Tb, -(-T // Tb)
+
+
+def _kda_core_recompute(cfg: ModelConfig, rows: int, T: int, V: int) -> float:
+    """Backward working set of ``chunk_kda(recompute=True)`` over ``rows`` sequences of ``T`` tokens, values of width
+    V: one block recomputed with its graph (``Tb`` tokens: ``_kda_core_saved + _kda_core_backward``), the states
+    entering the blocks (``f H K V`` each) and, with several blocks, the gradients of the core's inputs
+    (``f H (3K + V + 1)`` per token: q, k, v, g, beta) of the blocks done, concatenated once at the end (split's
+    backward), whichever is larger."""
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    Tb, blocks = _kda_block(cfg, T)
+    one = rows * Tb * (_kda_core_saved(cfg, V) + _kda_core_backward(cfg))
+    if blocks == 1:
+        return one
+    grads = F32 * H * (3 * K + V + 1)
+    states = rows * blocks * F32 * H * K * V
+    return states + max(one + rows * (T - Tb) * grads, 2 * rows * T * grads)
+
+
+def _kda_core_fwd(cfg: ModelConfig, s: _Sizes, rows: int, T: int, V: int) -> float:
+    """Forward working set of ``chunk_kda(recompute=True)`` (nothing saved but block inputs and states): one block's
+    ``_kda_core_forward`` and the outputs of the blocks before (``a H V`` per token)."""
+    Tb, _ = _kda_block(cfg, T)
+    return rows * Tb * _kda_core_forward(cfg) + rows * (T - Tb) * s.a * cfg.linear_num_heads * V
 
 
 def _dsa(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
@@ -510,14 +544,17 @@ def plan_memory(
       of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D a`` residual streams each
       saves), ``activations_head`` the embedding's ids, final norm and loss). With ``recompute`` only the layer
       being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D a`` per token).
-      Under CP, KDA layers also keep their state-passing core (``_kda_project + _kda_core_saved(V + K)``) and
-      DSA layers the whole-window tensors of ``_dsa_cp_saved``.
+      Under CP, KDA layers also keep the state their checkpointed ``[L | M]`` pass leaves (``f H K 2K``) and DSA
+      layers the whole-window tensors of ``_dsa_cp_saved``.
     - ``returned_caches``: until the loss, the caches the layers return: a KDA cache's conv state is a view of
       the whole pre-convolution input (``3 HK a`` per token, when not already saved), a DSA cache its latents
       and the incomplete pool's keys; none under CP (the mixers' CP forwards return no cache).
-    - working sets (one sub-layer at a time): ``kda_core_recompute`` (``_kda_core_saved + _kda_core_backward``
-      minus the output path), ``dsa_indexer_tiles``, ``dsa_attention`` (tiles, the latents' and queries' gradient
-      ``a Hm R + f R ctx / N``, under CP the gathered window's gradient), ``moe_dispatch`` (one chunk, forward
+    - working sets (one sub-layer at a time): ``kda_core_recompute`` (``_kda_core_recompute``, one block of the core
+      recomputed, minus the output path; under CP or the recomputed ``[L | M]`` pass, its projections, ``[v | 0]``
+      and core blocks of width ``2K``, once the layer's own graph is freed, whichever is larger),
+      ``dsa_indexer_tiles``, ``dsa_attention`` (tiles, the latents' and queries' gradient ``a Hm R + f R ctx / N``;
+      under CP, once the tiles are freed, the gathered window's gradient instead of them), ``moe_dispatch`` (one
+      chunk, forward
       or backward), ``stream_gradients`` (the residual streams' gradients, mHC and dense-MLP backward),
       ``logits_loss`` (an 8-token model: ``[N, 8]`` fp32 logits and log-softmax; a text head: one
       ``[chunk, rows]`` fp32 logits chunk and the fp32 ``[V, D]`` weight-gradient buffer), ``cp_gather`` (a DSA
@@ -573,12 +610,18 @@ def plan_memory(
         if mixer == KDA:
             H, K = cfg.linear_num_heads, cfg.linear_head_dim
             saved["kda"] = N * _kda(cfg, s)
-            if cp > 1:  # kda_cp_cache: the layer's projections again and the [L | M] core, not checkpointed
-                saved["kda"] += N * (_kda_project(cfg, s) + _kda_core_saved(cfg, 2 * K))
-            w_bwd_mix["kda_core_recompute"] = N * (
-                _kda_core_saved(cfg, K) + _kda_core_backward(cfg) - _kda_out_part(cfg, s)
-            )
-            w_fwd["kda_core_recompute"] = N * _kda_core_forward(cfg)
+            core = _kda_core_recompute(cfg, batch_size, T, K)
+            w_fwd["kda_core_recompute"] = _kda_core_fwd(cfg, s, batch_size, T, K)
+            core -= N * _kda_out_part(cfg, s)
+            if cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
+                # projections again, [v | 0], the core block by block) after the layer's own graph is freed
+                saved["kda"] += batch_size * f * H * K * 2 * K
+                state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a)
+                core = max(core, state_pass + _kda_core_recompute(cfg, batch_size, T, 2 * K) - N * _kda(cfg, s))
+                w_fwd["kda_core_recompute"] = max(
+                    w_fwd["kda_core_recompute"], state_pass + _kda_core_fwd(cfg, s, batch_size, T, 2 * K)
+                )
+            w_bwd_mix["kda_core_recompute"] = max(0.0, core)
             # KDACache.conv_state is a view of the pre-convolution input (3 HK a), saved only in fp32 without AC
             cache = N * 3 * H * K * a if (recompute or a != f) else 0.0
         else:
@@ -588,10 +631,11 @@ def plan_memory(
             tile_b = _dsa_tiles_bwd(cfg, T)
             grads = N * (a * cfg.num_attention_heads * cfg.kv_lora_rank - _dsa_out_part(cfg, s))
             grads += windows * ctx * f * cfg.kv_lora_rank if cp > 1 else N * f * cfg.kv_lora_rank
-            if cp > 1:
-                W = _dsa_gather_width(cfg, full)
-                grads += windows * seq_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
             w_bwd_mix["dsa_attention"] = tile_b + grads
+            if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
+                W = _dsa_gather_width(cfg, full)
+                window_grads = windows * seq_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
+                w_bwd_mix["dsa_attention"] = max(tile_b, window_grads) + grads
             w_fwd["dsa_attention"] = _dsa_tiles_fwd(cfg, s, T) + N * a * cfg.num_attention_heads * cfg.kv_lora_rank
             if full:
                 w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, ctx)
@@ -753,7 +797,7 @@ def plan_memory(
     comps_gib = {k: gib(v) for k, v in comps.items()}
     total_gib = round(sum(comps_gib.values()), 6)  # the rounded components add up to the total
     return {
-        "layout": {**{d: getattr(layout, d) for d in DIMS}, "world": layout.world},
+        "layout": _layout_dict(layout),
         "fits": total_gib <= gpu_memory_gib,
         "total_gib": total_gib,
         "components_gib": comps_gib,
@@ -761,6 +805,7 @@ def plan_memory(
         "next_phases_gib": [[totals[j][0], gib(totals[j][1] * (1 + slack))] for j in order[1:4]],
         "working_sets_gib": {k: gib(v) for k, v in working.items()},
         "tokens_per_rank": N,
+        "all_to_all_gib": round(all_to_all_bytes(cfg, N, layout, a, passes=8 if recompute else 6) / GIB, 6),
         "params_per_rank": shard_numel(pc["shapes"], layout),
         "largest_layer_unsharded_gib": gib(max(x["block_bytes"] for x in layers) if fsdp and layers else 0.0),
         "persistent_gib": {
@@ -822,18 +867,24 @@ def _kda_core_eval(cfg: ModelConfig, V: int) -> float:
     return F32 * H * max(base + K * 2 * sub, base + K * sub + C + sub * K + sub)
 
 
-def _kda_eval(cfg: ModelConfig, s: _Sizes, V: int | None = None) -> float:
-    """A KDA layer's forward without gradients, bytes per token above its input: the larger of
-    ``KimiDeltaAttention.project`` (``HK (6a + 9f)``: q|k|v, the conv input with its tail, the fp32 conv input, output
-    and SiLU; 15 HK fp32 elements measured in fp32) and the core (``HK (3a + 3f) + H f``: the SiLU output that v is a
-    view of, the fp32 normalised q, k and the decay g, beta; plus ``_kda_core_eval(V)``). ``V`` (default ``K``) is
-    ``2K`` in the CP state pass, whose values ``[v | 0]`` add ``2 HK a``."""
+def _kda_eval(cfg: ModelConfig, s: _Sizes, rows: int, T: int, V: int | None = None) -> float:
+    """A KDA layer's forward without gradients over ``rows`` sequences of ``T`` tokens (``N = rows T``), bytes above
+    its input: the larger of ``KimiDeltaAttention.project`` (``N HK (6a + 9f)``: q|k|v, the conv input with its tail,
+    the fp32 conv input, output and SiLU; 15 HK fp32 elements measured in fp32) and the core (``N (HK (3a + 3f) +
+    H f)``: the SiLU output that v is a view of, the fp32 normalised q, k and the decay g, beta; plus one block's
+    ``_kda_core_eval(V)`` (``Tb`` tokens, ``_kda_block``) and the outputs of the blocks before, ``a H V`` per token,
+    or at the end, with several blocks, the outputs and their concatenation). ``V`` (default ``K``) is ``2K`` in
+    the CP state pass, whose values ``[v | 0]`` add ``2 HK a`` per token."""
     H, K = cfg.linear_num_heads, cfg.linear_head_dim
     V = K if V is None else V
-    HK = H * K
+    HK, N = H * K, rows * T
+    Tb, blocks = _kda_block(cfg, T)
     ext = 2 * HK * s.a if V > K else 0  # [v | 0]
-    core = HK * (3 * s.a + 3 * s.f) + H * s.f + ext + _kda_core_eval(cfg, V)
-    return max(HK * (6 * s.a + 9 * s.f), core)
+    core = N * (HK * (3 * s.a + 3 * s.f) + H * s.f + ext) + rows * Tb * _kda_core_eval(cfg, V)
+    if blocks > 1:
+        out = s.a * H * V
+        core = max(core + rows * (T - Tb) * out, N * (HK * (3 * s.a + 3 * s.f) + H * s.f + ext) + 2 * N * out)
+    return max(N * HK * (6 * s.a + 9 * s.f), core)
 
 
 def _dsa_eval(cfg: ModelConfig, s: _Sizes, full: bool, T: int, S: int) -> dict:
@@ -1011,7 +1062,7 @@ def _eval_chunk_call(ev: _EvalRun, S: int, N: int, Nc: int) -> list:
         new += _eval_cache(cfg, s, i, S + N, N)
         base = _eval_base(ev, i, old + new, io)
         if cfg.layer_types[i] == KDA:
-            mixer = [("mixer", {"kda_forward": N * _kda_eval(cfg, s)})]
+            mixer = [("mixer", {"kda_forward": _kda_eval(cfg, s, 1, N)})]
         else:
             mixer = list(_dsa_eval(cfg, s, cfg.indexer_types[i] == "full", N, S).items())
         phases += _eval_layer(ev, i, N, base, mixer, where)
@@ -1035,9 +1086,9 @@ def _kda_cp_phases(ev: _EvalRun, i: int, T: int, n_local: int, span: int, spans:
     gather = s.f * pieces * H * K * max(2 * (K + K), (K + K) + 2 * K)
     out = (2 if spans > 1 else 1) * T * D * s.a
     return [
-        ("CP state pass", {"kda_forward": Ns * _kda_eval(cfg, s, 2 * K)}),
+        ("CP state pass", {"kda_forward": _kda_eval(cfg, s, n_local, span, 2 * K)}),
         ("CP state gather", {"cp_gather": gather}),
-        ("mixer", {"kda_forward": state + max(Ns * _kda_eval(cfg, s) + (T - Ns) * D * s.a, out)}),
+        ("mixer", {"kda_forward": state + max(_kda_eval(cfg, s, n_local, span) + (T - Ns) * D * s.a, out)}),
     ]
 
 
@@ -1198,10 +1249,11 @@ def plan_eval(
     out = _eval_summary(phases, slack)
     pc = param_counts(cfg)
     return {
-        "layout": {**{d: getattr(layout, d) for d in DIMS}, "world": layout.world},
+        "layout": _layout_dict(layout),
         "fits": out["total_gib"] <= gpu_memory_gib,
         **out,
         "tokens_per_rank": seq_len // layout.cp,
+        "all_to_all_gib": round(all_to_all_bytes(cfg, seq_len // layout.cp, layout, s.a, passes=2) / GIB, 6),
         "params_per_rank": shard_numel(pc["shapes"], layout),
         "largest_layer_unsharded_gib": round(max(ev.params["blocks"], default=0.0) / GIB, 6),
         "persistent_gib": {"weights": round(ev.params["weights"] / GIB, 6), "gradients": 0.0, "optimizer_state": 0.0,
@@ -1246,7 +1298,9 @@ def _divisors(x: int) -> list[int]:
 def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offload: bool = False, mode: str = "train",
                   cp_layout: str = "contiguous") -> list[Layout]:  # fmt: skip
     """Every layout of ``gpus`` ranks this model can run: ``dp_replicate x ep x dp_shard x cp == gpus``, ``ep``
-    dividing ``n_routed_experts`` (1 without MoE layers), ``cp`` dividing ``seq_len`` with pieces of at least one
+    dividing ``n_routed_experts`` (1 without MoE layers), and the folded layouts (``Layout.ep_folded``:
+    ``dp_replicate x dp_shard x cp == gpus``, ``ep > 1`` dividing both ``dp_shard x cp`` and the experts),
+    ``cp`` dividing ``seq_len`` with pieces of at least one
     KDA chunk (``kda_chunk_size`` tokens), FSDP (``dp_shard > 1`` or ``cp > 1``) when ``optimizer_offload``. With
     ``mode="eval"`` (``plan_eval``: no optimizer) the window must split into the CP pieces of ``cp_layout`` (``cp``, or
     ``2 cp`` under zigzag) of at least ``linear_conv_kernel_dim - 1`` tokens, as ``genoctx eval`` requires.
@@ -1278,6 +1332,13 @@ def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offloa
                 if optimizer_offload and not lay.fsdp:
                     continue
                 out.append(lay)
+        if not moe:
+            continue
+        for dp_shard in _divisors(gpus // cp):  # folded: the EP group drawn from dp_shard x cp (always FSDP)
+            for ep in _divisors(dp_shard * cp):
+                if ep > 1 and cfg.n_routed_experts % ep == 0:
+                    out.append(Layout(dp_replicate=gpus // (cp * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp,
+                                      ep_folded=True))  # fmt: skip
     return out
 
 
@@ -1311,9 +1372,30 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
     return plans
 
 
+def _layout_dict(layout: Layout) -> dict:
+    """A plan's ``"layout"``: the four sizes, ``ep_folded`` and ``world``."""
+    return {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world}
+
+
+def all_to_all_bytes(cfg: ModelConfig, tokens: int, layout: Layout, a: int, passes: int) -> float:
+    """Bytes one rank sends by expert-parallel all-to-all in a step over ``tokens`` tokens, with balanced routing:
+    per MoE layer, ``tokens x k`` rows of which ``(ep - 1) / ep`` belong to another rank's experts, ``D`` values of
+    ``a`` bytes each per exchange, ``passes`` exchanges (``genoctx.parallel.experts``: a forward dispatches the hidden
+    states and combines the outputs, 2; its backward sends hidden states and output gradients and returns input
+    gradients and outputs, 4; a forward recomputed under activation checkpointing, 2 more; balanced, a rank sends
+    as many rows as it receives). 0 without EP. Forced-imbalanced routing moves up to ``ep`` times more through the
+    busiest rank (in more rounds of the same bounded size)."""
+    if layout.ep == 1:
+        return 0.0
+    moe = sum(1 for t in cfg.mlp_layer_types if t == "sparse")
+    rows = tokens * cfg.num_experts_per_tok * (layout.ep - 1) / layout.ep
+    return moe * rows * cfg.hidden_size * a * passes
+
+
 def describe_layout(plan: dict) -> str:
-    """``"dp_replicate=1 ep=8 dp_shard=2 cp=4"`` of a plan."""
-    return " ".join(f"{d}={plan['layout'][d]}" for d in DIMS)
+    """``"dp_replicate=1 ep=8 dp_shard=2 cp=4"`` of a plan (``ep=32 (folded)`` when folded)."""
+    lay = plan["layout"]
+    return " ".join(f"{d}={lay[d]}" + (" (folded)" if d == "ep" and lay.get("ep_folded") else "") for d in DIMS)
 
 
 def check_fits(plan: dict) -> None:
@@ -1356,17 +1438,20 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         f"device memory {p0['gpu_memory_gib']:g} GiB",
         "",
         f"{'#':>3}  {'dp_replicate':>12} {'ep':>4} {'dp_shard':>8} {'cp':>4}  {'tokens/rank':>11}  "
-        f"{unit + '/GPU':>9}  fits  peak at",
+        f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  peak at",
     ]
     for j, p in enumerate(plans[:limit], 1):
         lay = p["layout"]
+        ep = f"{lay['ep']}{'f' if lay.get('ep_folded') else ''}"
         lines.append(
-            f"{j:>3}  {lay['dp_replicate']:>12} {lay['ep']:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
-            f"{p['tokens_per_rank']:>11}  {p['total_gib'] * scale:>9.2f}  {'yes' if p['fits'] else 'no ':<4}  "
-            f"{p['peak_phase']}"
+            f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
+            f"{p['tokens_per_rank']:>11}  {p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
+            f"{'yes' if p['fits'] else 'no ':<4}  {p['peak_phase']}"
         )
     if len(plans) > limit:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
+    lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
+                 "sends per step, balanced routing)")
     lines += ["", f"components of #1 ({describe_layout(p0)}), {unit} per GPU at {p0['peak_phase']}:"]
     for k, v in p0["components_gib"].items():
         if v:

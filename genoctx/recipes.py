@@ -71,6 +71,9 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     fsdp: int = 1
+    # folded expert parallelism: the EP group drawn from the fsdp x cp ranks (MoE parallel folding; ep must divide
+    # fsdp x cp) instead of a mesh axis of its own that multiplies the data ranks (genoctx.parallel.layout)
+    ep_folded: bool = False
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (Ray runs)
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
 

@@ -41,23 +41,28 @@ def _one_row_per_parameter(cfg, layout) -> float:
     return float(sum(math.prod(s[1:]) for s in _shapes(cfg).values() if s))
 
 
+SMALL6 = preset("cpu-small", n_routed_experts=6, n_group=1, topk_group=1)  # folded EP 2 over 4: 3 experts on 2
+
+
 @pytest.mark.parametrize(
-    "layout",
-    [Layout(dp_shard=4), Layout(ep=2, dp_shard=2), Layout(dp_replicate=2, cp=2), Layout(dp_replicate=2, dp_shard=2)],
-    ids=["fsdp4", "ep2-fsdp2", "hsdp-cp2", "hsdp-fsdp2"],
-)
-def test_planner_static_terms_equal_the_built_model(layout):
-    d = dry_run(SMALL, layout, ranks="all")
-    plan = P.plan_memory(SMALL, 1 << 14, layout, gpu_memory_gib=80.0)
+    "cfg,layout",
+    [(SMALL, Layout(dp_shard=4)), (SMALL, Layout(ep=2, dp_shard=2)), (SMALL, Layout(dp_replicate=2, cp=2)),
+     (SMALL, Layout(dp_replicate=2, dp_shard=2)), (SMALL, Layout(ep=2, dp_shard=2, cp=2, ep_folded=True)),
+     (SMALL6, Layout(ep=2, dp_shard=4, ep_folded=True))],
+    ids=["fsdp4", "ep2-fsdp2", "hsdp-cp2", "hsdp-fsdp2", "fep2-fsdp2-cp2", "fep2-fsdp4-shard1"],
+)  # fmt: skip
+def test_planner_static_terms_equal_the_built_model(cfg, layout):
+    d = dry_run(cfg, layout, ranks="all")
+    plan = P.plan_memory(cfg, 1 << 14, layout, gpu_memory_gib=80.0)
     allocated = plan["params_per_rank"]["dense"] + plan["params_per_rank"]["expert"]  # padded shards, exact
     ranks = d["ranks"]
     assert [r["rank"] for r in ranks] == list(range(layout.world))
     # the unpadded shards partition the model
-    counts = P.param_counts(SMALL)
+    counts = P.param_counts(cfg)
     replicas = layout.world // layout.dense_shard
     experts = counts["expert"] * (layout.world // (layout.ep * layout.expert_shard))
     assert sum(r["params_local"] for r in ranks) == replicas * counts["dense"] + experts
-    pad = _one_row_per_parameter(SMALL, layout)
+    pad = _one_row_per_parameter(cfg, layout)
     for r in ranks:
         # what the planner counts is what FSDP2 allocates on every rank (every shard padded to rank 0's size)
         assert r["weights"] == 4 * allocated and r["gradients"] == r["weights"]
@@ -136,7 +141,7 @@ def test_cli_train_dry_run(prepared, tmp_path):
     r = genoctx(*args, "--num-workers", 4, "--fsdp", 2, "--ep", 2)
     assert r.returncode == 0, r.stderr[-2000:]
     dr = json.loads(r.stdout)["dry_run"]
-    assert dr["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1, "world": 4}
+    assert dr["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1, "ep_folded": False, "world": 4}
     assert [x["rank"] for x in dr["ranks"]] == [0, 3] and all(x["weights"] > 0 for x in dr["ranks"])
     assert not out.exists()
     bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)

@@ -124,8 +124,9 @@ def test_offload_moves_the_sharded_state_to_the_host():
 @pytest.mark.parametrize("recompute", [False, True])
 def test_activations_scale_linearly_with_tokens_per_rank(recompute):
     kw = dict(dtype="fp32", device="cpu", recompute=recompute)
+    one_block = dataclasses.replace(SMALL, kda_block_tokens=1 << 30)  # the KDA core's working set grows with T too
     for layout in (Layout(), Layout(dp_shard=2, cp=2)):
-        p1, p2 = _plan(SMALL, 1 << 16, layout, **kw), _plan(SMALL, 1 << 17, layout, **kw)
+        p1, p2 = _plan(one_block, 1 << 16, layout, **kw), _plan(one_block, 1 << 17, layout, **kw)
         assert p1["peak_phase"] == p2["peak_phase"]  # the same moment of the step: the same tensors
         assert p2["tokens_per_rank"] == 2 * p1["tokens_per_rank"] == (1 << 17) // layout.cp
         assert _activations(p2) == pytest.approx(2 * _activations(p1), rel=1e-4)
@@ -135,13 +136,28 @@ def test_activations_scale_linearly_with_tokens_per_rank(recompute):
     assert _activations(four) < _activations(two)
 
 
+def test_kda_core_working_set_is_one_block():
+    """With the core in blocks (``kda_block_tokens``) its recomputed working set grows only by what crosses blocks
+    (states, the finished blocks' input gradients): far less than linearly, and less than one block spanning T."""
+    def core(cfg, L):
+        return P.plan_memory(cfg, L, Layout(), gpu_memory_gib=1.0, dtype="fp32", device="cpu")["working_sets_gib"][
+            "kda_core_recompute"]  # fmt: skip
+
+    one_block = dataclasses.replace(SMALL, kda_block_tokens=1 << 30)
+    assert core(one_block, 1 << 17) == pytest.approx(2 * core(one_block, 1 << 16), rel=1e-3)
+    assert core(SMALL, 1 << 17) < 0.25 * core(one_block, 1 << 17)
+    assert core(SMALL, 1 << 17) < 2 * core(SMALL, 1 << 16)
+
+
 def test_recompute_lowers_activations():
     for cfg, L, layout, kw in ((SMALL, 1 << 15, Layout(), dict(dtype="fp32", device="cpu")),
                                (GLM, 1 << 17, Layout(ep=2, dp_shard=2, cp=16), {})):  # fmt: skip
         with_ac, without = _plan(cfg, L, layout, recompute=True, **kw), _plan(cfg, L, layout, recompute=False, **kw)
         assert _activations(with_ac) < _activations(without)
         assert with_ac["total_gib"] < without["total_gib"]
-        assert with_ac["components_gib"]["layer_inputs"] > 0 == without["components_gib"]["layer_inputs"]
+        assert without["components_gib"]["layer_inputs"] == 0
+        if not with_ac["peak_phase"].startswith("backward layer 0 "):  # the other layers' inputs are still kept
+            assert with_ac["components_gib"]["layer_inputs"] > 0
 
 
 def test_search_lists_only_valid_layouts_of_the_world_best_first():
@@ -170,7 +186,7 @@ def test_reference_run_plan_schema():
     assert len(plans) == len(P.valid_layouts(GLM, 1 << 20, 64)) > 50
     for p in plans:
         assert {"layout", "fits", "total_gib", "components_gib"} <= set(p)
-        assert set(p["layout"]) == {*DIMS, "world"} and p["layout"]["world"] == 64
+        assert set(p["layout"]) == {*DIMS, "ep_folded", "world"} and p["layout"]["world"] == 64
         assert isinstance(p["fits"], bool) and isinstance(p["total_gib"], float)
         assert p["recompute"] and p["dtype"] == "bf16" and not p["optimizer_offload"]
     json.dumps(plans)  # plain JSON
@@ -178,12 +194,40 @@ def test_reference_run_plan_schema():
     assert best["components_gib"]["optimizer_state"] > 0 and best["components_gib"]["allocator_slack"] > 0
 
 
-def test_reference_run_fits_with_the_optimizer_offloaded():
-    """The reference run (GLM-5.3-Flash, 1M tokens, 64 GPUs of 178 GiB, AdamW): CP=64 (FSDP over the CP ranks) fits
-    with the optimizer state in host memory; with it on the GPU no layout fits (README, Planning memory)."""
-    best = P.search_layouts(GLM, 1 << 20, 64, 178.0, optimizer_offload=True)[0]
-    assert best["fits"] and best["layout"]["cp"] == 64 and 150 < best["total_gib"] < 178
-    assert not any(p["fits"] for p in P.search_layouts(GLM, 1 << 20, 64, 178.0))
+def test_reference_run_fits_with_folded_experts_without_offload():
+    """The reference run (GLM-5.3-Flash, 1M tokens, 64 GPUs of 178 GiB, AdamW): the best layout is CP=64 with EP=32
+    folded into the same ranks, at or below the published 144.5 GiB without any offload; without folding no layout
+    fits unless the optimizer state goes to host memory (README, Planning memory)."""
+    plans = P.search_layouts(GLM, 1 << 20, 64, 178.0)
+    best = plans[0]
+    assert best["fits"] and best["total_gib"] <= 144.5
+    assert best["layout"] == {"dp_replicate": 1, "ep": 32, "dp_shard": 1, "cp": 64, "ep_folded": True, "world": 64}
+    assert best["tokens_per_rank"] == 16384 and best["all_to_all_gib"] > 0
+    unfolded = [p for p in plans if not p["layout"]["ep_folded"]]
+    assert unfolded and not any(p["fits"] for p in unfolded)
+    off = [p for p in P.search_layouts(GLM, 1 << 20, 64, 178.0, optimizer_offload=True) if not p["layout"]["ep_folded"]]
+    assert off[0]["fits"] and off[0]["layout"]["cp"] == 64 and 100 < off[0]["total_gib"] < 178
+    for L in (1 << 19, 1 << 18):  # 512k and 256k fit too, below the 1M plan
+        assert P.search_layouts(GLM, L, 64, 178.0)[0]["total_gib"] < best["total_gib"]
+
+
+def test_folding_shards_the_experts_over_the_cp_ranks():
+    """Folded EP=32 over CP=64: 9 experts per rank, split (dim 1) over the 2 ranks holding them, instead of all 288
+    all-gathered per layer; the tokens per rank are CP's, and the expert all-to-all volume grows with EP."""
+    folded = _plan(GLM, 1 << 20, Layout(ep=32, cp=64, ep_folded=True))
+    plain = _plan(GLM, 1 << 20, Layout(cp=64))
+    assert folded["tokens_per_rank"] == plain["tokens_per_rank"] == 16384
+    c0, c1 = plain["components_gib"], folded["components_gib"]
+    assert c1["unsharded_params"] < c0["unsharded_params"] / 5
+    assert c1["fsdp_reduce_scatter"] < c0["fsdp_reduce_scatter"] / 10
+    assert plain["all_to_all_gib"] == 0
+    assert 0 < _plan(GLM, 1 << 20, Layout(ep=2, cp=64, ep_folded=True))["all_to_all_gib"] < folded["all_to_all_gib"]
+    # 288 / 32 = 9 experts over efsdp = 2 ranks: Shard(1), no padded expert (Shard(0) would allocate 5 of 9)
+    shapes = P.param_counts(GLM)["shapes"]
+    lay = Layout(ep=32, cp=64, ep_folded=True)
+    assert lay.expert_shard == 2
+    experts = sum(rows * rest for kind, rows, rest, _ in shapes if kind == "expert")
+    assert P.shard_numel(shapes, lay)["expert"] == experts // 64
 
 
 def test_reference_model_fits_with_more_gpus_or_shorter_windows():
@@ -374,7 +418,7 @@ def test_eval_smaller_chunks_lower_the_peak_until_the_caches_dominate():
         totals.append(p["total_gib"])
         caches.append(p["components_gib"]["carried_caches"])
         kda.append(p["working_sets_gib"]["kda_forward"])
-    assert totals == sorted(totals, reverse=True) and totals[0] > 30 * totals[-1]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 15 * totals[-1]
     assert kda[1] == pytest.approx(4 * kda[2], rel=1e-3)  # a KDA layer's working set: linear in the chunk
     assert caches[-1] == pytest.approx(caches[-2], rel=0.02)  # the caches: the window's, whatever the chunk
     last = _eval(SMALL, 1 << 18, chunk_tokens=1 << 8, **CPU)["components_gib"]
@@ -415,14 +459,14 @@ def test_eval_search_glm_512k_on_64_gpus():
     fitting = [p for p in plans if p["fits"]]
     assert len(fitting) >= 5 and all(p["total_gib"] <= 178 for p in fitting)
     best = fitting[0]
-    assert best["layout"]["world"] == 64 and best["layout"]["cp"] >= 16 and 60 < best["total_gib"] < 100
+    assert best["layout"]["world"] == 64 and best["layout"]["cp"] >= 16 and 40 < best["total_gib"] < 100
     assert best["components_gib"]["kda_forward"] > 10 and "autocast_cache" not in best["components_gib"]
     assert not any(p["fits"] for p in plans if p["layout"]["cp"] == 1)  # a 512k-token KDA call: too large
     chunked = P.search_layouts(GLM, 1 << 19, 64, 178.0, mode="eval", chunk_tokens=4096)
     assert any(p["fits"] and p["layout"]["cp"] == 1 for p in chunked)
     assert chunked[0]["total_gib"] < best["total_gib"]
     one_m = [p for p in P.search_layouts(GLM, 1 << 20, 64, 178.0, mode="eval") if p["fits"]]
-    assert one_m and one_m[0]["layout"]["cp"] == 64 and one_m[0]["total_gib"] > best["total_gib"]
+    assert one_m and one_m[0]["layout"]["cp"] >= 32 and one_m[0]["total_gib"] > best["total_gib"]
     json.dumps(plans)
 
 
@@ -496,7 +540,7 @@ def test_eval_working_sets_match_the_allocator():
         dsa_want = [P._dsa_eval(cfg, s, True, T, S)["attention"]["dsa_attention"] + P._eval_cache(cfg, s, i, S + T, T)
                     for S in (0, 1024)]  # fmt: skip
         cases = [
-            (KimiDeltaAttention(cfg).eval(), (x,), T * P._kda_eval(cfg, s), 0.02),
+            (KimiDeltaAttention(cfg).eval(), (x,), P._kda_eval(cfg, s, 1, T), 0.02),
             (dsa, (x,), dsa_want[0], 0.12),
             (dsa, (x, cache), dsa_want[1], 0.12),
             (MoE(cfg).eval(), (x,), P._ffn_eval(cfg, s, 1, T, 1)["moe_dispatch"], 0.03),

@@ -59,6 +59,7 @@ class MeshEval:
         run_workers: ``genoctx.cluster.run_workers`` (handed in by the CLI).
         num_workers: Ray workers, one rank each; ``ep x fsdp x cp`` must divide it (the rest is ``dp_replicate``).
         fsdp, ep, cp: FSDP2 shard size (``dp_shard``), expert-parallel and context-parallel sizes.
+        ep_folded: the EP groups drawn from the ``fsdp x cp`` ranks (``genoctx.parallel.layout.Layout.ep_folded``).
         cp_layout: ``contiguous`` or ``zigzag`` (``genoctx.parallel.layout.cp_pieces``).
         address: Ray cluster address (``auto``, ``ray://HOST:PORT``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; 0 = CPU and gloo.
@@ -77,6 +78,7 @@ class MeshEval:
     gpus_per_worker: float = 0
     memory_gib: float | None = None
     force: bool = False
+    ep_folded: bool = False
 
 
 def round_robin(n: int, dp: int, dp_rank: int) -> list[int | None]:
@@ -210,7 +212,8 @@ def _eval_worker(config: dict, session) -> dict | None:
     worker_logging()
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     torch.set_num_threads(config["threads"])
-    dims = init_parallel(config["cp"], layout=config["cp_layout"], ep=config["ep"], dp_shard=config["dp_shard"])
+    dims = init_parallel(config["cp"], layout=config["cp_layout"], ep=config["ep"], dp_shard=config["dp_shard"],
+                         ep_folded=config.get("ep_folded", False))  # fmt: skip
     rank = dist.get_rank()
     device = session.device()
     # no weight-cast cache: nothing is reused in backward, and it would keep a bf16 copy of every fp32 weight it casts
@@ -253,7 +256,8 @@ def _check_layout(mesh: MeshEval, specs: list[EvalCheckpoint], window: int):
     from ..parallel.layout import LAYOUTS, Layout, cp_pieces
 
     try:
-        layout = Layout.for_world(mesh.num_workers, ep=mesh.ep, dp_shard=mesh.fsdp, cp=mesh.cp)
+        layout = Layout.for_world(mesh.num_workers, ep=mesh.ep, dp_shard=mesh.fsdp, cp=mesh.cp,
+                                  ep_folded=mesh.ep_folded)
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     if mesh.cp_layout not in LAYOUTS:
@@ -378,6 +382,7 @@ def score_on_mesh(
         "cp": layout.cp,
         "ep": layout.ep,
         "dp_shard": layout.dp_shard,
+        "ep_folded": layout.ep_folded,
         "cp_layout": mesh.cp_layout if layout.cp > 1 else "contiguous",
         "threads": max(1, (os.cpu_count() or 1) // layout.world),
     }

@@ -29,6 +29,7 @@ all-reduced the same way.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -47,22 +48,50 @@ def is_expert_parameter(p: nn.Parameter) -> bool:
     return bool(getattr(p, "_genoctx_expert", False))
 
 
+RECORDS = ("aux_loss", "stats")  # what a forward records on a module besides its output (and MoE's load_counts)
+
+
+@contextlib.contextmanager
+def keep_forward_records(layer: nn.Module):
+    """While a layer's forward is recomputed in backward: its modules' ``aux_loss`` and ``stats`` and the MoE
+    ``load_counts`` are restored on exit to what the first forward left. Without it the recomputation would count
+    the router loads twice and replace ``aux_loss`` with a tensor that keeps the recomputation's graph (the
+    indexer branch, under CP the gathered window) alive after the layer's backward."""
+    kept = []
+    for m in layer.modules():
+        attrs = {k: m.__dict__[k] for k in RECORDS if k in m.__dict__}
+        counts = m._buffers.get("load_counts")
+        kept.append((m, attrs, None if counts is None else counts.clone()))
+    try:
+        yield
+    finally:
+        for m, attrs, counts in kept:
+            m.__dict__.update(attrs)
+            if counts is not None:
+                m._buffers["load_counts"].copy_(counts)
+
+
 def apply_ac(model: nn.Module) -> int:
     """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``). Returns layers wrapped.
 
     The layer's ``forward`` is overridden on the instance (parameter names do not change). Memory per layer falls to
     its input (``[B, T, hc_mult, D]`` residual streams); the cost is one more forward of each layer. Collectives
-    inside a layer (CP gathers, EP dispatch) run again in backward, in the same order on every rank.
+    inside a layer (CP gathers, EP dispatch) run again in backward, in the same order on every rank. The recomputed
+    forward leaves the first forward's records (``keep_forward_records``): router loads, ``aux_loss``, ``stats``.
     """
     from torch.utils.checkpoint import checkpoint
 
     for layer in model.layers:
         fwd = layer.forward
 
-        def recomputed(*args, _fwd=fwd, **kwargs):
+        def recomputed(*args, _fwd=fwd, _layer=layer, **kwargs):
             if not torch.is_grad_enabled():
                 return _fwd(*args, **kwargs)
-            return checkpoint(_fwd, *args, use_reentrant=False, **kwargs)
+
+            def contexts():
+                return contextlib.nullcontext(), keep_forward_records(_layer)
+
+            return checkpoint(_fwd, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
         layer.forward = recomputed
     return len(model.layers)
@@ -79,6 +108,20 @@ def _islands(layer: nn.Module) -> list[nn.Module]:
         mods.append(layer.mlp.gate)
     mods += [layer.attn_hc, layer.ffn_hc]
     return mods
+
+
+def expert_placement(experts: nn.Module, dims: ParallelDims):
+    """FSDP2's ``shard_placement_fn`` for a rank's block of routed experts: ``Shard(0)`` (whole experts per shard),
+    or, with folded EP where the block's ``n_local_experts`` do not split evenly over the ``efsdp`` ranks (288 / 32
+    = 9 experts over 2), ``Shard(1)`` (each expert's rows split; no padded expert), as torchtitan shards experts.
+    None (FSDP2's default, ``Shard(0)``) otherwise."""
+    from torch.distributed.tensor import Shard
+
+    n = getattr(experts, "n_local_experts", None)
+    shards = dims.layout.expert_shard
+    if not dims.layout.ep_folded or n is None or n % shards == 0:
+        return None
+    return lambda p: Shard(1) if p.dim() > 1 and p.shape[1] % shards == 0 else Shard(0)
 
 
 def apply_fsdp(
@@ -123,7 +166,8 @@ def apply_fsdp(
     for layer in model.layers:
         inner = layer
         if isinstance(inner.mlp, MoE) and any(is_expert_parameter(p) for p in inner.mlp.experts.parameters()):
-            wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload))
+            wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload,
+                                       shard_placement_fn=expert_placement(inner.mlp.experts, dims)))  # fmt: skip
         if param_dtype is not None:  # one FSDP group of the layer's island modules (they share its state)
             islands = _islands(inner)
             fully_shard(islands, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)

@@ -12,9 +12,18 @@ The device mesh (``genoctx.parallel.mesh``) has four dimensions, outermost first
 - ``dp_shard``: FSDP2 (``fully_shard``) sharding; its ranks see different windows.
 - ``cp``: context parallel: the ranks of a CP group hold pieces of the same windows.
 
+Folded expert parallelism (``ep_folded``; MoE parallel folding, Megatron-Core's EP x ETP groups inside DP x CP,
+torchtitan's ``efsdp = dp_shard * cp / ep``): the EP group is drawn from the ``dp_shard x cp`` ranks instead of an
+axis of its own, so the mesh is ``dp_replicate x 1 x dp_shard x cp`` and ``ep`` must divide ``dp_shard x cp``. The
+EP groups are contiguous blocks of ``ep`` ranks (``cp`` fastest, as Megatron's expert rank order ``tp-ep-dp-pp``);
+each rank's block of ``E / ep`` experts is FSDP-sharded over the ``efsdp = dp_shard x cp / ep`` ranks holding the
+same block (``expert_shard``). Attention runs CP while the experts run EP on the same ranks, and the tokens a rank
+holds are not multiplied by ``ep``.
+
 Data: a rank's windows are chosen by its data-parallel rank over ``dp_replicate x ep x dp_shard`` (``dp``,
-``dp_rank``). Sharding (FSDP2), when ``dp_shard > 1`` or ``cp > 1`` (torchtitan shards over ``dp_shard_cp`` the
-same way: CP ranks hold different tokens, so they shard parameters like data-parallel ranks): every dense
+``dp_rank``; folded: ``dp_replicate x dp_shard``). Sharding (FSDP2), when ``dp_shard > 1`` or ``cp > 1``
+(torchtitan shards over ``dp_shard_cp`` the same way: CP ranks hold different tokens, so they shard parameters like
+data-parallel ranks): every dense
 parameter is sharded over all ``ep x dp_shard x cp`` ranks of its replica, every routed expert over the
 ``dp_shard x cp`` ranks that hold the same experts; replicas all-reduce. Otherwise (replicas and EP only)
 parameters are replicated (routed experts only across the ranks holding the same block) and gradients are
@@ -51,28 +60,40 @@ def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the four mesh dimensions (each >= 1). ``world`` is their product."""
+    """Sizes of the four mesh dimensions (each >= 1) and whether EP is folded into ``dp_shard x cp``
+    (``ep_folded``, module docstring). ``world`` is the number of ranks."""
 
     dp_replicate: int = 1
     ep: int = 1
     dp_shard: int = 1
     cp: int = 1
+    ep_folded: bool = False
 
     def __post_init__(self) -> None:
         for name in DIMS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel layout: {name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.ep_folded, bool):
+            raise ValueError(f"parallel layout: ep_folded must be true or false, got {self.ep_folded!r}")
+        if self.ep_folded and (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"parallel layout: folded ep={self.ep} must divide dp_shard x cp = "
+                             f"{self.dp_shard} x {self.cp} = {self.dp_shard * self.cp}")  # fmt: skip
+
+    @property
+    def ep_axis(self) -> int:
+        """Size of the mesh's ``ep`` dimension: ``ep``, or 1 when EP is folded into ``dp_shard x cp``."""
+        return 1 if self.ep_folded else self.ep
 
     @property
     def world(self) -> int:
-        """Ranks in the mesh: dp_replicate x ep x dp_shard x cp."""
-        return self.dp_replicate * self.ep * self.dp_shard * self.cp
+        """Ranks in the mesh: dp_replicate x ep x dp_shard x cp (folded: dp_replicate x dp_shard x cp)."""
+        return self.dp_replicate * self.ep_axis * self.dp_shard * self.cp
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks (ranks that see different windows): dp_replicate x ep x dp_shard."""
-        return self.dp_replicate * self.ep * self.dp_shard
+        """Data-parallel ranks (ranks that see different windows): dp_replicate x ep x dp_shard (folded: no ep)."""
+        return self.dp_replicate * self.ep_axis * self.dp_shard
 
     @property
     def fsdp(self) -> bool:
@@ -81,29 +102,37 @@ class Layout:
 
     @property
     def dense_shard(self) -> int:
-        """Ranks a dense parameter is sharded over (1 = replicated): ep x dp_shard x cp under FSDP."""
-        return self.ep * self.dp_shard * self.cp if self.fsdp else 1
+        """Ranks a dense parameter is sharded over (1 = replicated): ep x dp_shard x cp under FSDP (folded: no ep)."""
+        return self.ep_axis * self.dp_shard * self.cp if self.fsdp else 1
 
     @property
     def expert_shard(self) -> int:
-        """Ranks one block of routed experts is sharded over (1 = replicated): dp_shard x cp under FSDP."""
-        return self.dp_shard * self.cp if self.fsdp else 1
+        """Ranks one block of routed experts is sharded over (1 = replicated): dp_shard x cp under FSDP; folded,
+        ``efsdp = dp_shard x cp / ep``."""
+        if not self.fsdp:
+            return 1
+        return self.dp_shard * self.cp // self.ep if self.ep_folded else self.dp_shard * self.cp
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        """``"dp_replicate=1 ep=2 dp_shard=2 cp=1"``."""
-        return " ".join(f"{k}={getattr(self, k)}" for k in DIMS)
+        """``"dp_replicate=1 ep=2 dp_shard=2 cp=1"`` (folded: ``ep=32 (folded)``)."""
+        return " ".join(f"{k}={getattr(self, k)}" + (" (folded)" if k == "ep" and self.ep_folded else "")
+                        for k in DIMS)  # fmt: skip
 
     @classmethod
-    def for_world(cls, world: int, ep: int = 1, dp_shard: int = 1, cp: int = 1) -> Layout:
+    def for_world(cls, world: int, ep: int = 1, dp_shard: int = 1, cp: int = 1, ep_folded: bool = False) -> Layout:
         """The layout of ``world`` ranks with these ``ep``, ``dp_shard`` and ``cp``; the rest is ``dp_replicate``.
 
         Raises:
-            ValueError: ``ep * dp_shard * cp`` does not divide ``world`` (the message names the sizes).
+            ValueError: ``ep * dp_shard * cp`` (folded: ``dp_shard * cp``) does not divide ``world``, or a folded
+                ``ep`` does not divide ``dp_shard * cp`` (the message names the sizes).
         """
-        inner = ep * dp_shard * cp
+        inner = (1 if ep_folded else ep) * dp_shard * cp
+        if ep_folded and (dp_shard * cp) % ep:
+            raise ValueError(f"--ep {ep} (folded) must divide --fsdp {dp_shard} x --cp {cp} = {dp_shard * cp}")
         if world < 1 or inner < 1 or world % inner:
-            raise ValueError(f"--ep {ep} x --fsdp {dp_shard} x --cp {cp} = {inner} must divide --num-workers {world}")
-        return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp)
+            what = f"--fsdp {dp_shard} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {dp_shard} x --cp {cp}"
+            raise ValueError(f"{what} = {inner} must divide --num-workers {world}")
+        return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)

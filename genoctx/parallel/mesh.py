@@ -11,6 +11,12 @@ CPU, NCCL on CUDA), so no dimension has two owners:
     expert_group    dp_replicate x dp_shard x cp           expert grads without FSDP (ranks holding one block)
     dense_mesh      (dp_replicate, ep x dp_shard x cp)     FSDP2 mesh of dense parameters (HSDP when replicated)
     expert_mesh     (dp_replicate, dp_shard x cp)          FSDP2 mesh of each rank's block of routed experts
+    expert_dtensor  (ep, dp_shard x cp) or (ep,)           a routed expert's DTensor view (``parallel.state``)
+
+Folded EP (``Layout.ep_folded``): the mesh's ``ep`` dimension has size 1 and a second mesh over the same ranks,
+``(dp_replicate, ep, efsdp)`` with ``ep`` the fastest-varying rank index (contiguous EP groups, as Megatron-Core's
+expert rank order ``tp-ep-dp-pp``), gives ``ep_group`` (its ``ep``), ``expert_mesh`` (``(dp_replicate, efsdp)``)
+and ``expert_dtensor`` (``(ep, efsdp)``); every other group is the table's.
 
 The model is written for one device; parallelism is applied from outside in this order (``apply_parallel``):
 expert parallel (``apply_ep``: keep this rank's experts), context parallel (``apply_cp``: mixing layers see their
@@ -39,6 +45,8 @@ class ParallelDims:
         dp_cp_group: the whole mesh (loss count, MoE loads, dense gradients without FSDP).
         expert_group: ranks holding the same block of experts (expert gradients without FSDP); None when 1 rank.
         dense_mesh, expert_mesh: the FSDP2 meshes (None without FSDP).
+        expert_dtensor_mesh: the mesh a routed expert's tensor is a DTensor of: ``(ep, expert shard)`` under FSDP,
+            ``(ep,)`` without (None without EP).
         cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.layout.cp_pieces``).
     """
 
@@ -54,6 +62,7 @@ class ParallelDims:
     expert_mesh: object | None = None
     cp_layout: str = "contiguous"
     mesh: object | None = None
+    expert_dtensor_mesh: object | None = None
 
     @property
     def cp(self) -> int:
@@ -85,31 +94,40 @@ class ParallelDims:
 
 
 def init_parallel(
-    cp: int = 1, layout: str = "contiguous", *, ep: int = 1, dp_shard: int = 1, device_type: str | None = None
+    cp: int = 1,
+    layout: str = "contiguous",
+    *,
+    ep: int = 1,
+    dp_shard: int = 1,
+    ep_folded: bool = False,
+    device_type: str | None = None,
 ) -> ParallelDims:
     """Build the mesh ``dp_replicate x ep x dp_shard x cp`` over the initialised default process group.
 
     Args:
         cp, ep, dp_shard: sizes; ``dp_replicate`` is the rest of the world size.
         layout: the CP layout recorded in the returned dims (``cp_pieces``; ignored when ``cp == 1``).
+        ep_folded: draw the EP groups from the ``dp_shard x cp`` ranks (module docstring) instead of an axis.
         device_type: ``"cpu"`` or ``"cuda"``; default from the backend (NCCL: cuda, else cpu).
 
     Returns:
         ``ParallelDims`` with its groups and meshes.
 
     Raises:
-        ValueError: torch.distributed is not initialised, ``ep x dp_shard x cp`` does not divide the world size,
-            or an unknown CP layout.
+        ValueError: torch.distributed is not initialised, ``ep x dp_shard x cp`` (folded: ``dp_shard x cp``) does
+            not divide the world size, a folded ``ep`` does not divide ``dp_shard x cp``, or an unknown CP layout.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     cp_pieces(max(cp, 1), layout)  # validates the layout
     if not dist.is_initialized():
         raise ValueError("init_parallel needs torch.distributed initialised (gloo on CPU, nccl on CUDA)")
-    lay = Layout.for_world(dist.get_world_size(), ep=ep, dp_shard=dp_shard, cp=cp)
+    lay = Layout.for_world(dist.get_world_size(), ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, tuple(getattr(lay, d) for d in DIMS), mesh_dim_names=DIMS)
+    sizes = {d: getattr(lay, d) for d in DIMS} | {"ep": lay.ep_axis}
+    mesh = init_device_mesh(device_type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "slicing a flattened dim from root mesh will be deprecated"
         dp_mesh = mesh["dp_replicate", "ep", "dp_shard"]._flatten("dp")
@@ -118,22 +136,35 @@ def init_parallel(
         dense_mesh = expert_mesh = None
         if lay.fsdp:
             mesh["ep", "dp_shard", "cp"]._flatten("dense_shard")
-            mesh["dp_shard", "cp"]._flatten("expert_shard")
             dense_mesh = mesh["dp_replicate", "dense_shard"]
-            expert_mesh = mesh["dp_replicate", "expert_shard"]
+            if not (ep_folded and ep > 1):
+                mesh["dp_shard", "cp"]._flatten("expert_shard")
+                expert_mesh = mesh["dp_replicate", "expert_shard"]
+    ep_group, ep_rank, dtensor_mesh = None, 0, None
+    if ep_folded and ep > 1:
+        efsdp = lay.expert_shard
+        ranks = torch.arange(lay.world).reshape(lay.dp_replicate, efsdp, ep).transpose(1, 2)  # ep fastest
+        emesh = DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "ep", "efsdp"))
+        ep_group, ep_rank = emesh["ep"].get_group(), emesh["ep"].get_local_rank()
+        expert_mesh, dtensor_mesh = emesh["dp_replicate", "efsdp"], emesh["ep", "efsdp"]
+        expert_rep = None
+    elif ep > 1:
+        ep_group, ep_rank = mesh["ep"].get_group(), mesh["ep"].get_local_rank()
+        dtensor_mesh = mesh["ep", "expert_shard"] if lay.fsdp else mesh["ep"]
     return ParallelDims(
         layout=lay,
         cp_rank=mesh["cp"].get_local_rank(),
         dp_rank=dp_mesh.get_local_rank(),
-        ep_rank=mesh["ep"].get_local_rank(),
+        ep_rank=ep_rank,
         cp_group=mesh["cp"].get_group() if cp > 1 else None,
-        ep_group=mesh["ep"].get_group() if ep > 1 else None,
+        ep_group=ep_group,
         dp_cp_group=world_mesh.get_group(),
-        expert_group=expert_rep.get_group() if expert_rep.size() > 1 else None,
+        expert_group=expert_rep.get_group() if expert_rep is not None and expert_rep.size() > 1 else None,
         dense_mesh=dense_mesh,
         expert_mesh=expert_mesh,
         cp_layout=layout if cp > 1 else "contiguous",
         mesh=mesh,
+        expert_dtensor_mesh=dtensor_mesh,
     )
 
 

@@ -13,8 +13,9 @@ expert-parallel block put it in the one-device tensor):
 
 Under expert parallelism a routed expert's parameter holds the rank's block ``[ep_rank E / ep, (ep_rank + 1) E /
 ep)`` of the ``[E, ...]`` tensor (``genoctx.parallel.experts.apply_ep``), FSDP-sharded ``Shard(0)`` over
-``dp_shard x cp`` inside it; it is presented as a DTensor ``Shard(0)`` over ``ep`` (and ``Shard(0)`` over the
-expert shard) of the global tensor.
+``dp_shard x cp`` inside it (folded EP: over ``efsdp``, ``Shard(1)`` where the block's experts do not split evenly);
+it is presented as a DTensor ``Shard(0)`` over ``ep`` (and the FSDP placement over the expert shard) of the global
+tensor, on ``dims.expert_dtensor_mesh``.
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     E = module.ep_size * module.n_local_experts  # set by genoctx.parallel.experts.apply_ep
-    if hasattr(local, "to_local"):  # FSDP-sharded block: Shard(0) over expert_shard inside the ep block
-        mesh = dims.mesh["ep", "expert_shard"]
-        placements = [Shard(0), Shard(0)]
+    mesh = dims.expert_dtensor_mesh
+    shape = torch.Size([E, *local.shape[1:]])  # an FSDP DTensor's shape is the whole block's
+    if hasattr(local, "to_local"):  # FSDP-sharded block: its FSDP placement (Shard(0) or Shard(1)) inside the block
+        placements = [Shard(0), local.placements[-1]]
         local = local.to_local()
     else:
-        mesh = dims.mesh["ep"]
         placements = [Shard(0)]
-    shape = torch.Size([E, *local.shape[1:]])
     stride = torch.empty(0).new_empty(shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 

@@ -113,7 +113,8 @@ def _train_worker(config: dict, session) -> None:
     recipe = recipe_from_dict(config["recipe"], "<ray config>")
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
-    dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1))
+    dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1),
+                         ep_folded=config.get("ep_folded", False))  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.num_threads or config["threads"])
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
@@ -315,6 +316,7 @@ def train_distributed(
     cp: int = 1,
     ep: int = 1,
     fsdp: int = 1,
+    ep_folded: bool = False,
     force: bool = False,
     address: str | None = None,
     gpus_per_worker: float = 0,
@@ -337,6 +339,8 @@ def train_distributed(
             (``2 cp`` with ``train.cp_layout: zigzag``) of at least ``linear_conv_kernel_dim - 1`` tokens.
         ep: expert-parallel size; divides ``n_routed_experts``.
         fsdp: FSDP2 shard size (``dp_shard``); ``ep x fsdp x cp`` must divide ``num_workers``.
+        ep_folded: draw the EP groups from the ``fsdp x cp`` ranks (``Layout.ep_folded``): ``ep`` must divide
+            ``fsdp x cp``, and ``fsdp x cp`` must divide ``num_workers``.
         force: launch even when the memory planner (``genoctx.plan``) predicts that the layout does not fit.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
@@ -361,7 +365,7 @@ def train_distributed(
     from .loop import _check_manifest, check_seq_len
 
     try:
-        mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp)
+        mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp, ep_folded=ep_folded)
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
@@ -421,6 +425,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         "cp": layout.cp,
         "ep": layout.ep,
         "dp_shard": layout.dp_shard,
+        "ep_folded": layout.ep_folded,
         "stop_after": stop_after,
         "gpus_per_worker": gpus_per_worker,
         "threads": max(1, (os.cpu_count() or 1) // layout.world),

@@ -152,7 +152,8 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
     t0 = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=layout.world)
     try:
-        dims = init_parallel(layout.cp, "contiguous", ep=layout.ep, dp_shard=layout.dp_shard)
+        dims = init_parallel(layout.cp, "contiguous", ep=layout.ep, dp_shard=layout.dp_shard,
+                             ep_folded=layout.ep_folded)
         assert dims.layout == layout, (dims.layout, layout)
         model = build_model(cfg, dims, activation_checkpointing=activation_checkpointing,
                             param_dtype=DTYPES[dtype], offload_optimizer=optimizer_offload,
@@ -272,7 +273,7 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload)
             proc.wait()
     results = [results[r] for r in ranks]
     return {
-        "layout": {**{d: getattr(layout, d) for d in DIMS}, "world": layout.world},
+        "layout": {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world},
         "dtype": dtype,
         "activation_checkpointing": activation_checkpointing,
         "optimizer_offload": optimizer_offload,

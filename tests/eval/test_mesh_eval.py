@@ -12,6 +12,7 @@ padded last window; there are 3 of them, so with two data ranks one rank scores 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -103,16 +104,17 @@ def one_process(data, checkpoints) -> dict:
     return evaluate(checkpoints, data, **ARGS)
 
 
-LAYOUTS = {  # name -> (workers, fsdp, ep, cp, cp_layout)
+LAYOUTS = {  # name -> (workers, fsdp, ep, cp, cp_layout[, ep_folded])
     "fsdp2": (2, 2, 1, 1, "contiguous"),
     "ep2": (2, 1, 2, 1, "contiguous"),
     "cp2": (2, 1, 1, 2, "contiguous"),
     "fsdp2_cp2_zigzag": (4, 2, 1, 2, "zigzag"),
+    "cp2_fep2": (2, 1, 2, 2, "contiguous", True),  # EP 2 folded into the CP ranks
 }
 
 
-def _mesh(workers, fsdp, ep, cp, cp_layout, **kw) -> MeshEval:
-    return MeshEval(spawn_workers, workers, fsdp=fsdp, ep=ep, cp=cp, cp_layout=cp_layout, **kw)
+def _mesh(workers, fsdp, ep, cp, cp_layout, ep_folded=False, **kw) -> MeshEval:
+    return MeshEval(spawn_workers, workers, fsdp=fsdp, ep=ep, cp=cp, cp_layout=cp_layout, ep_folded=ep_folded, **kw)
 
 
 def _assert_same(got, want, path="doc"):
@@ -161,10 +163,11 @@ def test_bad_layouts_and_copy_probe_are_one_line_errors(data, checkpoints):
     for mesh, msg in [
         (_mesh(3, 2, 1, 1, "contiguous"), "--ep 1 x --fsdp 2 x --cp 1 = 2 must divide --num-workers 3"),
         (_mesh(6, 1, 3, 1, "contiguous"), "--ep 3 must divide the routed experts"),
+        (_mesh(2, 1, 4, 2, "contiguous", True), "--ep 4 (folded) must divide --fsdp 1 x --cp 2 = 2"),
         (_mesh(2, 1, 1, 2, "diagonal"), "--cp-layout must be one of contiguous, zigzag"),
         (_mesh(3, 1, 1, 3, "zigzag"), "--cp 3 with --cp-layout zigzag: the 256-token window does not split into 6"),
     ]:
-        with pytest.raises(GenoctxError, match=msg.replace("(", r"\(")):
+        with pytest.raises(GenoctxError, match=re.escape(msg)):
             evaluate(run_a, data, mesh=mesh, chunk_tokens=CHUNK)
     with pytest.raises(GenoctxError, match="--copy-probe needs one process"):
         evaluate(run_a, data, mesh=_mesh(2, 2, 1, 1, "contiguous"), copy_probe=True)

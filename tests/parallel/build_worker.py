@@ -31,13 +31,15 @@ from genoctx.parallel.build import Fresh, FromCheckpoint, FromHF, Zeros, build_m
 from genoctx.parallel.mesh import init_parallel
 from genoctx.parallel.state import local_targets
 
+# (ep, dp_shard, cp[, ep_folded]); the rest of 4 ranks is dp_replicate. "fsdp4_fep2": EP 2 folded into FSDP 4, each
+# expert block FSDP-sharded over efsdp = 2 ranks (Shard(1) where the block's experts do not split evenly)
 LAYOUTS = {"fsdp4": (1, 4, 1), "fsdp2_ep2": (2, 2, 1), "ep2_dp2": (2, 1, 1), "fsdp2_cp2": (1, 2, 2),
-           "hsdp2_2": (1, 2, 1)}  # fmt: skip  (ep, dp_shard, cp); the rest of 4 ranks is dp_replicate
+           "hsdp2_2": (1, 2, 1), "fsdp4_fep2": (2, 4, 1, True)}  # fmt: skip
 
 
 def _dims(name: str):
-    ep, dp_shard, cp = LAYOUTS[name]
-    return init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
+    ep, dp_shard, cp, *folded = LAYOUTS[name]
+    return init_parallel(cp=cp, ep=ep, dp_shard=dp_shard, ep_folded=bool(folded))
 
 
 def _anon_bytes() -> int:
@@ -125,7 +127,7 @@ def run_memory(args: dict) -> dict:
 
 def run_fresh(args: dict) -> dict:
     res = {}
-    for name in ("fsdp4", "fsdp2_ep2", "ep2_dp2", "fsdp2_cp2", "hsdp2_2"):
+    for name in ("fsdp4", "fsdp2_ep2", "ep2_dp2", "fsdp2_cp2", "hsdp2_2", "fsdp4_fep2"):
         dims = _dims(name)
         torch.manual_seed(0)
         model = build_model(args["cfg"], dims, source=Fresh())
@@ -147,7 +149,8 @@ def run_uneven(args: dict, out: Path) -> dict:
     opt, sched = build_optimizer(model, tc, 1)
     save_sharded(out / "run", 1, model, opt, sched, Recipe(model=cfg, train=tc), {}, src)
     ckpt = out / "run" / "checkpoints" / "step_000001"
-    for name in ("fsdp4", "ep2_dp2", "hsdp2_2"):
+    res["placements"] = {}
+    for name in ("fsdp4", "ep2_dp2", "hsdp2_2", "fsdp4_fep2"):
         dims = _dims(name)
         m = build_model(cfg, dims, source=FromCheckpoint(ckpt))  # weights only (--init RUN)
         res[f"init->{name}"] = full_state(m, dims)
@@ -155,6 +158,8 @@ def run_uneven(args: dict, out: Path) -> dict:
         o2, s2 = build_optimizer(m2, tc, 1)
         load_any(ckpt, m2, o2, s2, dims)
         res[f"resume->{name}"] = full_state(m2, dims)
+        p = m2.layers[1].mlp.experts.gate_up_proj
+        res["placements"][name] = [str(pl) for pl in getattr(p, "placements", ())]
     one = args.get("one_ckpt")
     if one:  # a one-process safetensors checkpoint, each rank reading its slices
         dims = _dims("fsdp4")

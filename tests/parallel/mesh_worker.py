@@ -23,7 +23,7 @@ from genoctx.recipes import TrainConfig
 sys.path.insert(0, str(Path(__file__).parent))
 from cp_worker import THREE_LAYERS  # noqa: E402
 
-# layout name -> (ep, dp_shard, cp); dp_replicate is the rest of the world
+# layout name -> (ep, dp_shard, cp[, ep_folded]); dp_replicate is the rest of the world
 CASES = {
     "fsdp2": (1, 2, 1),
     "ep2": (2, 1, 1),
@@ -38,11 +38,20 @@ CASES = {
     "fsdp2_cp2_ac": (1, 2, 2),
     "fsdp2_offload": (1, 2, 1),  # CPUOffloadPolicy: sharded parameters, gradients and AdamW state in CPU memory
     "fsdp2_ep2_ac": (2, 2, 1),
+    # folded EP ("fep"): the EP group drawn from the dp_shard x cp ranks (Layout.ep_folded)
+    "cp2_fep2": (2, 1, 2, True),
+    "cp2_fep2_ac": (2, 1, 2, True),
+    "fsdp2_fep2": (2, 2, 1, True),
+    "fsdp2_cp2_fep4": (4, 2, 2, True),
+    "fsdp2_cp2_fep4_ac": (4, 2, 2, True),
+    "fsdp4_fep2": (2, 4, 1, True),
+    "fsdp4_fep4": (4, 4, 1, True),
 }
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
 # one-process safetensors checkpoint written by the test (ONE_CKPT in the windows file), loaded by the mesh
-RESHARD = [("fsdp2_ep2", "hsdp2_2"), ("hsdp2_2", "fsdp2_ep2"), ("one", "fsdp2_ep2"), ("fsdp2_ep2", "dp4")]
+RESHARD = [("fsdp2_ep2", "hsdp2_2"), ("hsdp2_2", "fsdp2_ep2"), ("one", "fsdp2_ep2"), ("fsdp2_ep2", "dp4"),
+           ("fsdp2_ep2", "fsdp4_fep2"), ("fsdp4_fep4", "fsdp2_ep2")]
 
 
 def mesh_config() -> ModelConfig:
@@ -87,13 +96,19 @@ def _expert_offsets(model) -> dict:
     return out
 
 
+def init_case(name: str):
+    """``init_parallel`` for the layout ``name`` of ``CASES``."""
+    from genoctx.parallel.mesh import init_parallel
+
+    ep, dp_shard, cp, *folded = CASES[name]
+    return init_parallel(cp=cp, ep=ep, dp_shard=dp_shard, ep_folded=bool(folded and folded[0]))
+
+
 def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     from genoctx.parallel.build import FromHF, build_model
-    from genoctx.parallel.mesh import init_parallel
     from genoctx.train.loop import build_optimizer, train_step
 
-    ep, dp_shard, cp = CASES[name]
-    dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
+    dims = init_case(name)
     # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
     model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
                         offload_optimizer=name.endswith("_offload"))  # fmt: skip
@@ -186,13 +201,11 @@ def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = Non
     Returns the losses and, for the second layout of a pair, nothing else."""
     from genoctx.parallel.build import Zeros, build_model
     from genoctx.parallel.fsdp import apply_parallel
-    from genoctx.parallel.mesh import init_parallel
     from genoctx.recipes import Recipe
     from genoctx.train.loop import build_optimizer, train_step
     from genoctx.train.sharded import load_any, save_sharded
 
-    ep, dp_shard, cp = CASES[name]
-    dims = init_parallel(cp=cp, ep=ep, dp_shard=dp_shard)
+    dims = init_case(name)
     torch.manual_seed(1)
     if load is None:
         model = mesh_model()

@@ -229,7 +229,7 @@ def test_fresh_init_is_the_same_in_every_layout(tmp_path):
     torch.manual_seed(0)
     want = _one_process_state(HybridLM(cfg))
     ranks = _spawn(tmp_path, "fresh", cfg=cfg)
-    assert len(ranks[0]) == 5
+    assert len(ranks[0]) == 6
     for r in range(4):
         for got in ranks[r].values():
             _same(got, want)
@@ -255,8 +255,11 @@ def test_uneven_shards_save_reshard_and_load_exactly(tmp_path):
     ranks = _spawn(tmp_path, "uneven", cfg=cfg, hf=str(tmp_path / "hf"), one_ckpt=str(one))
     assert {ranks[r]["local_rows"]["layers.0.self_attn.forget_gate.A_log"] for r in range(4)} == {0, 1}
     assert sorted(ranks[r]["local_rows"]["layers.1.mlp.experts.gate_up_proj"] for r in range(4)) == [1, 1, 2, 2]
+    # folded EP 2 over FSDP 4: a block of 3 experts over efsdp = 2 ranks is split on dim 1, not padded on dim 0
+    assert ranks[0]["placements"]["fsdp4_fep2"][-1] == "S(1)"  # (replicas, efsdp): Replicate, Shard(1)
+    assert ranks[0]["placements"]["fsdp4"][-1] == "S(0)"
     for key, got in ranks[0].items():
-        if key != "local_rows":
+        if key not in ("local_rows", "placements"):
             _same(got, want)
 
 

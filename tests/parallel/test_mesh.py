@@ -20,14 +20,16 @@ import torch
 
 from genoctx.data.fasta import iter_records
 from genoctx.data.tokenizer import encode
+from genoctx.parallel.layout import Layout
 from genoctx.train.loop import build_optimizer, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload"]
-FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac"]
+TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2"]
+FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac", "fsdp2_cp2_fep4",
+        "fsdp2_cp2_fep4_ac"]
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +107,8 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
         experts = sum(g.numel() for n, g in ref[0]["grads"].items() if ".mlp.experts." in n)
         # what this rank holds: dense parameters / dense_shard, routed experts / (ep x expert_shard) (FSDP pads
         # uneven shards by < 1 row per parameter); AdamW keeps two moments of the same shape
-        fsdp = lay["dp_shard"] > 1 or lay["cp"] > 1
-        dense_shard = lay["ep"] * lay["dp_shard"] * lay["cp"] if fsdp else 1
-        expert_shard = lay["ep"] * (lay["dp_shard"] * lay["cp"] if fsdp else 1)
-        want = (full - experts) / dense_shard + experts / expert_shard
+        layout = Layout(**lay)
+        want = (full - experts) / layout.dense_shard + experts / (layout.ep * layout.expert_shard)
         assert want * 0.9 <= got["local_numel"] <= want * 1.1, (case, got["local_numel"], want, full)
         assert got["optimizer_numel"] == 2 * got["local_numel"]
         assert got["mixer_forwards"] == STEPS * (2 if case.endswith("_ac") else 1)  # recomputed in backward
@@ -130,11 +130,10 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
 def test_layout_equals_one_process(request, reference, case):
     """Each layout (two ranks or four) trains as one process over the data ranks' windows batched."""
     ranks = request.getfixturevalue("two" if case in TWO else "four")
-    ep, dp_shard, cp = CASES[case]
-    layout = ranks[0][case]["layout"]
-    assert (layout["ep"], layout["dp_shard"], layout["cp"]) == (ep, dp_shard, cp)
-    dp = layout["dp_replicate"] * ep * dp_shard
-    _assert_layout_equals_one_process(ranks, case, reference(dp))
+    ep, dp_shard, cp, *folded = CASES[case]
+    layout = Layout(**ranks[0][case]["layout"])
+    assert (layout.ep, layout.dp_shard, layout.cp, layout.ep_folded) == (ep, dp_shard, cp, bool(folded))
+    _assert_layout_equals_one_process(ranks, case, reference(layout.dp))
 
 
 def _three_steps(batch: torch.Tensor, ckpt_dir: Path | None = None) -> list[float]:
@@ -190,7 +189,7 @@ def test_sharded_checkpoint_loads_in_one_process(reshard):
     ref, _, out = reshard
     ckpt = out / "reshard_fsdp2_ep2_hsdp2_2" / "checkpoints" / "step_000001"
     assert is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
-    assert read_state(ckpt)["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1}
+    assert read_state(ckpt)["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1, "ep_folded": False}
     torch.manual_seed(5)
     from genoctx.model.model import HybridLM
 

@@ -167,7 +167,8 @@ def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = run / "checkpoints" / "step_000002"
     state = json.loads((ckpt / "state.json").read_text())
-    assert state["format"] == "dcp" and state["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 1, "cp": 1}
+    assert state["format"] == "dcp"
+    assert state["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 1, "cp": 1, "ep_folded": False}
     assert not (ckpt / "model.safetensors").exists() and (ckpt / "dcp" / ".metadata").is_file()
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["ep_rank"] for r in rows[0]["ranks"]] == [0, 1]
