@@ -46,9 +46,12 @@ Assumptions (each one is a place where a measurement can disagree):
 - The busiest rank: under context parallelism the rank holding the window's last piece (its DSA layers attend
   over the whole window); under expert parallelism a rank receives at most ``moe_chunk_tokens x k`` rows per
   dispatch round (the bound of ``genoctx.parallel.layout``'s expert parallelism).
-- KDA runs genoctx's own chunked core (``chunk_kda``, ``use_fla=False``, what ``genoctx train`` runs, and what the
-  CP state passing of ``genoctx.parallel.context`` always runs) in blocks of ``kda_block_tokens``, each recomputed
-  in backward on its own (``_kda_core_recompute``); fla's Triton kernel would need far less. DSA runs
+- KDA runs genoctx's own chunked core (``chunk_kda``, ``kda_kernel="torch"``, what ``genoctx train`` runs by
+  default, and what the CP state passing of ``genoctx.parallel.context`` always runs) in blocks of
+  ``kda_block_tokens``, each recomputed in backward on its own (``_kda_core_recompute``). With
+  ``kda_kernel="fla"`` on CUDA a training plan counts fla-core's Triton ``chunk_kda`` instead (``_fla_saved``,
+  ``_fla_forward``, ``_fla_backward``: counted from fla-core 0.6's saved and allocated tensors, not measured until
+  a GPU run; evaluation plans always count the PyTorch core). DSA runs
   sparse (``dsa_mode="sparse"``) with the indexer KL of the ``sparse`` stage (``indexer_stage="off"`` drops the KL
   terms); its tiles are those of the PyTorch path (``kernels="torch"``, and always on CPU): with the Triton kernels
   of ``kernels/`` on CUDA the tiles stay on chip and the tile terms are upper bounds.
@@ -294,6 +297,32 @@ def _kda_core_fwd(cfg: ModelConfig, s: _Sizes, rows: int, T: int, V: int) -> flo
     ``_kda_core_forward`` and the outputs of the blocks before (``a H V`` per token)."""
     Tb, _ = _kda_block(cfg, T)
     return rows * Tb * _kda_core_forward(cfg) + rows * (T - Tb) * s.a * cfg.linear_num_heads * V
+
+
+def _fla_saved(cfg: ModelConfig) -> float:
+    """What fla-core's ``chunk_kda`` (``kda_kernel="fla"``, CUDA) saves per token beyond the layer's q, k, v, g,
+    beta: the chunk-local cumulative decays ``f H K`` and the two intra-chunk score matrices ``Aqk``, ``Akk``
+    (``H C`` each, in k's dtype: fp32, as the layer hands fla its normalised q, k). Counted from fla-core 0.6's
+    ``ChunkKDAFunction.forward`` (``save_for_backward``; w, u, qg, kg, h and v_new are freed and recomputed in
+    backward); not measured (no GPU run yet)."""
+    H, K, C = cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_chunk_size
+    return F32 * H * (K + 2 * C)
+
+
+def _fla_forward(cfg: ModelConfig, s: _Sizes) -> float:
+    """fla's ``chunk_kda`` forward working set per token (``chunk_kda_fwd``): w, qg, kg ``3 f H K``, the chunk states h
+    ``f H K V / C``, u, v_new and the output ``3 a H V`` (V = K). Counted, not measured."""
+    H, K, C = cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_chunk_size
+    return F32 * H * (3 * K + K * K / C) + s.a * H * 3 * K
+
+
+def _fla_backward(cfg: ModelConfig, s: _Sizes) -> float:
+    """fla's ``chunk_kda_bwd`` working set per token: the recomputed w, u, qg, kg, h, v_new (as ``_fla_forward``) and
+    the gradients it allocates: dAqk, dAkk ``2 f H C``, dh ``f H K V / C``, dq, dk, dg ``3 f H K``, dbeta ``f H``,
+    dv twice ``2 a H V``: ``f H (6K + 2 K V / C + 2C + 1) + 4 a H V`` (V = K). Counted from fla-core 0.6, not
+    measured (no GPU run yet)."""
+    H, K, C = cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_chunk_size
+    return F32 * H * (6 * K + 2 * K * K / C + 2 * C + 1) + s.a * H * 4 * K
 
 
 def _dsa(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
@@ -612,6 +641,10 @@ def plan_memory(
             saved["kda"] = N * _kda(cfg, s)
             core = _kda_core_recompute(cfg, batch_size, T, K)
             w_fwd["kda_core_recompute"] = _kda_core_fwd(cfg, s, batch_size, T, K)
+            if cfg.kda_kernel == "fla" and device == "cuda":  # fla's Triton core: its own terms (counted, unmeasured)
+                saved["kda"] += N * _fla_saved(cfg)
+                core = N * _fla_backward(cfg, s)
+                w_fwd["kda_core_recompute"] = N * _fla_forward(cfg, s)
             core -= N * _kda_out_part(cfg, s)
             if cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
                 # projections again, [v | 0], the core block by block) after the layer's own graph is freed

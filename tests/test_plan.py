@@ -585,3 +585,23 @@ def test_cli_eval_bad_flags_exit_2_with_one_line(args, flag):
     assert r.exit_code == 2, r.output
     err = r.stderr.strip()
     assert err.startswith("genoctx: error:") and "\n" not in err and flag in err, err
+
+
+def test_fla_kda_kernel_is_planned_with_its_own_terms_on_cuda():
+    """``kda_kernel="fla"`` (fla-core's Triton chunk_kda, CUDA only): the plan counts fla's saved tensors and working
+    sets (counted from fla-core, unmeasured) instead of the PyTorch core's blocks; on the CPU the PyTorch core runs,
+    so the plan does not change."""
+    fla = dataclasses.replace(SMALL, kda_kernel="fla")
+    lay = Layout()
+    torch_cuda = P.plan_memory(SMALL, 1 << 16, lay, gpu_memory_gib=80.0, recompute=False)
+    fla_cuda = P.plan_memory(fla, 1 << 16, lay, gpu_memory_gib=80.0, recompute=False)
+    N, H, K, C = 1 << 16, SMALL.linear_num_heads, SMALL.linear_head_dim, SMALL.kda_chunk_size
+    kda_layers = SMALL.layer_types.count("linear_attention")
+    extra = fla_cuda["components_gib"]["activations_kda"] - torch_cuda["components_gib"]["activations_kda"]
+    assert extra * P.GIB == pytest.approx(kda_layers * N * 4 * H * (K + 2 * C), rel=1e-4)  # g_cumsum, Aqk, Akk
+    assert fla_cuda["working_sets_gib"]["kda_core_recompute"] != torch_cuda["working_sets_gib"]["kda_core_recompute"]
+    cpu = dict(dtype="fp32", device="cpu", gpu_memory_gib=80.0)
+    on_cpu = [P.plan_memory(c, 1 << 16, lay, **cpu) for c in (fla, SMALL)]
+    assert on_cpu[0]["components_gib"] == on_cpu[1]["components_gib"] and on_cpu[0]["total_gib"] > 0
+    with pytest.raises(ValueError, match="kda_kernel"):
+        dataclasses.replace(SMALL, kda_kernel="cuda")

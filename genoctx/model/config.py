@@ -144,10 +144,13 @@ class ModelConfig:
     # DSA on CUDA: "triton" = the kernels of ``kernels/`` (indexer top-k, sparse MLA forward/backward), "torch" = the
     # PyTorch path. On CPU the PyTorch path always runs. The path that ran is in the layer's stats["kernel"].
     kernels: str = "triton"
+    # KDA's core on CUDA: "torch" = genoctx's chunk_kda in blocks (the default, also the only one on CPU), "fla" =
+    # fla-core's Triton chunk_kda (``pip install 'genoctx[gpu]'``). The core that ran is in the layer's stats["path"].
+    kda_kernel: str = "torch"
 
     _runtime = (
         "kda_chunk_size", "kda_block_tokens", "indexer_tile_tokens", "moe_chunk_tokens", "dsa_mode",
-        "indexer_stage", "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef", "kernels",
+        "indexer_stage", "indexer_loss_coef", "router_bias_rate", "moe_aux_loss_coef", "kernels", "kda_kernel",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -211,6 +214,8 @@ class ModelConfig:
             raise ValueError(f"indexer_stage must be 'sparse', 'warmup' or 'off', got {self.indexer_stage!r}")
         if self.kernels not in ("triton", "torch"):
             raise ValueError(f"kernels must be 'triton' or 'torch', got {self.kernels!r}")
+        if self.kda_kernel not in ("torch", "fla"):
+            raise ValueError(f"kda_kernel must be 'torch' or 'fla', got {self.kda_kernel!r}")
         for name in ("kda_chunk_size", "kda_block_tokens", "indexer_tile_tokens", "moe_chunk_tokens",
                      "linear_conv_kernel_dim"):
             if getattr(self, name) < 1:

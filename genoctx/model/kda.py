@@ -402,7 +402,8 @@ class KimiDeltaAttention(nn.Module):
         cfg: uses ``hidden_size``, ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``,
             ``linear_lower_bound``, ``kda_chunk_size``, ``kda_block_tokens``, ``rms_norm_eps``,
             ``initializer_range``.
-        use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``).
+        use_fla: on CUDA, run fla's Triton ``chunk_kda`` instead of ours (recorded in ``stats["path"]``); also on
+            with ``cfg.kda_kernel == "fla"``.
         recompute: with grad enabled, save only the core's inputs (and one state per block of
             ``kda_block_tokens``) and rerun ``chunk_kda`` in backward block by block (``chunk_kda(recompute=True)``):
             the core's backward working set is one block's, one extra core forward.
@@ -416,7 +417,7 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_size = cfg.kda_chunk_size
         self.block_tokens = cfg.kda_block_tokens
         self.init_std = cfg.initializer_range
-        self.use_fla = use_fla
+        self.use_fla = use_fla or cfg.kda_kernel == "fla"
         self.recompute = recompute
         hk = self.key_dim
         self.q_proj = nn.Linear(d, hk, bias=False)

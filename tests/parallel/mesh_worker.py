@@ -42,6 +42,7 @@ CASES = {
     "cp2_fep2": (2, 1, 2, True),
     "cp2_fep2_ac": (2, 1, 2, True),
     "fsdp2_fep2": (2, 2, 1, True),
+    "fsdp2_fep2_ac": (2, 2, 1, True),
     "fsdp2_cp2_fep4": (4, 2, 2, True),
     "fsdp2_cp2_fep4_ac": (4, 2, 2, True),
     "fsdp4_fep2": (2, 4, 1, True),

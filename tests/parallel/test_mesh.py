@@ -1,7 +1,9 @@
 """The 4-D mesh (dp_replicate x ep x dp_shard x cp) trains exactly as one process (issue 13).
 
 Two subprocess runs (two and four spawned gloo ranks) train two AdamW steps in each layout: FSDP=2, EP=2 and DP=2
-on two ranks; EP=2 x CP=2, FSDP=2 x CP=2, DP=2 x EP=2, FSDP=2 x EP=2 and HSDP (2 replicas x FSDP=2) on four. One
+on two ranks; EP=2 x CP=2, FSDP=2 x CP=2, DP=2 x EP=2, FSDP=2 x EP=2 and HSDP (2 replicas x FSDP=2) on four; folded
+EP (the EP group drawn from dp_shard x cp, issue 23): CP=2 and FSDP=2 with EP=2 on two ranks, FSDP=2 x CP=2 with
+EP=4 on four, each with and without activation checkpointing. One
 process trains the same model on all the data ranks' windows batched. Every layout must give its loss (1e-5
 relative) and every gradient (1e-4) at both steps, so the first optimizer step (sharded AdamW state, the global
 gradient norm used for clipping, the router-bias update from all-reduced loads) is checked by the second step.
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2"]
+TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac"]
 FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac", "fsdp2_cp2_fep4",
         "fsdp2_cp2_fep4_ac"]
 
