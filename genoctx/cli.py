@@ -1037,7 +1037,9 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=
         raise GenoctxError(f"--ep {ep} (folded) must divide --fsdp {fsdp} x --cp {cp} = {fsdp * cp}")
     if gpus % (axis * fsdp * cp):
         ranks = f"--fsdp {fsdp} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {fsdp} x --cp {cp}"
-        raise GenoctxError(f"{ranks} = {axis * fsdp * cp} ranks must divide --gpus {gpus}")
+        folds = not ep_folded and ep > 1 and (fsdp * cp) % ep == 0 and gpus % (fsdp * cp) == 0
+        hint = " (or add --ep-folded: the --ep group drawn from the --fsdp x --cp ranks)" if folds else ""
+        raise GenoctxError(f"{ranks} = {axis * fsdp * cp} ranks must divide --gpus {gpus}{hint}")
     layout = Layout(dp_replicate=gpus // (axis * fsdp * cp) if dp_replicate is None else dp_replicate, ep=ep,
                     dp_shard=fsdp, cp=cp, ep_folded=ep_folded)  # fmt: skip
     if layout.world != gpus:

@@ -134,5 +134,8 @@ class Layout:
             raise ValueError(f"--ep {ep} (folded) must divide --fsdp {dp_shard} x --cp {cp} = {dp_shard * cp}")
         if world < 1 or inner < 1 or world % inner:
             what = f"--fsdp {dp_shard} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {dp_shard} x --cp {cp}"
-            raise ValueError(f"{what} = {inner} must divide --num-workers {world}")
+            shard_cp = dp_shard * cp
+            folds = not ep_folded and ep > 1 and shard_cp % ep == 0 and world >= 1 and world % shard_cp == 0
+            hint = f" (or add --ep-folded: --ep {ep} drawn from the --fsdp x --cp workers)" if folds else ""
+            raise ValueError(f"{what} = {inner} must divide --num-workers {world}{hint}")
         return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)

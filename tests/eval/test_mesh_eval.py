@@ -164,6 +164,7 @@ def test_bad_layouts_and_copy_probe_are_one_line_errors(data, checkpoints):
         (_mesh(3, 2, 1, 1, "contiguous"), "--ep 1 x --fsdp 2 x --cp 1 = 2 must divide --num-workers 3"),
         (_mesh(6, 1, 3, 1, "contiguous"), "--ep 3 must divide the routed experts"),
         (_mesh(2, 1, 4, 2, "contiguous", True), "--ep 4 (folded) must divide --fsdp 1 x --cp 2 = 2"),
+        (_mesh(2, 1, 2, 2, "contiguous"), "= 4 must divide --num-workers 2 (or add --ep-folded: --ep 2 drawn from"),
         (_mesh(2, 1, 1, 2, "diagonal"), "--cp-layout must be one of contiguous, zigzag"),
         (_mesh(3, 1, 1, 3, "zigzag"), "--cp 3 with --cp-layout zigzag: the 256-token window does not split into 6"),
     ]:
