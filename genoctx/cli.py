@@ -942,9 +942,10 @@ def _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload, batch_size, 
 def _format_dry_run(dr: dict, plan: dict, eval_: bool = False) -> str:
     """A few human lines of ``genoctx plan --dry-run``: per simulated rank its counted GiB next to the plan's (with
     --eval only what evaluation holds: the weights and the all-gathers; no gradients, no optimizer state)."""
+    from .parallel.layout import Layout
+
     gib = 2**30
-    lay = " ".join(f"{k}={v}" + (" (folded)" if k == "ep" and dr["layout"].get("ep_folded") else "")
-                   for k, v in dr["layout"].items() if k not in ("world", "ep_folded"))  # fmt: skip
+    lay = Layout(**{k: v for k, v in dr["layout"].items() if k != "world"}).describe()
     lines = [f"dry run ({lay}, {dr['dtype']}, built on the meta device in {dr['seconds']:.1f} s), GiB per rank "
              "counted from the built model (plan in brackets):"]  # fmt: skip
     per = plan["persistent_gib"]
@@ -1032,20 +1033,14 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=
     from .parallel.layout import Layout
 
     ep, fsdp, cp = ep or 1, fsdp or 1, cp or 1
-    axis = 1 if ep_folded else ep
-    if ep_folded and (fsdp * cp) % ep:
-        raise GenoctxError(f"--ep {ep} (folded) must divide --fsdp {fsdp} x --cp {cp} = {fsdp * cp}")
-    if gpus % (axis * fsdp * cp):
-        ranks = f"--fsdp {fsdp} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {fsdp} x --cp {cp}"
-        folds = not ep_folded and ep > 1 and (fsdp * cp) % ep == 0 and gpus % (fsdp * cp) == 0
-        hint = " (or add --ep-folded: the --ep group drawn from the --fsdp x --cp ranks)" if folds else ""
-        raise GenoctxError(f"{ranks} = {axis * fsdp * cp} ranks must divide --gpus {gpus}{hint}")
-    layout = Layout(dp_replicate=gpus // (axis * fsdp * cp) if dp_replicate is None else dp_replicate, ep=ep,
-                    dp_shard=fsdp, cp=cp, ep_folded=ep_folded)  # fmt: skip
-    if layout.world != gpus:
+    try:
+        layout = Layout.for_world(gpus, ep=ep, dp_shard=fsdp, cp=cp, ep_folded=ep_folded, world_flag="--gpus")
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
+    if dp_replicate is not None and dp_replicate != layout.dp_replicate:
         raise GenoctxError(
-            f"--dp-replicate {layout.dp_replicate} x --ep {axis} x --fsdp {fsdp} x --cp {cp} = {layout.world} "
-            f"ranks, not --gpus {gpus}"
+            f"--dp-replicate {dp_replicate} x --ep {layout.ep_axis} x --fsdp {fsdp} x --cp {cp} = "
+            f"{dp_replicate * layout.world // layout.dp_replicate} ranks, not --gpus {gpus}"
         )
     moe = "sparse" in cfg.mlp_layer_types
     if (moe and cfg.n_routed_experts % ep) or (not moe and ep > 1):

@@ -1426,9 +1426,8 @@ def all_to_all_bytes(cfg: ModelConfig, tokens: int, layout: Layout, a: int, pass
 
 
 def describe_layout(plan: dict) -> str:
-    """``"dp_replicate=1 ep=8 dp_shard=2 cp=4"`` of a plan (``ep=32 (folded)`` when folded)."""
-    lay = plan["layout"]
-    return " ".join(f"{d}={lay[d]}" + (" (folded)" if d == "ep" and lay.get("ep_folded") else "") for d in DIMS)
+    """``"dp_replicate=1 ep=8 dp_shard=2 cp=4"`` of a plan (``ep=32 (folded)`` when folded: ``Layout.describe``)."""
+    return Layout(**{k: v for k, v in plan["layout"].items() if k != "world"}).describe()
 
 
 def check_fits(plan: dict) -> None:

@@ -122,20 +122,24 @@ class Layout:
                         for k in DIMS)  # fmt: skip
 
     @classmethod
-    def for_world(cls, world: int, ep: int = 1, dp_shard: int = 1, cp: int = 1, ep_folded: bool = False) -> Layout:
+    def for_world(cls, world: int, ep: int = 1, dp_shard: int = 1, cp: int = 1, ep_folded: bool = False,
+                  world_flag: str = "--num-workers") -> Layout:  # fmt: skip
         """The layout of ``world`` ranks with these ``ep``, ``dp_shard`` and ``cp``; the rest is ``dp_replicate``.
+        ``world_flag`` names the flag that gave ``world`` in the messages (``--num-workers``, ``genoctx plan``'s
+        ``--gpus``).
 
         Raises:
-            ValueError: ``ep * dp_shard * cp`` (folded: ``dp_shard * cp``) does not divide ``world``, or a folded
-                ``ep`` does not divide ``dp_shard * cp`` (the message names the sizes).
+            ValueError: ``ep * dp_shard * cp`` (folded: ``dp_shard * cp``) does not divide ``world`` (with a hint to
+                fold EP where folding would fit), or a folded ``ep`` does not divide ``dp_shard * cp`` (the message
+                names the sizes).
         """
-        inner = (1 if ep_folded else ep) * dp_shard * cp
-        if ep_folded and (dp_shard * cp) % ep:
-            raise ValueError(f"--ep {ep} (folded) must divide --fsdp {dp_shard} x --cp {cp} = {dp_shard * cp}")
+        shard_cp = dp_shard * cp
+        inner = (1 if ep_folded else ep) * shard_cp
+        if ep_folded and shard_cp % ep:
+            raise ValueError(f"--ep {ep} (folded) must divide --fsdp {dp_shard} x --cp {cp} = {shard_cp}")
         if world < 1 or inner < 1 or world % inner:
             what = f"--fsdp {dp_shard} x --cp {cp}" if ep_folded else f"--ep {ep} x --fsdp {dp_shard} x --cp {cp}"
-            shard_cp = dp_shard * cp
             folds = not ep_folded and ep > 1 and shard_cp % ep == 0 and world >= 1 and world % shard_cp == 0
-            hint = f" (or add --ep-folded: --ep {ep} drawn from the --fsdp x --cp workers)" if folds else ""
-            raise ValueError(f"{what} = {inner} must divide --num-workers {world}{hint}")
+            hint = f" (or add --ep-folded: --ep {ep} drawn from the --fsdp x --cp ranks)" if folds else ""
+            raise ValueError(f"{what} = {inner} must divide {world_flag} {world}{hint}")
         return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)

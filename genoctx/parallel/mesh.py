@@ -132,22 +132,23 @@ def init_parallel(
         warnings.simplefilter("ignore")  # "slicing a flattened dim from root mesh will be deprecated"
         dp_mesh = mesh["dp_replicate", "ep", "dp_shard"]._flatten("dp")
         world_mesh = mesh[DIMS]._flatten("world")
-        expert_rep = mesh["dp_replicate", "dp_shard", "cp"]._flatten("expert_replicas")
+        folded = ep_folded and ep > 1
+        # ranks holding the same expert block (expert gradients without FSDP); folded EP is always sharded
+        expert_rep = None if folded else mesh["dp_replicate", "dp_shard", "cp"]._flatten("expert_replicas")
         dense_mesh = expert_mesh = None
         if lay.fsdp:
             mesh["ep", "dp_shard", "cp"]._flatten("dense_shard")
             dense_mesh = mesh["dp_replicate", "dense_shard"]
-            if not (ep_folded and ep > 1):
+            if not folded:
                 mesh["dp_shard", "cp"]._flatten("expert_shard")
                 expert_mesh = mesh["dp_replicate", "expert_shard"]
     ep_group, ep_rank, dtensor_mesh = None, 0, None
-    if ep_folded and ep > 1:
+    if folded:
         efsdp = lay.expert_shard
         ranks = torch.arange(lay.world).reshape(lay.dp_replicate, efsdp, ep).transpose(1, 2)  # ep fastest
         emesh = DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "ep", "efsdp"))
         ep_group, ep_rank = emesh["ep"].get_group(), emesh["ep"].get_local_rank()
         expert_mesh, dtensor_mesh = emesh["dp_replicate", "efsdp"], emesh["ep", "efsdp"]
-        expert_rep = None
     elif ep > 1:
         ep_group, ep_rank = mesh["ep"].get_group(), mesh["ep"].get_local_rank()
         dtensor_mesh = mesh["ep", "expert_shard"] if lay.fsdp else mesh["ep"]
