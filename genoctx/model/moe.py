@@ -166,6 +166,13 @@ class MoE(nn.Module):
     Attributes set by ``forward``:
         stats: {"tokens_per_expert": LongTensor [E] (this forward), "load_max_over_mean": float}.
         aux_loss: the sequence-wise balance loss x ``moe_aux_loss_coef`` (scalar fp32), or None.
+        last_selection: with the balance loss on, each sequence's expert selection counts ``[B, E]`` of this
+            forward (fp32), else None.
+
+    Set from outside:
+        window_selection: ``(selection counts [B, E], window tokens L)`` of the whole window, or None. When set, the
+            balance loss takes its ``f`` from it instead of from this forward's tokens, so that over the chunks of a
+            window (``genoctx.train.chunked``) ``aux_loss x T_c / L`` sums to the whole window's loss exactly.
 
     Buffers:
         load_counts: [E] int64, tokens routed to each expert since the last ``update_bias()`` (training mode
@@ -188,6 +195,8 @@ class MoE(nn.Module):
         self.register_buffer("load_counts", torch.zeros(self.n_experts, dtype=torch.long), persistent=False)
         self.stats: dict = {}
         self.aux_loss: torch.Tensor | None = None
+        self.last_selection: torch.Tensor | None = None
+        self.window_selection: tuple[torch.Tensor, int] | None = None
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, top_k={self.top_k}, chunk_tokens={self.chunk_tokens}"
@@ -255,11 +264,13 @@ class MoE(nn.Module):
             "tokens_per_expert": tokens_per_expert.detach(),
             "load_max_over_mean": float(tokens_per_expert.max() / mean) if mean > 0 else 0.0,
         }
-        self.aux_loss = None
+        self.aux_loss = self.last_selection = None
         if self.aux_coef > 0 and sels:
             # DeepSeek-V3 eq. 17-20, per sequence b: f_e = E/(k T) Σ_t 1[e ∈ TopK_t], P_e = 1/T Σ_t s'_{t,e},
             # L = Σ_e f_e P_e, averaged over the B sequences of this forward.
-            f = torch.stack(sels).sum(0) * (self.n_experts / (self.top_k * T))
+            self.last_selection = torch.stack(sels).sum(0).detach()
+            sel, n = (self.last_selection, T) if self.window_selection is None else self.window_selection
+            f = sel * (self.n_experts / (self.top_k * n))
             p = torch.stack(psums).sum(0) / T
             self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
 

@@ -166,9 +166,14 @@ class VocabHead:
     def token_losses(self, model, inputs: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy (nats, fp32, 0 where not scored, differentiable) of genoctx ``targets`` [B, T]
         given genoctx ``inputs`` [B, T] (``<bos>``-shifted), through ``model.hidden`` and the chunked head."""
+        return self.token_losses_cached(model, inputs, targets, scored)[0]
+
+    def token_losses_cached(self, model, inputs: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor, cache=None):
+        """``token_losses`` of one chunk of a sequence under the chunk contract: ``cache`` is what the previous chunk
+        returned (None at the start). Returns (losses [B, T] fp32 nats, the cache for the next chunk)."""
         from .head import head_token_losses
 
-        h, _ = model.hidden(self.map_ids(inputs))
+        h, cache = model.hidden(self.map_ids(inputs), cache)
         B, T, D = h.shape
         weight = model.lm_head.weight
         flat_scored = scored.reshape(-1)
@@ -179,7 +184,7 @@ class VocabHead:
             tgt = targets.reshape(-1).clamp(max=len(BASES) - 1)
             rows = self._ids[: len(BASES)].to(h.device)
         losses = head_token_losses(h.reshape(B * T, D), weight, tgt, flat_scored, self.chunk_tokens, rows=rows)
-        return losses.view(B, T)
+        return losses.view(B, T), cache
 
     @torch.no_grad()
     def log_probs(self, model, inputs: torch.Tensor, cache=None):

@@ -1,0 +1,288 @@
+"""Exact, memory-bounded training of one long window by chunks (DESIGN.md's chunk contract, third use).
+
+A window of ``L`` tokens is cut into consecutive chunks of ``seq_chunk_tokens`` (the last one shorter when ``L`` is
+not a multiple). One training step is two sweeps:
+
+1. **Forward, no graph.** The chunks run in order under ``torch.no_grad``, each taking the cache the previous one
+   returned (``HybridLM.hidden(tokens, cache)``). What crosses each boundary is kept and nothing else: per KDA layer
+   the recurrent state ``[B, H, K, V]`` fp32 and the short-convolution tail; per DSA layer the tail of the
+   indexer's incomplete pool. The DSA latents ``[B, L, kv_lora_rank]`` and pooled indexer keys
+   ``[B, L / kpool, d_I]`` of every token are kept once, from the last chunk's cache: the incoming cache of chunk
+   ``c`` is their first ``start_c`` positions (views, no copy). This sweep also counts each MoE layer's router loads
+   (once per token, as one pass does) and, with the sequence-wise balance loss on, each sequence's expert
+   selections over the whole window.
+2. **Backward, in reverse.** For ``c = n-1 .. 0`` the chunk is recomputed with grad from its stored incoming cache,
+   whose floating tensors are made leaves (``requires_grad``). Its objective is
+   ``loss_sum_c / count + aux_c x T_c / L`` (the auxiliary losses are means over a chunk's queries, so
+   ``T_c / L`` weights make them the window's means), and ``torch.autograd.backward`` runs on the objective and on
+   the chunk's outgoing cache tensors together, the latter with the gradient that chunk ``c + 1`` computed for its
+   incoming leaves. The leaves' gradients are what chunk ``c - 1`` then hands on. A DSA layer's outgoing latents
+   are ``cat(incoming, own)``, so the gradient that reaches chunk ``c``'s incoming latents already sums what every
+   later chunk sent to those positions: the accumulation across chunks is autograd's own.
+
+Loss and every gradient equal one pass over the whole window (tests: fp64, window not a multiple of the chunk,
+shared DSA layer, MoE with the balance loss, indexer KL stages "warmup" and "sparse", all-N chunks). The
+sequence-wise MoE balance loss stays exact: its ``f`` (selection fraction) comes from the forward sweep over the
+whole window (``MoE.window_selection``), its ``P`` is linear in the tokens and splits over chunks.
+
+Memory: one chunk's activations (with ``train.activation_checkpointing``, one layer's inside the chunk) plus the
+boundary state, which grows with ``L`` only through the DSA latents and pooled indexer keys and their gradients
+(``genoctx.plan``: ``seq_chunk_tokens``). Cost: every chunk runs forward twice (three times with activation
+checkpointing).
+
+Router loads are counted in the forward sweep only (the backward sweep restores ``load_counts``); after the step each
+layer's ``stats`` describe the whole window (counts summed over chunks, the indexer loss the window's mean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ..model.dsa import DSACache
+from ..model.kda import KDACache
+from ..model.model import HybridLM, ModelCache
+from ..model.moe import MoE
+
+
+def chunk_bounds(length: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: consecutive chunks covering ``length`` tokens, ``chunk_tokens`` each but the last.
+
+    Raises:
+        ValueError: ``chunk_tokens < 1``.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"seq_chunk_tokens must be >= 1, got {chunk_tokens}")
+    return [(s, min(length, s + chunk_tokens)) for s in range(0, length, chunk_tokens)]
+
+
+class _Boundaries:
+    """The incoming cache of every chunk, with the DSA latents and pooled keys held once (prefix views)."""
+
+    def __init__(self) -> None:
+        # per chunk: None (chunk 0) or (per layer: KDACache | (tail_k, tail_gate, pools), position)
+        self.small: list = []
+        self.final: ModelCache | None = None
+
+    def add(self, cache: ModelCache | None) -> None:
+        """Record chunk c's incoming cache (None for chunk 0): KDA caches whole, DSA tails only."""
+        if cache is None:
+            self.small.append(None)
+            return
+        row = []
+        for c in cache.layers:
+            if isinstance(c, DSACache):
+                row.append((c.tail_k, c.tail_gate, None if c.pool_k is None else c.pool_k.shape[1]))
+            else:
+                row.append(c)
+        self.small.append((row, cache.position))
+
+    def cache_in(self, c: int) -> ModelCache | None:
+        """Chunk c's incoming cache, its DSA latents and pooled keys as views of the last chunk's."""
+        entry = self.small[c]
+        if entry is None:
+            return None
+        row, position = entry
+        layers = []
+        for small, last in zip(row, self.final.layers, strict=True):
+            if isinstance(last, DSACache):
+                tail_k, tail_gate, n_pools = small
+                pool_k = None if n_pools is None else last.pool_k[:, :n_pools]
+                layers.append(DSACache(last.latent[:, :position], pool_k, tail_k, tail_gate))
+            else:
+                layers.append(small)
+        return ModelCache(layers, position)
+
+
+def _leaves(cache: ModelCache | None) -> tuple[ModelCache | None, list[Tensor]]:
+    """A copy of ``cache`` whose floating tensors are fresh autograd leaves (detached, ``requires_grad``), and those
+    leaves in a fixed order (``_tensors``)."""
+    if cache is None:
+        return None, []
+    leaves: list[Tensor] = []
+
+    def leaf(t):
+        if t is None or not t.is_floating_point():
+            return t
+        x = t.detach().requires_grad_(True)
+        leaves.append(x)
+        return x
+
+    layers = []
+    for c in cache.layers:
+        if isinstance(c, DSACache):
+            layers.append(DSACache(leaf(c.latent), leaf(c.pool_k), leaf(c.tail_k), leaf(c.tail_gate)))
+        elif isinstance(c, KDACache):
+            layers.append(KDACache(leaf(c.state), leaf(c.conv_state)))
+        else:
+            layers.append(c)
+    return ModelCache(layers, cache.position), leaves
+
+
+def _tensors(cache: ModelCache) -> list[Tensor | None]:
+    """A cache's floating tensors in ``_leaves``' order (None where a field is None or not floating)."""
+    out: list[Tensor | None] = []
+
+    def take(t):
+        if t is not None and t.is_floating_point():
+            out.append(t)
+
+    for c in cache.layers:
+        if isinstance(c, DSACache):
+            for t in (c.latent, c.pool_k, c.tail_k, c.tail_gate):
+                take(t)
+        elif isinstance(c, KDACache):
+            for t in (c.state, c.conv_state):
+                take(t)
+    return out
+
+
+def _moes(model: HybridLM) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+_SUMMED = ("keys_scored", "keys_attended", "ep_received_rows", "ep_rounds")
+
+
+def _merge_stats(parts: list[dict | None], weights: list[float]) -> dict | None:
+    """One layer module's ``stats`` over the chunks of a window: counts summed, ``tokens_per_expert`` summed and
+    ``load_max_over_mean`` recomputed from it, ``indexer_loss`` the ``weights``-weighted sum (T_c / L: the window's
+    mean), ``ep_max_round_rows`` the max; anything else (path, kernel, indexer) as the chunks agree, else joined."""
+    parts_w = [(p, w) for p, w in zip(parts, weights, strict=True) if p]
+    if not parts_w:
+        return None
+    out: dict = {}
+    for key in parts_w[0][0]:
+        vals = [p.get(key) for p, _ in parts_w]
+        if key == "tokens_per_expert":
+            out[key] = torch.stack([torch.as_tensor(v) for v in vals]).sum(0)
+        elif key == "load_max_over_mean":
+            continue
+        elif key == "indexer_loss":
+            ws = [w for _, w in parts_w]
+            out[key] = None if any(v is None for v in vals) else sum(v * w for v, w in zip(vals, ws, strict=True))
+        elif key in _SUMMED:
+            out[key] = sum(vals)
+        elif key == "ep_max_round_rows":
+            out[key] = max(vals)
+        else:
+            uniq = list(dict.fromkeys(vals))
+            out[key] = uniq[0] if len(uniq) == 1 else "+".join(map(str, uniq))
+    if "tokens_per_expert" in out:
+        tpe = out["tokens_per_expert"]
+        mean = tpe.float().mean()
+        out["load_max_over_mean"] = float(tpe.max() / mean) if mean > 0 else 0.0
+    return out
+
+
+def chunked_forward_backward(
+    model: HybridLM,
+    inputs: Tensor,
+    tokens: Tensor,
+    scored: Tensor,
+    chunk_tokens: int,
+    count: Tensor,
+    *,
+    autocast=None,
+    head=None,
+    aux_scale: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Loss and gradients of whole windows, computed chunk by chunk with bounded memory (module docstring).
+
+    Args:
+        model: the model (plain, or with FSDP2 / activation checkpointing applied); gradients accumulate into
+            its parameters' ``.grad`` as one ``backward`` of the whole window would leave them.
+        inputs, tokens: ``[B, L]`` int64: the ``<bos>``-shifted model inputs and the targets.
+        scored: ``[B, L]`` bool: the positions whose loss counts.
+        chunk_tokens: tokens per chunk (``train.seq_chunk_tokens``); ``>= L`` runs one chunk.
+        count: the scored-token count the loss sum is divided by (clamped at 1): this batch's, or the global
+            batch's under data parallelism.
+        autocast: a context manager for each chunk's forward (bf16 autocast), or None.
+        head: a ``genoctx.model.vocab.VocabHead`` (a base with a text vocabulary), or None for the model's logits.
+        aux_scale: the auxiliary losses' weight in the objective (1 in one process; the rank's share of the global
+            queries under data parallelism).
+
+    Returns:
+        ``(loss_sum, aux)``: the sum of token losses in nats (fp64, detached) over the ``B x L`` positions, and the
+        auxiliary loss of the whole window (detached, times ``aux_scale``) or None when the model has none.
+
+    The objective back-propagated is ``loss_sum / max(count, 1) + aux_scale x aux``, the same as
+    ``genoctx.train.loop.forward_backward`` builds from one pass.
+    """
+    from ..model.model import token_losses
+
+    autocast = autocast if autocast is not None else contextlib.nullcontext()
+    L = inputs.shape[1]
+    bounds = chunk_bounds(L, chunk_tokens)
+    denom = count.clamp(min=1)
+    moes = _moes(model)
+
+    def run(c: int, cache: ModelCache | None):
+        s, e = bounds[c]
+        with autocast:
+            if head is not None:
+                losses, cache = head.token_losses_cached(model, inputs[:, s:e], tokens[:, s:e], scored[:, s:e], cache)
+            else:
+                logits, cache = model(inputs[:, s:e], cache)
+                losses = token_losses(logits, tokens[:, s:e], scored[:, s:e])
+        return losses, cache
+
+    # 1. forward, no graph: the boundaries, the router loads, each sequence's expert selections
+    boundaries = _Boundaries()
+    selections: list[Tensor | None] = [None] * len(moes)
+    cache = None
+    with torch.no_grad():
+        for c in range(len(bounds)):
+            boundaries.add(cache)
+            _, cache = run(c, cache)
+            for i, m in enumerate(moes):
+                sel = m.last_selection
+                if sel is not None:
+                    selections[i] = sel if selections[i] is None else selections[i] + sel
+    boundaries.final = cache
+    del cache
+    for m, sel in zip(moes, selections, strict=True):
+        m.window_selection = None if sel is None else (sel, L)
+    saved_counts = [m.load_counts.clone() for m in moes]
+
+    # 2. backward, in reverse
+    loss_sum = torch.zeros((), dtype=torch.float64, device=inputs.device)
+    aux_total: Tensor | None = None
+    grads_out: list[Tensor | None] | None = None
+    stats: dict[str, list] = {}
+    weights = [(e - s) / L for s, e in reversed(bounds)]
+    try:
+        for c in reversed(range(len(bounds))):
+            s, e = bounds[c]
+            cache_in, leaves = _leaves(boundaries.cache_in(c))
+            losses, cache_out = run(c, cache_in)
+            part = losses.sum()
+            objective = part / denom
+            aux = model.aux_loss()
+            if aux is not None:
+                aux_c = aux * ((e - s) / L) * aux_scale
+                objective = objective + aux_c
+                aux_total = aux_c.detach() if aux_total is None else aux_total + aux_c.detach()
+            outs, grads = [objective], [None]
+            if grads_out is not None:
+                for t, g in zip(_tensors(cache_out), grads_out, strict=True):
+                    if g is not None and t.requires_grad:
+                        outs.append(t)
+                        grads.append(g)
+            torch.autograd.backward(outs, grads)
+            grads_out = [x.grad for x in leaves]
+            loss_sum += part.detach().double()
+            for name, m in model.named_modules():
+                st = m.__dict__.get("stats")
+                if isinstance(st, dict):
+                    stats.setdefault(name, []).append(st)
+            del cache_in, leaves, cache_out, outs, grads, losses, part, objective, aux
+    finally:
+        for m, counts in zip(moes, saved_counts, strict=True):
+            m.window_selection = None
+            m.load_counts.copy_(counts)
+    for name, parts in stats.items():
+        model.get_submodule(name).stats = _merge_stats(parts, weights)
+    return loss_sum, aux_total
