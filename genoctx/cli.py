@@ -355,6 +355,15 @@ def train(
             "its own; = train.ep_folded.",
         ),
     ] = None,
+    seq_chunk: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-chunk",
+            help="Train each window as consecutive chunks of this many tokens (k/M suffixes), exactly (the chunked "
+            "backward: memory bounded by the chunk plus the state crossing chunk boundaries); "
+            "= train.seq_chunk_tokens.",
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
     ] = False,
@@ -405,7 +414,11 @@ def train(
             overrides.append(f"train.{key}={value}")
     if ep_folded is not None:
         overrides.append(f"train.ep_folded={str(ep_folded).lower()}")
+    if seq_chunk is not None:
+        overrides.append(f"train.seq_chunk_tokens={_size('--seq-chunk', seq_chunk)}")
     rec = load_recipe(recipe, overrides)
+    if rec.train.seq_chunk_tokens is not None and rec.train.cp > 1:
+        raise GenoctxError("--seq-chunk (train.seq_chunk_tokens) with --cp > 1 is not supported yet: use one of them")
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")

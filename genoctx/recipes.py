@@ -75,6 +75,9 @@ class TrainConfig:
     # fsdp x cp) instead of a mesh axis of its own that multiplies the data ranks (genoctx.parallel.layout)
     ep_folded: bool = False
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (Ray runs)
+    # train each window as consecutive chunks of this many tokens with the exact chunked backward
+    # (genoctx.train.chunked): memory bounded by the chunk plus the boundary state; null = one pass
+    seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
 
     def __post_init__(self) -> None:
@@ -108,6 +111,7 @@ _TRAIN_RANGES = (
     ("keep_checkpoints", 0, None, ">= 0 (0 = keep all)"),
     ("log_every", 1, None, ">= 1"),
     ("num_threads", 1, None, ">= 1 (or null: torch's default)"),
+    ("seq_chunk_tokens", 1, None, ">= 1 (or null: one pass over the window)"),
     ("cp", 1, None, ">= 1"),
     ("ep", 1, None, ">= 1"),
     ("fsdp", 1, None, ">= 1"),

@@ -48,6 +48,7 @@ from .checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
+from .chunked import chunked_forward_backward
 from .faults import maybe_kill
 from .init import base_source, describe, resolve_init, vocab_head
 
@@ -163,7 +164,12 @@ def sample_batch(
 
 
 def forward_backward(
-    model: HybridLM, tokens: torch.Tensor, autocast, dims: ParallelDims | None = None, head=None
+    model: HybridLM,
+    tokens: torch.Tensor,
+    autocast,
+    dims: ParallelDims | None = None,
+    head=None,
+    seq_chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One forward and backward over a batch of windows.
 
@@ -189,9 +195,26 @@ def forward_backward(
     ``head`` (a ``genoctx.model.vocab.VocabHead``, for a base with a text vocabulary): inputs are mapped to the
     base's ids and the loss runs through its chunked head (``full`` or ``nucleotide`` vocabulary); None = the
     model's own logits over the 8 nucleotide tokens.
+
+    ``seq_chunk_tokens`` (``train.seq_chunk_tokens``): windows longer than it are trained as consecutive chunks by the
+    exact chunked backward (``genoctx.train.chunked``), with the same objective; None = one pass.
+
+    Raises:
+        GenoctxError: ``seq_chunk_tokens`` with context parallelism (not supported yet).
     """
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < tokens.shape[1]
+    if chunked and dims is not None and dims.cp > 1:
+        raise GenoctxError(
+            "train.seq_chunk_tokens (--seq-chunk) with --cp > 1 is not supported yet: use one or the other"
+        )
+    if chunked and (dims is None or not dims.is_distributed):
+        count = scored.sum()
+        loss_sum, aux = chunked_forward_backward(
+            model, inputs, tokens, scored, seq_chunk_tokens, count, autocast=autocast, head=head
+        )
+        return loss_sum, count, float(aux) if aux is not None else 0.0
     if dims is None or not dims.is_distributed:
         losses = _token_losses(model, inputs, tokens, scored, autocast, head)
         loss_sum = losses.sum()
@@ -208,13 +231,20 @@ def forward_backward(
     group = dims.dp_cp_group
     count = scored.sum()
     count_g = all_reduce_sum(count, group)
-    loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
     share = 1.0 / dims.world  # q_local / q_g: every rank holds B x L / cp positions
-    aux = model.aux_loss()
-    total = loss_sum / count_g.clamp(min=1)
-    if aux is not None:
-        total = total + aux * share
-    total.backward()
+    if chunked:  # every data rank trains its whole windows in chunks (the same number on every rank)
+        loss_sum, aux = chunked_forward_backward(
+            model, inputs, tokens, scored, seq_chunk_tokens, count_g, autocast=autocast, head=head, aux_scale=share
+        )
+        if aux is not None:
+            aux = aux / share  # the sums below weight it by share again
+    else:
+        loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
+        aux = model.aux_loss()
+        total = loss_sum / count_g.clamp(min=1)
+        if aux is not None:
+            total = total + aux * share
+        total.backward()
     reduce_gradients(model, dims)  # a sum over the ranks holding each parameter (FSDP: done in backward)
     sums = torch.stack(
         [
@@ -245,7 +275,10 @@ def train_step(
     before the router-bias update, so every rank takes the same step.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head)
+    chunk = (
+        cfg.seq_chunk_tokens if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens < tokens.shape[1] else None
+    )
+    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head, chunk)
     if dims is not None and dims.is_distributed:
         all_reduce_moe_loads(model, dims.dp_cp_group)
         grad_norm = clip_grad_norm(model, cfg.grad_clip, dims)  # the global norm over sharded/EP gradients
@@ -264,6 +297,9 @@ def train_step(
         "grad_norm": float(grad_norm),
         "lr": lr,
         "moe_load_max_over_mean": max((m["load_max_over_mean"] for m in moe), default=None),
+        # the path that ran: one pass over the window (None) or the chunked backward with chunks of this many tokens
+        "seq_chunk_tokens": chunk,
+        "seq_chunks": -(-tokens.shape[1] // chunk) if chunk else 1,
     }
 
 

@@ -47,7 +47,11 @@ CASES = {
     "fsdp2_cp2_fep4_ac": (4, 2, 2, True),
     "fsdp4_fep2": (2, 4, 1, True),
     "fsdp4_fep4": (4, 4, 1, True),
+    # "_chunk": each data rank trains its window in chunks of CHUNK tokens (the exact chunked backward)
+    "fsdp2_chunk": (1, 2, 1),
+    "fsdp2_ep2_chunk_ac": (2, 2, 1),
 }
+CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
 # one-process safetensors checkpoint written by the test (ONE_CKPT in the windows file), loaded by the mesh
@@ -116,6 +120,8 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()
+    if "_chunk" in name:
+        cfg.seq_chunk_tokens = CHUNK
     opt, sched = build_optimizer(model, cfg, cfg.steps)
     tokens = windows[dims.dp_rank][None]
     steps = []

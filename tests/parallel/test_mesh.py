@@ -26,12 +26,13 @@ from genoctx.parallel.layout import Layout
 from genoctx.train.loop import build_optimizer, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mesh_worker import CASES, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
+from mesh_worker import CASES, CHUNK, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
-TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac"]
+TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac",
+       "fsdp2_chunk"]
 FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac", "fsdp2_cp2_fep4",
-        "fsdp2_cp2_fep4_ac"]
+        "fsdp2_cp2_fep4_ac", "fsdp2_ep2_chunk_ac"]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,13 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
         want = (full - experts) / layout.dense_shard + experts / (layout.ep * layout.expert_shard)
         assert want * 0.9 <= got["local_numel"] <= want * 1.1, (case, got["local_numel"], want, full)
         assert got["optimizer_numel"] == 2 * got["local_numel"]
-        assert got["mixer_forwards"] == STEPS * (2 if case.endswith("_ac") else 1)  # recomputed in backward
+        # recomputed in backward; chunked: a forward sweep over the chunks, then each chunk again in backward
+        chunks = -(-L // CHUNK) if "_chunk" in case else 0
+        per_step = (2 if case.endswith("_ac") else 1) if not chunks else chunks * (3 if case.endswith("_ac") else 2)
+        assert got["mixer_forwards"] == STEPS * per_step
+        if chunks:
+            assert got["steps"][0]["metrics"]["seq_chunk_tokens"] == CHUNK
+            assert got["steps"][0]["metrics"]["seq_chunks"] == chunks
         for step in range(STEPS):
             g_step, r_step = got["steps"][step], ref[step]
             assert g_step["metrics"]["scored_tokens"] == r_step["metrics"]["scored_tokens"]
