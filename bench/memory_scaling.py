@@ -1,7 +1,7 @@
 """Peak memory of one forward+backward of the ``cpu-small`` model by sequence length; one JSON line per L.
 
     .venv/bin/python bench/memory_scaling.py [--lengths 8192 16384 32768 65536] [--threads 2]
-        [--recompute] [--kda-block-tokens N]
+        [--recompute] [--kda-block-tokens N] [--seq-chunk N]
 
 Prints, per length L::
 
@@ -17,6 +17,12 @@ Method (as ``bench/dsa_vs_dense.py``):
 - ``--recompute``: each decoder layer recomputed in backward (``apply_ac``, as ``train.activation_checkpointing``).
   ``--kda-block-tokens N``: the KDA core's block (``ModelConfig.kda_block_tokens``; 0 = the whole sequence in one
   block, the core before blocks): the core's working set, forward and recomputed backward, is one block's.
+- ``--seq-chunk N``: the window trained as chunks of N tokens by the exact chunked backward
+  (``genoctx.train.chunked``, as ``train.seq_chunk_tokens``). The line adds ``growth_bytes_per_token``: the
+  peak's growth per added token since the previous L (``(peak_L - peak_prev) / (L - L_prev)``), which is the
+  state crossing chunk boundaries once the chunk's own working set is the same, and
+  ``planned_boundary_bytes_per_token``, the planner's formula for that state (``genoctx.plan.seq_chunk_boundary_bytes``:
+  the DSA latents and pooled indexer keys of every token with their gradient buffers, the KDA states per boundary).
 - Each L runs in a fresh subprocess. Peak memory on CPU is ``ru_maxrss`` (the process's peak resident set)
   after the step minus the resident set just before it (model, optimizer-free, inputs allocated; a warm-up
   step at 512 tokens has loaded kernels). On CUDA: ``torch.cuda.max_memory_allocated()`` minus the
@@ -51,7 +57,8 @@ def _tokens(L: int):
     return inputs, tokens
 
 
-def worker(L: int, preset_name: str, device: str, recompute: bool = False, kda_block_tokens: int | None = None) -> dict:
+def worker(L: int, preset_name: str, device: str, recompute: bool = False, kda_block_tokens: int | None = None,
+           seq_chunk: int | None = None) -> dict:
     """One forward+backward at length L in this process; returns its time and peak memory."""
     import torch
     import torch.nn.functional as F
@@ -70,6 +77,13 @@ def worker(L: int, preset_name: str, device: str, recompute: bool = False, kda_b
         apply_ac(model)
 
     def step(inputs, targets):
+        if seq_chunk:
+            from genoctx.train.chunked import chunked_forward_backward
+
+            scored = torch.ones_like(targets, dtype=torch.bool)
+            chunked_forward_backward(model, inputs.to(device), targets.to(device), scored.to(device), seq_chunk,
+                                     scored.sum())  # fmt: skip
+            return
         logits, _ = model(inputs.to(device))
         loss = F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten())
         aux = model.aux_loss()
@@ -90,7 +104,12 @@ def worker(L: int, preset_name: str, device: str, recompute: bool = False, kda_b
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()) - base
-    return {"seconds": round(seconds, 2), "peak_mib": round(peak, 1)}
+    out = {"seconds": round(seconds, 2), "peak_mib": round(peak, 1)}
+    if seq_chunk:
+        from genoctx.plan import seq_chunk_boundary_bytes
+
+        out["planned_boundary_bytes_per_token"] = round(seq_chunk_boundary_bytes(cfg, seq_chunk, rows=1, a=4), 1)
+    return out
 
 
 def main() -> None:
@@ -101,13 +120,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--recompute", action="store_true", help="recompute each decoder layer in backward")
     ap.add_argument("--kda-block-tokens", type=int, help="KDA core block in tokens (0: one block); default: model's")
+    ap.add_argument("--seq-chunk", type=int, help="train the window in chunks of N tokens (train.seq_chunk_tokens)")
     ap.add_argument("--worker-L", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker_L:
         import torch
 
         torch.set_num_threads(a.threads)
-        print(json.dumps(worker(a.worker_L, a.preset, a.device, a.recompute, a.kda_block_tokens)))
+        print(json.dumps(worker(a.worker_L, a.preset, a.device, a.recompute, a.kda_block_tokens, a.seq_chunk)))
         return
     prev = None
     for L in a.lengths:
@@ -115,9 +135,11 @@ def main() -> None:
         cmd += ["--threads", str(a.threads)] + (["--recompute"] if a.recompute else [])
         if a.kda_block_tokens is not None:
             cmd += ["--kda-block-tokens", str(a.kda_block_tokens)]
+        if a.seq_chunk:
+            cmd += ["--seq-chunk", str(a.seq_chunk)]
         p = subprocess.run(cmd, capture_output=True, text=True)
         line = {"bench": "memory_scaling", "L": L, "preset": a.preset, "device": a.device, "threads": a.threads,
-                "recompute": a.recompute, "kda_block_tokens": a.kda_block_tokens}
+                "recompute": a.recompute, "kda_block_tokens": a.kda_block_tokens, "seq_chunk": a.seq_chunk}
         if p.returncode:
             err = p.stderr.strip().splitlines()
             line["error"] = err[-1] if err else p.returncode
@@ -127,7 +149,10 @@ def main() -> None:
             line["mib_per_1k_tokens"] = round(res["peak_mib"] / (L / 1024), 2)
             if prev is not None:
                 line["growth_vs_prev_L"] = round(res["peak_mib"] / prev["peak_mib"], 2)
-            prev = res
+                if a.seq_chunk:
+                    grown = (res["peak_mib"] - prev["peak_mib"]) * 2**20 / (L - prev["L"])
+                    line["growth_bytes_per_token"] = round(grown, 1)
+            prev = {**res, "L": L}
         print(json.dumps(line), flush=True)
 
 

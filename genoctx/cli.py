@@ -840,6 +840,15 @@ def plan(
     cp_layout: Annotated[
         str, typer.Option("--cp-layout", help="With --eval: contiguous or zigzag CP pieces (genoctx eval's).")
     ] = "contiguous",
+    seq_chunk: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-chunk",
+            help="Train each window in chunks of this many tokens (train.seq_chunk_tokens; k/M suffixes), planned "
+            "for the layouts without CP; 'auto': per layout one pass if it fits, else the largest chunk that fits "
+            "(default: the recipe's train.seq_chunk_tokens, else one pass).",
+        ),
+    ] = None,
 ) -> None:
     """Predict GPU memory per rank of one training step, by component, for a model x window x parallel layout.
     With --eval: of scoring one window in evaluation instead (the peak of one forward, no gradients).
@@ -855,8 +864,9 @@ def plan(
       genoctx plan --dry-run --preset glm-5.3-flash --seq-len 1M --gpus 64 --cp 64
       genoctx plan --eval --preset glm-5.3-flash --seq-len 512k --gpus 64 --gpu-memory-gib 178
       genoctx plan --eval --chunk-tokens 4k --preset glm-5.3-flash --seq-len 1M --gpus 64 --format json
+      genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --seq-chunk auto
     """
-    from .plan import format_table, plan_eval, plan_memory, search_layouts
+    from .plan import best_seq_chunk, format_table, plan_eval, plan_memory, search_layouts
 
     _setup_logging(False)
     if format_ not in ("table", "json"):
@@ -877,13 +887,28 @@ def plan(
         raise GenoctxError(f"--seq-len: {L} tokens is shorter than one KDA chunk ({cfg.kda_chunk_size} tokens)")
     kwargs = _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload_optimizer, batch_size, dtype, dry_run,
                           chunk_tokens, cp_layout)  # fmt: skip
+    if seq_chunk is not None and eval_:
+        raise GenoctxError("--seq-chunk is about a training step; --eval plans scoring one window (see --chunk-tokens)")
+    if not eval_:
+        if seq_chunk is None:
+            chunk = rec.train.seq_chunk_tokens if rec is not None else None
+        else:
+            chunk = "auto" if seq_chunk == "auto" else _size("--seq-chunk", seq_chunk)
+        if chunk is not None:
+            kwargs["seq_chunk_tokens"] = chunk
     doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {})}
     if ep_folded and ep is None:
         raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
         layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
+        if layout.cp > 1 and kwargs.get("seq_chunk_tokens") is not None:
+            raise GenoctxError("--seq-chunk with --cp > 1: chunked training runs without context parallelism (yet)")
         try:
-            plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
+            if kwargs.get("seq_chunk_tokens") == "auto":
+                kwargs.pop("seq_chunk_tokens")
+                plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
+            else:
+                plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
             raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
         doc["layouts"] = plans

@@ -90,7 +90,7 @@ COMPONENTS = (
     "activations_kda", "activations_dsa", "activations_moe", "activations_dense_mlp", "activations_mhc",
     "activations_head", "layer_inputs", "returned_caches",
     "kda_core_recompute", "dsa_indexer_tiles", "dsa_attention", "moe_dispatch", "stream_gradients",
-    "logits_loss", "cp_gather", "fsdp_reduce_scatter", "optimizer_step", "allocator_slack",
+    "logits_loss", "cp_gather", "fsdp_reduce_scatter", "optimizer_step", "seq_chunk_boundary", "allocator_slack",
 )  # fmt: skip
 WORKING_SETS = ("kda_core_recompute", "dsa_indexer_tiles", "dsa_attention", "moe_dispatch", "logits_loss",
                 "cp_gather", "fsdp_reduce_scatter", "optimizer_step")  # fmt: skip
@@ -465,6 +465,41 @@ def _hc_bwd(cfg: ModelConfig, s: _Sizes) -> float:
 # ---------------------------------------------------------------- the plan
 
 
+# copies of the DSA boundary state at the chunked backward's peak (``genoctx.train.chunked``): the latents and pooled
+# keys of every token kept once from the forward sweep, the chunk's outgoing cache (``cat(incoming, own)``), the
+# gradient later chunks sent into it, and the gradient of the incoming leaves it hands on
+_BOUNDARY_COPIES = 4
+
+
+def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1, a: int = 2) -> float:
+    """Bytes per token of the window that ``train.seq_chunk_tokens`` keeps across chunk boundaries (grows with L).
+
+    Per DSA layer, the normalised latents ``R = kv_lora_rank`` of every token and, on a "full" layer, the pooled
+    indexer keys ``d_I / kpool``, ``a`` bytes each, ``_BOUNDARY_COPIES`` times (kept, outgoing cache, its gradient,
+    the incoming gradient); per KDA layer, one recurrent state ``H K V`` fp32 and conv tail ``(w - 1) 3 H K a`` per
+    chunk boundary, i.e. divided by ``chunk_tokens``. ``rows``: sequences per rank (batch size).
+
+    Args:
+        cfg: the architecture.
+        chunk_tokens: tokens per chunk (``train.seq_chunk_tokens``).
+        rows: windows per rank trained together.
+        a: activation element size in bytes (2 for bf16, 4 for fp32).
+
+    Returns:
+        bytes per token of the window (multiply by L for the boundary state of a window).
+    """
+    per = 0.0
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == DSA:
+            per += _BOUNDARY_COPIES * a * cfg.kv_lora_rank
+            if cfg.indexer_types[i] == "full":
+                per += _BOUNDARY_COPIES * a * cfg.index_head_dim / cfg.index_kpool
+        else:
+            H, K = cfg.linear_num_heads, cfg.linear_head_dim
+            per += (4 * H * K * K + (cfg.linear_conv_kernel_dim - 1) * 3 * H * K * a) / chunk_tokens
+    return rows * per
+
+
 def _check_model_layout(cfg, layout, gpu_memory_gib, dtype, device, loss_vocab_rows, allocator_slack):
     """The checks ``plan_memory`` and ``plan_eval`` share: types, device and dtype, head rows, slack, EP."""
     if not isinstance(cfg, ModelConfig):
@@ -522,6 +557,7 @@ def plan_memory(
     loss_chunk_tokens: int = 2048,
     device: str = "cuda",
     allocator_slack: float | None = None,
+    seq_chunk_tokens: int | None = None,
 ) -> dict:
     """Predicted peak memory of one training step on the busiest rank of ``layout``.
 
@@ -542,6 +578,11 @@ def plan_memory(
         device: ``"cuda"`` (allocator slack, foreach AdamW) or ``"cpu"`` (no slack, per-tensor AdamW).
         allocator_slack: fraction of the peak added for the caching allocator; None = ``ALLOCATOR_SLACK`` on CUDA,
             0 on CPU.
+        seq_chunk_tokens: ``train.seq_chunk_tokens``: each window trained as chunks of this many tokens by the exact
+            chunked backward (``genoctx.train.chunked``; no CP). The step's phases are one chunk's (``T`` = the
+            chunk), its DSA layers seeing the whole window before it (indexer tiles over ``L``, the latents'
+            gradient over ``L``), plus ``seq_chunk_boundary`` (``seq_chunk_boundary_bytes x L``) until the end of
+            backward. None, or not below ``L``: one pass.
 
     Returns:
         ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,
@@ -554,7 +595,8 @@ def plan_memory(
         parameter; ``on_host`` with offload), "largest_layer_unsharded_gib" (the largest decoder layer's FSDP
         all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "gpu_memory_gib", "dtype",
         "recompute", "optimizer_offload",
-        "batch_size", "seq_len", "device"}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the
+        "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass), "device"}``. GiB are rounded to 6 decimals
+        (1 KiB); the components add up to the
         total.
 
     Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = layout.dense_shard``,
@@ -604,9 +646,18 @@ def plan_memory(
     a, f = s.a, s.f
     ep, cp = layout.ep, layout.cp
     T = seq_len // cp
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < T
+    if chunked and cp > 1:
+        raise ValueError("seq_chunk_tokens with cp > 1 is not modelled (chunked training runs without CP)")
+    if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
+        raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
+    if chunked:
+        T = seq_chunk_tokens
     N = batch_size * T
     windows = batch_size
-    ctx = seq_len if cp > 1 else T  # keys a DSA query may see on the busiest rank (the window's last piece)
+    # keys a DSA query may see on the busiest rank: the window's last piece (CP) or last chunk
+    ctx = seq_len if (cp > 1 or chunked) else T
+    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T, batch_size, a) if chunked else 0.0
     fsdp = layout.fsdp
     pc = param_counts(cfg)
     sd, se = layout.dense_shard, layout.expert_shard
@@ -663,7 +714,7 @@ def plan_memory(
                 saved["dsa"] += windows * seq_len * _dsa_cp_saved(cfg, s, full)
             tile_b = _dsa_tiles_bwd(cfg, T)
             grads = N * (a * cfg.num_attention_heads * cfg.kv_lora_rank - _dsa_out_part(cfg, s))
-            grads += windows * ctx * f * cfg.kv_lora_rank if cp > 1 else N * f * cfg.kv_lora_rank
+            grads += windows * ctx * f * cfg.kv_lora_rank if (cp > 1 or chunked) else N * f * cfg.kv_lora_rank
             w_bwd_mix["dsa_attention"] = tile_b + grads
             if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
                 W = _dsa_gather_width(cfg, full)
@@ -739,8 +790,10 @@ def plan_memory(
     # ---- phases
     phases = []
 
-    def phase(name: str, comps: dict) -> None:
+    def phase(name: str, comps: dict, carried: bool = True) -> None:
         base = {"weights": weights, "optimizer_state": optimizer_state}
+        if carried:  # chunked: the state crossing chunk boundaries, kept until the last chunk's backward
+            base["seq_chunk_boundary"] = boundary
         phases.append((name, {**base, **{k: v for k, v in comps.items() if v}}))
 
     def kept(upto: int) -> dict:  # activations layers 0..upto-1 keep until their backward
@@ -806,9 +859,9 @@ def plan_memory(
         end["unsharded_params"] = compute_copy
         if layout.world > 1:
             end["fsdp_reduce_scatter"] = f * P_local  # reduce_gradients' flat all-reduce buffer
-    phase("end of backward (gradient reduction)", end)
+    phase("end of backward (gradient reduction)", end, carried=False)
     step_tmp = 0.0 if offload else (f * P_local if device == "cuda" else 2 * f * pc["largest"] / (sd if fsdp else 1))
-    phase("optimizer step", {"gradients": grad_bytes * P_local, "optimizer_step": step_tmp})
+    phase("optimizer step", {"gradients": grad_bytes * P_local, "optimizer_step": step_tmp}, carried=False)
 
     totals = [(name, sum(c.values())) for name, c in phases]
     order = sorted(range(len(phases)), key=lambda j: -totals[j][1])
@@ -838,7 +891,9 @@ def plan_memory(
         "next_phases_gib": [[totals[j][0], gib(totals[j][1] * (1 + slack))] for j in order[1:4]],
         "working_sets_gib": {k: gib(v) for k, v in working.items()},
         "tokens_per_rank": N,
-        "all_to_all_gib": round(all_to_all_bytes(cfg, N, layout, a, passes=8 if recompute else 6) / GIB, 6),
+        # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
+        "all_to_all_gib": round(all_to_all_bytes(cfg, batch_size * seq_len // cp if chunked else N, layout, a,
+                                                 passes=(8 if recompute else 6) + 2 * chunked) / GIB, 6),
         "params_per_rank": shard_numel(pc["shapes"], layout),
         "largest_layer_unsharded_gib": gib(max(x["block_bytes"] for x in layers) if fsdp and layers else 0.0),
         "persistent_gib": {
@@ -848,6 +903,7 @@ def plan_memory(
             "on_host": offload,
         },  # fmt: skip
         "seq_len": seq_len,
+        "seq_chunk_tokens": T if chunked else None,
         "batch_size": batch_size,
         "gpu_memory_gib": gpu_memory_gib,
         "dtype": dtype,
@@ -1386,7 +1442,10 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
         cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
         gpus: ranks (the layouts' world size).
         mode: ``"train"`` (one training step) or ``"eval"`` (scoring one window).
-        **kwargs: the other keyword arguments of ``plan_memory`` (of ``plan_eval`` in eval).
+        **kwargs: the other keyword arguments of ``plan_memory`` (of ``plan_eval`` in eval). In train mode
+            ``seq_chunk_tokens`` applies to the layouts without CP (chunked training does not combine with CP yet);
+            ``"auto"`` plans each of them by ``best_seq_chunk`` (one pass when it fits), so the list says whether
+            chunking a whole window per rank beats spreading it over CP ranks.
 
     Returns:
         The plans (``plan_memory`` or ``plan_eval`` dicts); empty when no layout is valid.
@@ -1398,11 +1457,38 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
         lays = valid_layouts(cfg, seq_len, gpus, mode="eval", cp_layout=kwargs.get("cp_layout", "contiguous"))
         plans = [plan_eval(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs) for lay in lays]
     else:
+        chunk = kwargs.pop("seq_chunk_tokens", None)
         lays = valid_layouts(cfg, seq_len, gpus, optimizer_offload=kwargs.get("optimizer_offload", False), mode=mode)
-        plans = [plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs) for lay in lays]
+        plans = []
+        for lay in lays:
+            if lay.cp > 1 or chunk is None:
+                plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
+            elif chunk == "auto":
+                plans.append(best_seq_chunk(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
+            else:
+                plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunk_tokens=chunk,
+                                         **kwargs))  # fmt: skip
     plans.sort(key=lambda p: (not p["fits"], p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
                               -p["layout"]["dp_replicate"]))  # fmt: skip
     return plans
+
+
+SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens
+
+
+def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
+    """``plan_memory`` of ``layout`` (no CP) in one pass if it fits, else with the largest ``seq_chunk_tokens`` of
+    ``SEQ_CHUNK_CANDIDATES`` (below the window) that fits (fewest chunks: the least boundary state and overhead);
+    when none fits, the candidate with the smallest total. ``kwargs``: ``plan_memory``'s."""
+    whole = plan_memory(cfg, seq_len, layout, **kwargs)
+    if whole["fits"]:
+        return whole
+    tried = [plan_memory(cfg, seq_len, layout, seq_chunk_tokens=c, **kwargs)
+             for c in SEQ_CHUNK_CANDIDATES if c < seq_len // layout.cp]  # fmt: skip
+    fitting = [p for p in tried if p["fits"]]
+    if fitting:
+        return max(fitting, key=lambda p: p["seq_chunk_tokens"])
+    return min(tried + [whole], key=lambda p: p["total_gib"])
 
 
 def _layout_dict(layout: Layout) -> dict:
@@ -1460,6 +1546,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         return "no valid layout"
     p0 = plans[0]
     unit, scale = ("GiB", 1) if p0["total_gib"] >= 1 else ("MiB", 1024)
+    chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
     if p0.get("mode") == "eval":
         how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
         how += f", cp layout {p0['cp_layout']}" if p0.get("cp_layout", "contiguous") != "contiguous" else ""
@@ -1470,20 +1557,25 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         f"device memory {p0['gpu_memory_gib']:g} GiB",
         "",
         f"{'#':>3}  {'dp_replicate':>12} {'ep':>4} {'dp_shard':>8} {'cp':>4}  {'tokens/rank':>11}  "
-        f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  peak at",
+        + (f"{'chunk':>7}  " if chunks else "")
+        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  peak at",
     ]
     for j, p in enumerate(plans[:limit], 1):
         lay = p["layout"]
         ep = f"{lay['ep']}{'f' if lay.get('ep_folded') else ''}"
+        chunk = f"{p.get('seq_chunk_tokens') or '-':>7}  " if chunks else ""
         lines.append(
             f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
-            f"{p['tokens_per_rank']:>11}  {p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
+            f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
             f"{'yes' if p['fits'] else 'no ':<4}  {p['peak_phase']}"
         )
     if len(plans) > limit:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
     lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
                  "sends per step, balanced routing)")
+    if chunks:
+        lines.append("     (chunk: train.seq_chunk_tokens, the window trained in chunks of this many tokens by the "
+                     "exact chunked backward; tokens/rank: one chunk's)")
     lines += ["", f"components of #1 ({describe_layout(p0)}), {unit} per GPU at {p0['peak_phase']}:"]
     for k, v in p0["components_gib"].items():
         if v:
@@ -1497,6 +1589,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
 
 
 __all__ = [
-    "ALLOCATOR_SLACK", "COMPONENTS", "EVAL_COMPONENTS", "GIB", "check_fits", "describe_layout", "format_table",
+    "ALLOCATOR_SLACK", "COMPONENTS", "EVAL_COMPONENTS", "GIB", "SEQ_CHUNK_CANDIDATES", "best_seq_chunk", "check_fits",
+    "describe_layout", "format_table", "seq_chunk_boundary_bytes",
     "param_counts", "plan_eval", "plan_memory", "search_layouts", "valid_layouts",
 ]  # fmt: skip

@@ -331,6 +331,20 @@ def test_cli_table_and_nothing_fitting():
     assert doc["layouts"] == [] and doc["closest"] and not any(p["fits"] for p in doc["closest"])
 
 
+def test_cli_seq_chunk_auto_plans_chunked_training_beside_cp():
+    """--seq-chunk auto: a layout without CP that does not fit in one pass is planned with the largest chunk that
+    fits; CP layouts are planned as before; the table says which chunk each row trains with."""
+    args = ["--preset", "cpu-small", "--seq-len", "1M", "--gpus", "2", "--gpu-memory-gib", "24"]
+    doc = json.loads(_cli(*args, "--seq-chunk", "auto", "--format", "json").stdout)
+    chunked = [p for p in doc["layouts"] if p["seq_chunk_tokens"]]
+    assert chunked and all(p["layout"]["cp"] == 1 and p["tokens_per_rank"] == p["seq_chunk_tokens"] for p in chunked)
+    assert all(p["seq_chunk_tokens"] is None for p in doc["layouts"] if p["layout"]["cp"] > 1)
+    plain = json.loads(_cli(*args, "--format", "json").stdout)
+    assert not any(p["layout"]["cp"] == 1 for p in plain["layouts"])  # 1M in one pass does not fit on 24 GiB
+    r = _cli(*args, "--fsdp", "2", "--seq-chunk", "16k")
+    assert r.exit_code == 0 and "chunk" in r.stdout and "seq_chunk_boundary" in r.stdout, r.output
+
+
 def test_cli_recipe():
     r = _cli("--recipe", "recipes/cpu-small.yaml", "--seq-len", "8k", "--gpus", "2", "--format", "json")
     assert r.exit_code == 0, r.output
@@ -358,6 +372,9 @@ def test_cli_recipe():
         (["--preset", "tiny", "--ep-folded"], "--ep-folded needs --ep"),
         (["--preset", "tiny", "--gpus", "2", "--ep", "2", "--cp", "2"], "(or add --ep-folded"),
         (["--preset", "tiny", "--gpus", "2", "--ep", "4", "--cp", "2", "--ep-folded"], "--ep 4 (folded) must divide"),
+        (["--preset", "tiny", "--gpus", "2", "--cp", "2", "--seq-chunk", "1k"], "--seq-chunk with --cp"),
+        (["--preset", "tiny", "--eval", "--seq-chunk", "1k"], "--seq-chunk is about a training step"),
+        (["--preset", "tiny", "--seq-chunk", "0"], "--seq-chunk"),
     ],
 )
 def test_cli_bad_values_exit_2_with_one_line(args, flag):

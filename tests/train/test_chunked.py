@@ -117,3 +117,51 @@ def test_chunked_backward_under_activation_checkpointing():
     for m0, m1 in zip(plain.modules(), ac.modules(), strict=True):
         if hasattr(m0, "load_counts"):
             assert torch.equal(m1.load_counts, m0.load_counts)
+
+
+def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
+    """``genoctx.plan.seq_chunk_boundary_bytes``: per token, the DSA latents and pooled keys of every token (times the
+    planner's copies at the peak) and a KDA state and conv tail per chunk boundary, as the forward sweep keeps them."""
+    from genoctx.plan import _BOUNDARY_COPIES, seq_chunk_boundary_bytes
+    from genoctx.train.chunked import _Boundaries
+
+    cfg = _cfg(kv_lora_rank=24, index_head_dim=16)
+    model = HybridLM(cfg).train()
+    L, T = 256, 64
+    tokens = torch.randint(0, 4, (1, L))
+    kept = _Boundaries()
+    cache = None
+    with torch.no_grad():
+        for s in range(0, L, T):
+            kept.add(cache)
+            _, cache = model(shift_inputs(tokens, BOS)[:, s : s + T], cache)
+    kept.final = cache
+    dsa = sum(t.numel() * 4 for c in cache.layers for t in (getattr(c, "latent", None), getattr(c, "pool_k", None))
+              if t is not None)  # fmt: skip
+    kda = sum(t.numel() * 4 for row, _ in kept.small[1:] for c in row if hasattr(c, "state")
+              for t in (c.state, c.conv_state))  # fmt: skip
+    # the last boundary's KDA state is the final cache's (not stored per chunk): L / T boundaries in the formula
+    kda_per_boundary = kda / (L // T - 1)
+    want = _BOUNDARY_COPIES * dsa / L + kda_per_boundary / T
+    assert seq_chunk_boundary_bytes(cfg, T, rows=1, a=4) == pytest.approx(want, rel=1e-9)
+
+
+def test_plan_chunked_training_is_bounded_by_the_chunk_plus_the_boundary():
+    from genoctx.parallel.layout import Layout
+    from genoctx.plan import best_seq_chunk, plan_memory, seq_chunk_boundary_bytes
+
+    cfg = preset("cpu-small")
+    kw = dict(gpu_memory_gib=4, device="cpu", dtype="fp32", recompute=False)
+    whole = plan_memory(cfg, 1 << 20, Layout(), **kw)
+    p = plan_memory(cfg, 1 << 20, Layout(), seq_chunk_tokens=16384, **kw)
+    q = plan_memory(cfg, 1 << 18, Layout(), seq_chunk_tokens=16384, **kw)
+    assert p["seq_chunk_tokens"] == 16384 and p["tokens_per_rank"] == 16384 and whole["seq_chunk_tokens"] is None
+    assert whole["total_gib"] > 50 and p["total_gib"] < 4  # 1M tokens of cpu-small: ~100 GiB whole, ~3 chunked
+    boundary = seq_chunk_boundary_bytes(cfg, 16384, 1, 4) / 2**30
+    assert p["components_gib"]["seq_chunk_boundary"] == pytest.approx(boundary * (1 << 20), abs=1e-5)
+    # what grows with L is the boundary state (and the indexer tiles' and latent gradients' context)
+    assert p["total_gib"] - q["total_gib"] >= boundary * ((1 << 20) - (1 << 18)) * 0.99
+    assert best_seq_chunk(cfg, 1 << 20, Layout(), **kw)["seq_chunk_tokens"] >= 16384  # the largest chunk that fits
+    assert best_seq_chunk(cfg, 1 << 14, Layout(), **kw)["seq_chunk_tokens"] is None  # one pass fits
+    with pytest.raises(ValueError, match="cp > 1"):
+        plan_memory(cfg, 1 << 20, Layout(cp=2, dp_shard=1), seq_chunk_tokens=16384, **kw)
