@@ -29,7 +29,12 @@ _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "
 
 class _OneLineUsageErrors(TyperGroup):
     """Click's usage errors (``--steps abc``, a missing ``--data``, an unknown verb) as one line on stderr,
-    ``genoctx: error: ...``, exit code 2, like every other user error (instead of a usage box)."""
+    ``genoctx: error: ...``, exit code 2, like every other user error (instead of a usage box). Its help, and its
+    verbs' and sub-verbs', is literal text (``_literal_help``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _literal_help(self)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -51,6 +56,27 @@ class _OneLineUsageErrors(TyperGroup):
             typer.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _literal_help(cmd) -> None:
+    """Make the help texts of the click command ``cmd`` (its own, its options' and arguments', and recursively its
+    subcommands') print literally under typer's rich help, which reads them as rich markup: ``org/name[@revision]``
+    would lose ``[@revision]``. Every ``[`` that could open a markup tag is escaped (``rich.markup.escape``) in
+    place, once per command object; the layout (panels, kept line breaks of examples) stays typer's. Help that
+    typer renders without rich (``TYPER_USE_RICH=0``, another markup mode) is left as written."""
+    if getattr(cmd, "_genoctx_literal", False):
+        return
+    cmd._genoctx_literal = True
+    if typer.core.HAS_RICH and getattr(cmd, "rich_markup_mode", None) == "rich":
+        from rich.markup import escape
+
+        for obj in (cmd, *cmd.params):
+            for attr in ("help", "short_help", "epilog"):
+                text = getattr(obj, attr, None)
+                if isinstance(text, str):
+                    setattr(obj, attr, escape(text))
+    for sub in getattr(cmd, "commands", {}).values():
+        _literal_help(sub)
 
 
 app = typer.Typer(
@@ -1028,7 +1054,8 @@ def _recipe_model(rec, where: str):
     recipe's compute knobs. ``where`` names the recipe in errors.
 
     Raises:
-        GenoctxError: a Hub repo whose config.json is not cached, or an unreadable config (named).
+        GenoctxError: a Hub repo whose config.json is not cached (a branch, tag, full or short commit of the cache:
+            ``genoctx.train.init.expand_revision``), an ambiguous short commit, or an unreadable config (named).
     """
     import dataclasses
 
@@ -1044,11 +1071,14 @@ def _recipe_model(rec, where: str):
 
         cfg = load_recipe_of(resolve_checkpoint(init)).model
     else:  # a Hub repo id: its config.json from the local cache only (nothing is downloaded)
+        from .train.init import expand_revision
+
         repo, _, revision = rec.init.partition("@")
+        revision = expand_revision(repo, revision or None, f"{where}: model.init {rec.init!r}")  # a short commit
         try:
             from huggingface_hub import try_to_load_from_cache
 
-            cached = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+            cached = try_to_load_from_cache(repo, "config.json", revision=revision)
         except Exception:  # noqa: BLE001 -- an invalid repo id or no huggingface_hub: not in the cache
             cached = None
         if not isinstance(cached, str):

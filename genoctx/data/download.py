@@ -201,6 +201,23 @@ def download(
     return dest
 
 
+def progress_bar():
+    """A transient rich download bar on stderr: the task's description (a file name), bar, bytes, rate, ETA. The
+    description is printed as text, never read as rich markup (a name holding ``[bold]`` prints as written)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return Progress(
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+
+
 def _fetch_with_retries(
     url: str,
     part: Path,
@@ -214,25 +231,7 @@ def _fetch_with_retries(
     callback = on_progress
     sizes: dict[str, int] = {}  # the file size the server gave, checked against later answers
     if show:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
+        bar = progress_bar()
         task = bar.add_task(part.name.removesuffix(".part"), total=None)
 
         def callback(done: int, total: int | None) -> None:

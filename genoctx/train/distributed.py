@@ -370,7 +370,8 @@ def train_distributed(
         raise GenoctxError(str(e)) from None
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
-    recipe, base = resolve_init(recipe)  # resolved once here (a Hub download); the workers read the local path
+    # resolved once here (a Hub download; a resume at the run's recorded commit); the workers read the local path
+    recipe, base = resolve_init(recipe, out if resume else None)
     vocab_head(recipe, base)  # a bad tokenizer: an error before --out is touched
     if ep > 1 and recipe.model.n_routed_experts % ep:
         raise GenoctxError(

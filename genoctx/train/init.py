@@ -5,7 +5,9 @@ checkpoint or run directory (its weights, architecture and token map, with a fre
 given to ``--init`` also gives), or a Hub repo id (``org/name``, optionally ``org/name@revision``) resolved by
 ``huggingface_hub.snapshot_download`` into the usual HF cache: ``HF_HOME`` / ``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``
 (the cache only) and ``HF_ENDPOINT`` (a mirror) are huggingface_hub's own settings, respected as they are.
-genoctx never fetches weights any other way.
+genoctx never fetches weights any other way. The revision may be a branch or tag (``refs/<name>`` in the cache),
+a full commit, or a short one, expanded here by a unique prefix among the cached ``snapshots/`` (huggingface_hub
+does not); a ``--resume`` resolves the repo at the commit the run recorded when it started (``pinned_source``).
 
 The base's config.json fixes the architecture (a recipe may set compute knobs only: ``genoctx.recipes``); the run
 records, in every checkpoint's state.json, ``init``: the source as given, the resolved directory, the Hub revision
@@ -32,6 +34,7 @@ from ..recipes import Recipe
 log = logging.getLogger("genoctx.train")
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+_SHORT_COMMIT = re.compile(r"[0-9a-fA-F]{4,39}")  # git abbreviates to 7 by default, and to no fewer than 4
 _SMALL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
 
 
@@ -64,23 +67,118 @@ def resolve_base(src: str) -> tuple[Path, dict]:
     if not _REPO_ID.match(src):
         raise GenoctxError(f"--init {src}: no such directory, and not a Hub repo id (org/name[@revision])")
     repo, _, revision = src.partition("@")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(repo, revision=revision or None))
-    except LocalEntryNotFoundError:
-        raise GenoctxError(
-            f"--init {src}: not in the Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE is set or "
-            f"no network); fetch it first: hf download {repo}"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GenoctxError(f"--init {src}: cannot resolve on the Hub ({first})") from None
+    path = _hub_snapshot(src, repo, revision or None)
     if not is_hf_dir(path):
         raise GenoctxError(f"--init {src}: {path} has no config.json and safetensors weights")
     revision = path.name if path.parent.name == "snapshots" else None
     return path, {"source": src, "path": str(path), "revision": revision, "kind": "hf", "hf_base": str(path)}
+
+
+def hub_cache() -> Path:
+    """huggingface_hub's cache folder (``HF_HUB_CACHE``, default ``$HF_HOME/hub``) as it resolves it now."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE).expanduser().resolve()
+
+
+def expand_revision(repo: str, revision: str | None, where: str) -> str | None:
+    """``revision`` with a short commit hash expanded to the full one by a unique prefix match among the cached
+    snapshots of ``repo`` (huggingface_hub resolves a branch or tag through ``refs/<name>`` and a full 40-hex
+    commit itself, offline too, but not a short commit). A name that ``refs/`` holds, a full commit, a revision
+    that matches no cached snapshot (the Hub may know it) and None are returned as given.
+
+    Args:
+        repo: ``org/name``; revision: a branch, tag or commit (4 to 40 hex digits), or None (the default branch);
+        where: what the error names (``--init org/name@abc1``).
+
+    Raises:
+        GenoctxError: a prefix that several cached snapshots share (one line listing them).
+    """
+    if revision is None or not _SHORT_COMMIT.fullmatch(revision):
+        return revision
+    folder = hub_cache() / ("models--" + repo.replace("/", "--"))
+    if (folder / "refs" / revision).is_file():
+        return revision
+    snapshots, prefix = folder / "snapshots", revision.lower()
+    found = sorted(d.name for d in snapshots.iterdir() if d.name.startswith(prefix)) if snapshots.is_dir() else []
+    if len(found) > 1:
+        raise GenoctxError(f"{where}: the short commit {revision} is ambiguous in {snapshots}: {', '.join(found)}; "
+                           "give more digits")  # fmt: skip
+    return found[0] if found else revision
+
+
+def _hub_snapshot(src: str, repo: str, revision: str | None) -> Path:
+    """The snapshot folder of ``repo`` at ``revision`` (None: the default branch), through
+    ``huggingface_hub.snapshot_download`` (the cache only with ``HF_HUB_OFFLINE=1``); a short commit is expanded
+    first (``expand_revision``).
+
+    Raises:
+        GenoctxError: one line naming ``src``: a revision (or a repo) that neither the cache nor the Hub has (the
+            repo, the revision and the cache folder named), an incomplete cached snapshot, a Hub error.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError
+
+    rev = expand_revision(repo, revision, f"--init {src}")
+    try:
+        return Path(snapshot_download(repo, revision=rev))
+    except IncompleteSnapshotError as e:
+        raise GenoctxError(f"--init {src}: {_first_line(e)}") from None
+    except LocalEntryNotFoundError:
+        cache = hub_cache()
+        folder = cache / ("models--" + repo.replace("/", "--"))
+        why = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else "no network"
+        fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+        ref = folder / "refs" / (revision or "main")
+        if not folder.is_dir():
+            what = f"no {folder.name} in {cache}"
+        elif ref.is_file():
+            what = f"{ref} names commit {ref.read_text().strip()}, which has no snapshot in {folder / 'snapshots'}"
+        else:
+            refs = sorted(str(f.relative_to(folder / "refs")) for f in (folder / "refs").rglob("*") if f.is_file())
+            snaps = sorted(d.name[:12] for d in (folder / "snapshots").glob("*") if d.is_dir())
+            what = (f"revision {revision or 'main'} of {repo} is not in {cache} (cached refs: "
+                    f"{', '.join(refs) or 'none'}; snapshots: {', '.join(snaps) or 'none'})")  # fmt: skip
+        raise GenoctxError(f"--init {src}: not in the Hugging Face cache: {what}, and the Hub cannot be reached "
+                           f"({why}); fetch it first: {fetch}") from None  # fmt: skip
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise GenoctxError(f"--init {src}: cannot resolve on the Hub ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def pinned_source(src: str, run: Path) -> tuple[str, str | None]:
+    """What a ``--resume`` of the run folder ``run`` resolves for ``--init src``: ``(org/name@<commit>, the run's
+    recorded source)`` when ``src`` is a Hub repo id of the repo the run started from and its newest readable
+    checkpoint recorded the snapshot commit (state.json ``init.revision``); else ``(src, None)`` (a local base,
+    another repo, a run with no checkpoint yet). A ``src`` whose revision differs from the recorded one is logged
+    as a warning: a resume continues the same run, from the same base.
+    """
+    if Path(src).expanduser().exists() or not _REPO_ID.match(src):
+        return src, None
+    from .checkpoint import list_checkpoints, read_state
+
+    init: dict = {}
+    for ck in reversed(list_checkpoints(run)):
+        try:
+            init = read_state(ck).get("init") or {}
+        except GenoctxError:
+            continue  # a damaged state.json: the resume itself names it (or falls back past it)
+        break
+    recorded, commit = init.get("source"), init.get("revision")
+    if not (isinstance(recorded, str) and isinstance(commit, str) and _REPO_ID.match(recorded)):
+        return src, None
+    repo = src.partition("@")[0]
+    if recorded.partition("@")[0] != repo:
+        return src, None
+    if src != recorded:
+        log.warning("--resume: the run started from %s at commit %s; --init %s is resumed at that commit", recorded,
+                    commit, src)  # fmt: skip
+    else:
+        log.info("--resume: --init %s at commit %s, the one the run started from", src, commit)
+    return f"{repo}@{commit}", recorded
 
 
 def fingerprint(path: Path) -> dict[str, str]:
@@ -105,16 +203,30 @@ def _header_hashes(files) -> dict[str, str]:
     return out
 
 
-def resolve_init(recipe: Recipe) -> tuple[Recipe, dict | None]:
+def resolve_init(recipe: Recipe, run: Path | None = None) -> tuple[Recipe, dict | None]:
     """The recipe with ``model`` set from the base's config.json (plus the recipe's compute knobs) and the base's
     record (``resolve_base`` + ``fingerprint``); ``(recipe, None)`` when it has no ``init``.
+
+    Args:
+        recipe: the run's recipe; its ``init`` (``model.init``, ``--init``) names the base (None: no base).
+        run: the run folder of a ``--resume`` (None for a new run): a Hub base of the repo the run started from is
+            resolved at the snapshot commit its checkpoints recorded, wherever the branch or tag points now
+            (``pinned_source``); the record keeps the run's first ``source``.
 
     Raises:
         GenoctxError: as ``resolve_base``, or a config.json that is not a glm5_next model (named).
     """
     if recipe.init is None:
         return recipe, None
-    path, info = resolve_base(recipe.init)
+    src, started = pinned_source(recipe.init, run) if run is not None else (recipe.init, None)
+    try:
+        path, info = resolve_base(src)
+    except GenoctxError as e:
+        if started is None:
+            raise
+        raise GenoctxError(f"--resume: {e} (the commit the run started from, in its state.json)") from None
+    if started is not None:
+        info["source"] = started
     if info["kind"] == "genoctx":
         from .checkpoint import load_recipe_of
 

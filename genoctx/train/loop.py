@@ -424,7 +424,8 @@ def train(
 
     manifest = _check_manifest(Path(data_dir))
     check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
-    recipe, base = resolve_init(recipe)  # a bad base or tokenizer: an error before --out is touched
+    # a bad base or tokenizer: an error before --out is touched; a resumed Hub base at the run's recorded commit
+    recipe, base = resolve_init(recipe, Path(out) if resume else None)
     vocab_head(recipe, base)
     with output_lock(out, wait=wait, what="train"):
         return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base)
@@ -466,7 +467,7 @@ def train_unlocked(
     dev = torch.device(device)
 
     if recipe.init is not None:  # a pretrained base fixes the architecture (genoctx.train.init)
-        recipe, base = resolve_init(recipe)
+        recipe, base = resolve_init(recipe, out if resume else None)
     start, loaded, state = 0, None, None
     latest = latest_checkpoint(out)
     if latest is not None and not resume:

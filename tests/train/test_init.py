@@ -137,13 +137,17 @@ def test_init_refuses_architecture_keys_and_presets(base):
     assert rec.model_knobs == {"kda_chunk_size": 16}
 
 
-def _hub_cache(root: Path, repo: str, src: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
-    """The layout huggingface_hub's cache uses: models--org--name/{refs/main, snapshots/<commit>/files}."""
+def _hub_cache(
+    root: Path, repo: str, src: Path, commit: str = "0123456789abcdef0123456789abcdef01234567", refs=("main",)
+) -> Path:
+    """The layout huggingface_hub's cache uses: models--org--name/{refs/<branch or tag>, snapshots/<commit>/files};
+    ``src`` copied as the snapshot of ``commit``, each of ``refs`` pointing at it (a repo may hold several)."""
     folder = root / ("models--" + repo.replace("/", "--"))
     snap = folder / "snapshots" / commit
     shutil.copytree(src, snap)
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(commit)
+    for ref in refs:
+        (folder / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / ref).write_text(commit)
     return snap
 
 
@@ -222,9 +226,10 @@ def test_export_then_init_equals_init_from_the_checkpoint(prepared, base, tmp_pa
     hf = tmp_path / "hf"
     r = _cli(["export", run, "--out", hf], {})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout)["base"] == str(path) and (hf / "tokenizer.json").read_bytes() == (
-        path / "tokenizer.json"
-    ).read_bytes()
+    assert (
+        json.loads(r.stdout)["base"] == str(path)
+        and (hf / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    )
     model, _, _ = load_model(run)
     _, Model = reference_modules()
     ref = Model.from_pretrained(str(hf)).eval()
@@ -255,3 +260,157 @@ def test_resume_of_an_init_run_without_init_names_it(prepared, base, tmp_path):
     with pytest.raises(GenoctxError, match="data.window_start_token is '<sop>' but the run was trained with None"):
         train(prepared, _recipe(path, "train.seq_len=16", "data.window_start_token=<sop>"), run, resume=True)
     assert train(prepared, _recipe(path, "train.seq_len=16"), run, resume=True)["resumed_from"] == 1
+
+
+# ---------------------------------------------------------------- Hub revisions from the cache alone (issue 24, 6)
+
+A = "a1b2c3d4e5f60718293a4b5c6d7e8f9012345678"  # refs/main at the start
+B = "b7e1c0de00112233445566778899aabbccddeeff"  # refs/v1.0 (a tag); refs/main later
+C1, C2 = "c0ffee" + "1" * 34, "c0ffee" + "2" * 34  # two commits sharing the prefix c0ffee
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """An empty HF cache folder, with huggingface_hub in offline mode (as HF_HUB_CACHE=... HF_HUB_OFFLINE=1 set
+    before it is imported)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def _variant(base_path: Path, dest: Path, shift: float) -> Path:
+    """A copy of the base whose weights differ (every float tensor + ``shift``) and whose safetensors header says so
+    (metadata ``variant``): another commit of the same repo."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base_path, dest)
+    tensors = {k: v + shift if v.is_floating_point() else v for k, v in load_file(dest / "model.safetensors").items()}
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt", "variant": str(shift)})
+    return dest
+
+
+@pytest.fixture
+def two_commits(base, offline_hub, tmp_path):
+    """zai-org/GLM-tiny cached at A (refs/main) and at B (refs/v1.0, other weights), plus C1 and C2 (refs none)."""
+    path, _ = base
+    repo = "zai-org/GLM-tiny"
+    _hub_cache(offline_hub, repo, path, A, refs=("main",))
+    _hub_cache(offline_hub, repo, _variant(path, tmp_path / "b", 0.01), B, refs=("v1.0",))
+    for c in (C1, C2):
+        _hub_cache(offline_hub, repo, path, c, refs=())
+    return offline_hub / "models--zai-org--GLM-tiny"
+
+
+@pytest.mark.parametrize(
+    "rev, commit",
+    [
+        ("", A),
+        ("@main", A),
+        ("@v1.0", B),
+        (f"@{B}", B),
+        (f"@{B[:7]}", B),
+        (f"@{B[:4]}", B),
+        (f"@{A[:10].upper()}", A),
+        (f"@{C1[:7]}", C1),
+    ],  # fmt: skip
+)
+def test_hub_revisions_resolve_from_the_cache_offline(two_commits, rev, commit):
+    """A branch, a tag, a full commit and a short one (4+ hex digits, unique among the cached snapshots): each the
+    snapshot of its commit, recorded as the full commit."""
+    from genoctx.train.init import resolve_base
+
+    path, info = resolve_base(f"zai-org/GLM-tiny{rev}")
+    assert path == two_commits / "snapshots" / commit
+    assert info["revision"] == commit and info["path"] == str(path) and info["source"] == f"zai-org/GLM-tiny{rev}"
+
+
+def test_an_ambiguous_short_commit_lists_the_candidates(two_commits):
+    from genoctx.train.init import resolve_base
+
+    with pytest.raises(GenoctxError) as e:
+        resolve_base("zai-org/GLM-tiny@c0ffee")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--init zai-org/GLM-tiny@c0ffee: the short commit c0ffee is ambiguous")
+    assert f"{C1}, {C2}" in msg and str(two_commits / "snapshots") in msg
+
+
+@pytest.mark.parametrize("rev", ["v9", "deadbee", "f" * 40])
+def test_a_revision_missing_from_the_cache_is_one_line_exit_2(prepared, two_commits, offline_hub, tmp_path, rev):
+    """A tag, a short and a full commit the cache does not hold: one line naming the repo, the revision and the
+    cache folder, exit 2, nothing written."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--data", str(prepared), "--steps", "1", "--out", str(out),
+                                   "--init", f"zai-org/GLM-tiny@{rev}"])  # fmt: skip
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    line = lines[0]
+    assert line.startswith(f"genoctx: error: --init zai-org/GLM-tiny@{rev}: not in the Hugging Face cache: ")
+    assert f"revision {rev} of zai-org/GLM-tiny is not in {offline_hub}" in line
+    assert "cached refs: main, v1.0" in line and "HF_HUB_OFFLINE is set" in line
+    assert line.endswith(f"hf download zai-org/GLM-tiny --revision {rev}")
+    assert not out.exists()
+
+
+def test_dry_run_reads_a_short_commits_config_from_the_cache(prepared, two_commits):
+    """``train --dry-run`` (no download: ``try_to_load_from_cache``) takes the short commit too."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--data", str(prepared), "--out", "unused", "--dry-run",
+                                   "--init", f"zai-org/GLM-tiny@{B[:7]}"])  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["dry_run"]["ranks"][0]["params_local"] > 0
+    res = CliRunner().invoke(app, ["train", "--data", str(prepared), "--out", "unused", "--dry-run",
+                                   "--init", "zai-org/GLM-tiny@c0ffee"])  # fmt: skip
+    assert res.exit_code == 2 and "the short commit c0ffee is ambiguous" in res.stderr
+
+
+@pytest.mark.parametrize("given", ["zai-org/GLM-tiny", "zai-org/GLM-tiny@main"])
+def test_resume_uses_the_commit_the_run_started_from(prepared, base, two_commits, tmp_path, given):
+    """Start from the branch (refs/main -> A), move the branch to B (other weights), resume: the resumed run's
+    checkpoints still record A (revision, path, fingerprint), and the base they point at holds A's weights."""
+    from safetensors.torch import load_file
+
+    from genoctx.train.init import fingerprint
+
+    run = tmp_path / "run"
+    train(prepared, _recipe(given, "train.seq_len=16"), run, stop_after=1)
+    first = json.loads((latest_checkpoint(run) / "state.json").read_text())["init"]
+    assert first["revision"] == A and first["source"] == given
+    (two_commits / "refs" / "main").write_text(B)  # the branch moves on
+    summary = train(prepared, _recipe(given, "train.seq_len=16"), run, resume=True)
+    assert summary["resumed_from"] == 1 and summary["steps_run"] == 1
+    last = latest_checkpoint(run)
+    assert last.name.endswith("2")
+    init = json.loads((last / "state.json").read_text())["init"]
+    snap_a, snap_b = two_commits / "snapshots" / A, two_commits / "snapshots" / B
+    assert init["revision"] == A and init["source"] == given and init["path"] == str(snap_a) == init["hf_base"]
+    assert init["files"] == first["files"] == fingerprint(snap_a) != fingerprint(snap_b)
+    recorded, wa, wb = (load_file(Path(d) / "model.safetensors") for d in (init["path"], snap_a, snap_b))
+    assert all(torch.equal(recorded[k], wa[k]) for k in wa) and not all(torch.equal(wa[k], wb[k]) for k in wa)
+    # a new run from the branch now starts from B
+    fresh = train(prepared, _recipe(given, "train.seq_len=16", "train.steps=0"), tmp_path / "new")
+    assert fresh["steps_run"] == 0
+    assert json.loads((latest_checkpoint(tmp_path / "new") / "state.json").read_text())["init"]["revision"] == B
+
+
+def test_resume_whose_recorded_commit_left_the_cache_names_it(prepared, base, two_commits, tmp_path):
+    run = tmp_path / "run"
+    train(prepared, _recipe("zai-org/GLM-tiny", "train.seq_len=16"), run, stop_after=1)
+    (two_commits / "refs" / "main").write_text(B)
+    shutil.rmtree(two_commits / "snapshots" / A)
+    with pytest.raises(GenoctxError) as e:
+        train(prepared, _recipe("zai-org/GLM-tiny", "train.seq_len=16"), run, resume=True)
+    msg = str(e.value)
+    assert msg.startswith(f"--resume: --init zai-org/GLM-tiny@{A}: not in the Hugging Face cache: revision {A}")
+    assert msg.endswith("(the commit the run started from, in its state.json)") and "\n" not in msg
