@@ -397,6 +397,13 @@ def train(
         str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
     ] = None,
     gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
+    placement_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds the Ray workers may wait for their CPUs/GPUs before exit 2 (default 600; 0 = wait "
+            "forever); a group the cluster can never hold is refused at once."
+        ),
+    ] = None,
     wait: Annotated[
         bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
     ] = False,
@@ -428,6 +435,7 @@ def train(
     _at_least("--ep", ep, 1)
     _at_least("--fsdp", fsdp, 1)
     _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    _at_least("--placement-timeout", placement_timeout, 0)
     data = _data_dir(data)
     _out_dir(out)  # creates nothing
     overrides = list(set_ or [])
@@ -452,12 +460,18 @@ def train(
         return
     dev = _device(device)
     if num_workers is None:
-        if any(v not in (None, 1) for v in (cp, ep, fsdp)) or address is not None or gpus_per_worker or ep_folded:
-            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address and --gpus-per-worker need --num-workers")
+        ray_flags = (address, placement_timeout)
+        if any(v not in (None, 1) for v in (cp, ep, fsdp)) or any(v is not None for v in ray_flags) or gpus_per_worker \
+                or ep_folded:  # fmt: skip
+            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker and --placement-timeout "
+                               "need --num-workers")  # fmt: skip
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
         return
-    from .cluster import run_workers
+    from .cluster import check_local, run_workers
     from .train.distributed import train_distributed
+
+    if address is None:
+        check_local(num_workers, gpus_per_worker)  # GPUs this machine lacks: refused before --out is touched
 
     _emit_json(
         train_distributed(
@@ -473,6 +487,7 @@ def train(
             force=force,
             address=address,
             gpus_per_worker=gpus_per_worker,
+            placement_timeout=placement_timeout,
             resume=resume,
             stop_after=stop_after,
             wait=wait,
@@ -603,6 +618,13 @@ def eval_(
         str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
     ] = None,
     gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
+    placement_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds the Ray workers may wait for their CPUs/GPUs before exit 2 (default 600; 0 = wait "
+            "forever); a group the cluster can never hold is refused at once."
+        ),
+    ] = None,
     memory_gib: Annotated[
         float | None,
         typer.Option(
@@ -643,7 +665,8 @@ def eval_(
     if loss_vocab not in (None, "full", "nucleotide"):
         raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
-    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded)
+    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded,
+                      placement_timeout)  # fmt: skip
     from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
@@ -687,31 +710,37 @@ def eval_(
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
 
 
-def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded=False):
+def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded=False,
+               placement_timeout=None):  # fmt: skip
     """``genoctx.eval.distributed.MeshEval`` of eval's --num-workers flags, or None for one process.
 
     Raises:
-        GenoctxError: a size below 1, or a mesh flag without --num-workers (one line naming it).
+        GenoctxError: a size below 1, a mesh flag without --num-workers, or (local Ray) more GPUs asked than this
+            machine has (``genoctx.cluster.check_local``); one line naming the flag.
     """
     for flag, value in (("--num-workers", num_workers), ("--fsdp", fsdp), ("--ep", ep), ("--cp", cp)):
         _at_least(flag, value, 1)
     _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    _at_least("--placement-timeout", placement_timeout, 0)
     if memory_gib is not None and not 0 < memory_gib < float("inf"):
         raise GenoctxError(f"--memory-gib: must be a positive number of GiB, got {memory_gib}")
     if num_workers is None:
         given = [f for f, v in (("--fsdp", fsdp), ("--ep", ep), ("--cp", cp), ("--address", address),
                                 ("--gpus-per-worker", gpus_per_worker or None), ("--memory-gib", memory_gib),
-                                ("--force", force or None), ("--ep-folded", ep_folded or None))
+                                ("--force", force or None), ("--ep-folded", ep_folded or None),
+                                ("--placement-timeout", placement_timeout))
                  if v is not None]  # fmt: skip
         if given or cp_layout != "contiguous":
             raise GenoctxError(f"{(given or ['--cp-layout'])[0]} needs --num-workers (evaluation on a mesh)")
         return None
-    from .cluster import run_workers
+    from .cluster import check_local, run_workers
     from .eval.distributed import MeshEval
 
+    if address is None:
+        check_local(num_workers, gpus_per_worker)  # GPUs this machine lacks: refused before any checkpoint is read
     return MeshEval(run_workers, num_workers, fsdp=fsdp or 1, ep=ep or 1, cp=cp or 1, cp_layout=cp_layout,
                     address=address, gpus_per_worker=gpus_per_worker, memory_gib=memory_gib, force=force,
-                    ep_folded=ep_folded)  # fmt: skip
+                    ep_folded=ep_folded, placement_timeout=placement_timeout)  # fmt: skip
 
 
 @app.command()

@@ -9,6 +9,18 @@ rank 0's worker function returned (``WorkerRun.value``) or what the workers wrot
   and a short temporary directory (``_ray_temp_dir``: unix socket paths are limited to ~107 characters), stopped
   again at the end. Ray prints worker and raylet lines to stdout; stdout is for the caller's JSON summary only, so
   they go to stderr.
+- Resources: a local Ray gets the GPUs torch sees (``torch.cuda.device_count()``) and ``max(num_workers + 1,
+  cpu_count)`` CPUs (CPU workers may oversubscribe a laptop); a request for more GPUs than that is refused before
+  Ray starts (``check_local``). On any Ray the group's placement group (``{"CPU": 1, "GPU": g}`` per worker, PACK,
+  as Ray Train asks for it) is reserved before the trainer starts: a group the cluster's nodes cannot hold at their
+  present size is refused at once, one that does not get its resources within ``placement_timeout`` seconds
+  (``--placement-timeout``, default ``PLACEMENT_TIMEOUT_S``; 0 waits forever, as Ray Train does) is refused then;
+  either is one line naming the request and the cluster's free and total resources, the reservation removed and
+  the driver disconnected. Ray Train itself would retry an unplaceable group forever (ray-project/ray#27287); its
+  own bound (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` with ``FailureConfig.controller_failure_limit=0``) ends the
+  same way but prints the controller's tracebacks through the driver. Resources another job takes between the
+  check and Ray Train's own reservation make Ray Train wait for them as before. A ``HOST:PORT`` address where
+  nothing listens is refused at once (``_reachable``; Ray retries it for ~20 minutes).
 - Workers: ``num_workers`` processes, ``gpus_per_worker`` GPUs each (0: CPU). Ray Train creates the default process
   group (gloo on CPU, NCCL on CUDA) before ``worker_fn(config, session)`` is called on every worker.
 - Failures: Ray restarts the whole group up to ``max_failures`` times (``FailureConfig``); Ray keeps the
@@ -24,9 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -38,6 +50,10 @@ from typing import Any
 from .errors import AgreedError, GenoctxError
 
 _SOCKET_BUDGET = 40  # characters of the Ray temp dir that keep its socket paths under the unix limit
+# seconds a worker group may wait for its resources on a cluster whose nodes can hold it: longer than an autoscaler
+# takes to add a GPU node (boot plus a CUDA image pull, minutes), short enough that a busy cluster says so in minutes
+PLACEMENT_TIMEOUT_S = 600.0
+_STRATEGY = "PACK"  # Ray Train's default placement strategy (ScalingConfig.placement_strategy), given to both
 
 
 def _ray_temp_dir(out: Path) -> str:
@@ -47,6 +63,144 @@ def _ray_temp_dir(out: Path) -> str:
         p.mkdir(parents=True, exist_ok=True)
         return str(p)
     return tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+
+
+def _workers_per_node(node: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many workers asking ``bundle`` (``{"CPU": 1, "GPU": g}``) one node of ``node`` total resources holds: a
+    GPU is shared only by workers asking less than one (``floor(1 / g)`` of them per GPU), never split across two."""
+    fits = []
+    for key, need in bundle.items():
+        have = node.get(key, 0.0)
+        if key == "GPU" and need < 1:
+            fits.append(int(have + 1e-9) * int(1 / need + 1e-9))
+        else:
+            fits.append(int(have / need + 1e-9))
+    return min(fits, default=0)
+
+
+def gpus_needed(num_workers: int, gpus_per_worker: float) -> int:
+    """GPUs that ``num_workers`` workers of ``gpus_per_worker`` GPUs each need on one machine (0 for CPU workers):
+    ``num_workers x gpus_per_worker``, or ``ceil(num_workers / floor(1 / g))`` for a fraction ``g`` (workers share a
+    GPU, none straddles two: 3 workers of 0.6 need 3 GPUs, not 2)."""
+    if gpus_per_worker <= 0:
+        return 0
+    if gpus_per_worker < 1:
+        return -(-num_workers // int(1 / gpus_per_worker + 1e-9))
+    return int(num_workers * gpus_per_worker)
+
+
+def _check_gpu_size(gpus_per_worker: float) -> None:
+    if gpus_per_worker > 1 and not float(gpus_per_worker).is_integer():
+        raise GenoctxError(
+            f"--gpus-per-worker {gpus_per_worker:g}: above 1 it must be a whole number of GPUs (Ray shares a GPU "
+            "only between workers asking less than one)"
+        )
+
+
+def check_local(num_workers: int, gpus_per_worker: float) -> int:
+    """Refuse a worker group this machine's local Ray could never start, before anything starts (no Ray, no worker).
+
+    Args:
+        num_workers: worker processes asked for (``--num-workers``).
+        gpus_per_worker: GPUs per worker (``--gpus-per-worker``; 0 = CPU workers, always accepted: a local Ray gets
+            at least ``num_workers + 1`` CPUs).
+
+    Returns:
+        The GPUs this machine has (``torch.cuda.device_count()``: what the local Ray is told it has).
+
+    Raises:
+        GenoctxError: more GPUs asked than the machine has, or a fractional ``gpus_per_worker`` above 1 (one line
+            naming the request, the GPUs it needs and the GPUs here).
+    """
+    import torch
+
+    _check_gpu_size(gpus_per_worker)
+    have = torch.cuda.device_count()
+    need = gpus_needed(num_workers, gpus_per_worker)
+    if need > have:
+        shared = ""
+        if 0 < gpus_per_worker < 1:
+            per = int(1 / gpus_per_worker + 1e-9)
+            shared = f" (a GPU holds {per} worker{'s' * (per > 1)} of {gpus_per_worker:g})"
+        hint = "; --gpus-per-worker 0 runs on the CPU" if have == 0 else "; pass --address for a Ray cluster"
+        raise GenoctxError(
+            f"--num-workers {num_workers} x --gpus-per-worker {gpus_per_worker:g} = {need} GPU{'s' * (need != 1)} "
+            f"asked{shared}; this machine has {have} (torch.cuda.device_count()){hint}"
+        )
+    return have
+
+
+def _bundle(gpus_per_worker: float) -> dict[str, float]:
+    """One worker's resources, as Ray Train's ``ScalingConfig.resources_per_worker`` and the placement group's."""
+    return {"CPU": 1, "GPU": gpus_per_worker} if gpus_per_worker > 0 else {"CPU": 1}
+
+
+def _request(num_workers: int, bundle: dict[str, float]) -> str:
+    inner = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+    return f"--num-workers {num_workers} x {{{inner}}}"
+
+
+def _resources(bundle: dict[str, float], free: dict[str, float], total: dict[str, float]) -> str:
+    return ", ".join(f"{k} {free.get(k, 0):g} of {total.get(k, 0):g}" for k in bundle)
+
+
+def _max_from_autoscaler() -> dict[str, float] | None:
+    """The most of each resource an autoscaling cluster may grow to, as Ray Train's own check reads it (the
+    autoscaler's cluster config in the GCS); None when Ray reports none (a fixed cluster, or an autoscaler that does
+    not publish its config)."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config() or None
+    except Exception:  # a private API: without it the present nodes decide
+        return None
+
+
+def _place(num_workers: int, bundle: dict[str, float], timeout: float, what: str) -> None:
+    """Reserve the worker group's placement group on the connected Ray and remove it again, or refuse the group.
+
+    Refused at once when the nodes cannot hold ``num_workers`` workers of ``bundle`` at their present size (or, on
+    an autoscaling cluster that publishes its config, above the most it may grow to); else refused when the group is
+    not placed within ``timeout`` seconds (> 0). Nothing is left reserved either way.
+
+    Raises:
+        GenoctxError: one line naming the request (``--num-workers N x {CPU 1, GPU g}``) and the cluster's free and
+            total resources.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    request = _request(num_workers, bundle)
+    grow = _max_from_autoscaler()
+    if grow is not None:
+        short = [k for k, v in bundle.items() if num_workers * v > grow.get(k, 0)]
+        if short:
+            free = _resources(bundle, ray.available_resources(), ray.cluster_resources())
+            most = ", ".join(f"{k} {grow.get(k, 0):g}" for k in short)
+            raise GenoctxError(
+                f"{what}: {request} can never be placed: this autoscaling cluster grows to at most {most} (free: "
+                f"{free})"
+            )
+    else:
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        room = sum(_workers_per_node(n, bundle) for n in nodes)
+        if room < num_workers:
+            free = _resources(bundle, ray.available_resources(), ray.cluster_resources())
+            raise GenoctxError(
+                f"{what}: {request} can never be placed: the cluster's {len(nodes)} node(s) hold at most {room} such "
+                f"worker{'s' * (room != 1)} (free: {free}; a cluster that autoscales may grow: --placement-timeout 0 "
+                "waits for it)"
+            )
+    pg = placement_group([dict(bundle) for _ in range(num_workers)], strategy=_STRATEGY)
+    try:
+        if not pg.wait(timeout):
+            free = _resources(bundle, ray.available_resources(), ray.cluster_resources())
+            raise GenoctxError(
+                f"{what}: {request} not placed within --placement-timeout {timeout:g} s (free: {free}; raise "
+                "--placement-timeout to wait longer, 0 waits forever)"
+            )
+    finally:
+        remove_placement_group(pg)
 
 
 class WorkerSession:
@@ -137,6 +291,7 @@ def run_workers(
     max_failures: int = 0,
     keep_checkpoints: int = 0,
     what: str = "distributed run",
+    placement_timeout: float | None = None,
 ) -> WorkerRun:
     """Run ``worker_fn(config, session)`` on ``num_workers`` Ray Train workers and wait for them.
 
@@ -154,6 +309,8 @@ def run_workers(
         max_failures: restarts of the whole group before giving up (``FailureConfig``).
         keep_checkpoints: reported checkpoints Ray keeps (``CheckpointConfig.num_to_keep``); 0 keeps all.
         what: the failure message's subject (``"distributed training"``).
+        placement_timeout: seconds the group may wait for its resources (``_place``); None = ``PLACEMENT_TIMEOUT_S``,
+            0 = no check and no bound (Ray Train waits, and retries, forever).
 
     Returns:
         ``WorkerRun``: the seconds the worker group ran and what rank 0's ``worker_fn`` returned.
@@ -161,14 +318,63 @@ def run_workers(
     Raises:
         GenoctxError: a user error every rank agreed on (``AgreedError``: its message, and no restart), or the group
             still failed after ``max_failures`` restarts: one line, a worker's own ``GenoctxError`` message when one
-            raised it, else the first line of Ray's error.
+            raised it, else the first line of Ray's error. Before any worker starts: a local Ray without the GPUs
+            asked (``check_local``), an ``address`` Ray cannot connect to, or a group the cluster cannot hold or
+            does not place within ``placement_timeout`` (``_place``), each one line.
     """
+    timeout = PLACEMENT_TIMEOUT_S if placement_timeout is None else placement_timeout
+    if not 0 <= timeout < float("inf"):
+        raise GenoctxError(f"--placement-timeout: must be a number of seconds >= 0 (0 waits forever), got {timeout:g}")
+    _check_gpu_size(gpus_per_worker)
     with contextlib.redirect_stdout(sys.stderr):  # Ray's worker and raylet lines: stdout is the caller's
         return _fit(worker_fn, config, Path(storage_path), run_name, num_workers, gpus_per_worker, address,
-                    max_failures, keep_checkpoints, what)  # fmt: skip
+                    max_failures, keep_checkpoints, what, timeout)  # fmt: skip
 
 
-def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, address, max_failures, keep, what):
+def _reachable(address: str, timeout: float = 10.0) -> None:
+    """Refuse a ``HOST:PORT`` address where nothing listens (Ray itself retries a dead GCS address for ~20 minutes);
+    ``auto`` and ``ray://`` addresses are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise GenoctxError(f"--address {address}: no Ray cluster answers there ({e.strerror or e})") from None
+
+
+def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_worker: float) -> str | None:
+    """``ray.init``: attach to ``address``, or start a local Ray with the CPUs asked (at least) and the GPUs torch
+    sees, after ``check_local``. Returns the local Ray's temporary directory (None when attached)."""
+    import ray
+
+    if address:
+        _reachable(address)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except Exception as e:  # ConnectionError (and its cause: no cluster, a wrong token, ...): one line
+            why = "; ".join(str(x).strip().splitlines()[0] for x in (e, e.__cause__) if x and str(x).strip())
+            raise GenoctxError(f"--address {address}: cannot connect to Ray: {why or type(e).__name__}") from None
+        return None
+    gpus = check_local(num_workers, gpus_per_worker)
+    temp_dir = _ray_temp_dir(storage)
+    ray.init(
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        num_cpus=max(num_workers + 1, os.cpu_count() or 1),  # CPU workers may oversubscribe a laptop
+        num_gpus=gpus,  # what torch sees: never GPUs the machine does not have
+        object_store_memory=256 << 20,  # checkpoints travel as files, not through the object store
+        configure_logging=False,
+        # warnings only at ERROR: with no dashboard, Ray Train's placement-group cleaner cannot reach the
+        # state API and would warn once a second for the whole run
+        logging_config=ray.LoggingConfig(log_level="ERROR"),
+    )
+    return temp_dir
+
+
+def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, address, max_failures, keep, what,
+         placement_timeout):  # fmt: skip
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -176,51 +382,41 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
     started, temp_dir = False, None
     root = logging.getLogger()  # Ray's LoggingConfig sets the root logger's level and handlers: ours come back after
     saved = (root.level, list(root.handlers))
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, log_to_driver=True)
-        else:
-            temp_dir = _ray_temp_dir(storage)
-            ray.init(
-                include_dashboard=False,
-                _temp_dir=temp_dir,
-                num_cpus=max(num_workers + 1, os.cpu_count() or 1),
-                num_gpus=int(math.ceil(gpus_per_worker * num_workers)) or None,
-                object_store_memory=256 << 20,  # checkpoints travel as files, not through the object store
-                configure_logging=False,
-                # warnings only at ERROR: with no dashboard, Ray Train's placement-group cleaner cannot reach the
-                # state API and would warn once a second for the whole run
-                logging_config=ray.LoggingConfig(log_level="ERROR"),
-            )
-        started = True
-    resources = {"CPU": 1}
-    if gpus_per_worker > 0:
-        resources["GPU"] = gpus_per_worker
-
-    def loop(cfg: dict):  # runs on every worker (cloudpickled: worker_fn travels by reference)
-        return _run_on_worker(worker_fn, cfg, gpus_per_worker)
-
-    trainer = TorchTrainer(
-        loop,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(
-            num_workers=num_workers, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
-        ),
-        run_config=RunConfig(
-            name=run_name,
-            storage_path=str(storage),
-            failure_config=FailureConfig(max_failures=max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
-        ),
-    )
-    t0 = time.perf_counter()
     try:
-        result = trainer.fit()
-    except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
-        mine = _worker_error(e)
-        if mine is not None:
-            raise GenoctxError(mine) from e
-        raise GenoctxError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+        if not ray.is_initialized():
+            temp_dir = _connect(address, storage, num_workers, gpus_per_worker)
+            started = True
+        resources = _bundle(gpus_per_worker)
+        if placement_timeout > 0:
+            _place(num_workers, resources, placement_timeout, what)
+
+        def loop(cfg: dict):  # runs on every worker (cloudpickled: worker_fn travels by reference)
+            return _run_on_worker(worker_fn, cfg, gpus_per_worker)
+
+        trainer = TorchTrainer(
+            loop,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(
+                num_workers=num_workers,
+                use_gpu=gpus_per_worker > 0,
+                resources_per_worker=resources,
+                placement_strategy=_STRATEGY,
+            ),
+            run_config=RunConfig(
+                name=run_name,
+                storage_path=str(storage),
+                failure_config=FailureConfig(max_failures=max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
+            ),
+        )
+        t0 = time.perf_counter()
+        try:
+            result = trainer.fit()
+        except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
+            mine = _worker_error(e)
+            if mine is not None:
+                raise GenoctxError(mine) from e
+            raise GenoctxError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     finally:
         if started:
             ray.shutdown()

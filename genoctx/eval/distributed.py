@@ -66,6 +66,8 @@ class MeshEval:
         memory_gib: the memory of one rank's device checked against the plan; None = the local GPU's (GPU
             workers; no check when the driver has none) or, on the CPU with a local Ray, host memory / workers.
         force: start even when the planner predicts that the evaluation does not fit.
+        placement_timeout: seconds the workers may wait for their resources (``run_workers``'s; None = its default,
+            0 = forever).
     """
 
     run_workers: Callable
@@ -79,6 +81,7 @@ class MeshEval:
     memory_gib: float | None = None
     force: bool = False
     ep_folded: bool = False
+    placement_timeout: float | None = None
 
 
 def round_robin(n: int, dp: int, dp_rank: int) -> list[int | None]:
@@ -390,7 +393,8 @@ def score_on_mesh(
     try:
         run = mesh.run_workers(_eval_worker, config, num_workers=layout.world, storage_path=storage,
                                run_name=RUN_NAME, gpus_per_worker=mesh.gpus_per_worker, address=mesh.address,
-                               max_failures=0, keep_checkpoints=0, what="distributed eval")  # fmt: skip
+                               max_failures=0, keep_checkpoints=0, what="distributed eval",
+                               placement_timeout=mesh.placement_timeout)  # fmt: skip
     finally:
         shutil.rmtree(storage, ignore_errors=True)
     got = run.value

@@ -320,6 +320,7 @@ def train_distributed(
     force: bool = False,
     address: str | None = None,
     gpus_per_worker: float = 0,
+    placement_timeout: float | None = None,
     resume: bool = False,
     stop_after: int | None = None,
     max_failures: int = 2,
@@ -344,6 +345,8 @@ def train_distributed(
         force: launch even when the memory planner (``genoctx.plan``) predicts that the layout does not fit.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
+        placement_timeout: seconds the workers may wait for their resources (``run_workers``'s; None = its default,
+            0 = forever).
         resume: continue the run in ``out`` from its latest checkpoint.
         stop_after: end this invocation after that step (checkpointed); ``resume`` continues.
         max_failures: worker-group restarts (from the last checkpoint) before giving up.
@@ -392,11 +395,11 @@ def train_distributed(
     _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,
-                       stop_after, max_failures)  # fmt: skip
+                       stop_after, max_failures, placement_timeout)  # fmt: skip
 
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
-            max_failures):  # fmt: skip
+            max_failures, placement_timeout=None):  # fmt: skip
     from .checkpoint import latest_checkpoint, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
@@ -446,6 +449,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         max_failures=max_failures,
         keep_checkpoints=recipe.train.keep_checkpoints,
         what="distributed training",
+        placement_timeout=placement_timeout,
     )
     return _summary(out, recipe, invocation, run.seconds)
 

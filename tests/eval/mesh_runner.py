@@ -50,7 +50,7 @@ def _entry(rank: int, worker_fn, config: dict, world: int, port: int, out: str) 
 
 def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",
                   gpus_per_worker: float = 0, address=None, max_failures: int = 0, keep_checkpoints: int = 0,
-                  what: str = "distributed run"):  # fmt: skip
+                  what: str = "distributed run", placement_timeout=None):  # fmt: skip
     """``run_workers`` on ``num_workers`` spawned gloo processes (CPU only; the Ray-only arguments are ignored)."""
     import torch.multiprocessing as mp
 
