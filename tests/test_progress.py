@@ -2,6 +2,7 @@
 bar and no escape code, the log lines as plain as before."""
 
 import io
+import logging
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from rich.logging import RichHandler
 
 from genoctx import progress
 from genoctx.eval.position import evaluate
@@ -30,13 +32,19 @@ def plain(terminal_output: str) -> str:
 
 @pytest.fixture
 def terminal():
-    """A forced terminal console for the bars (as the CLI sets on a tty); its text, escape codes removed."""
+    """A forced terminal console for the bars and genoctx's log (a RichHandler on it), as the CLI sets them up on a
+    tty; yields the text it showed, escape codes removed."""
     buf = io.StringIO()
-    progress.use_console(Console(file=buf, force_terminal=True, width=150, color_system=None))
+    console = Console(file=buf, force_terminal=True, width=150, color_system=None)
+    handler = RichHandler(console=console, show_path=False, markup=False, show_time=False)
+    glog = logging.getLogger("genoctx")
+    glog.addHandler(handler)
+    progress.use_console(console)
     try:
         yield lambda: plain(buf.getvalue())
     finally:
         progress.use_console(None)
+        glog.removeHandler(handler)
 
 
 def _rate(text: str, done: str) -> float:
@@ -45,11 +53,18 @@ def _rate(text: str, done: str) -> float:
     return float(re.search(r"([\d,]+) tok/s", line).group(1).replace(",", ""))
 
 
-def test_train_bar_shows_steps_and_tokens_per_s(prepared, tmp_path, terminal):
-    train(prepared, load_recipe(TINY, ["train.steps=2"]), tmp_path / "run")
-    text = terminal()
+def test_train_bar_shows_steps_and_tokens_per_s(prepared, tmp_path, terminal, caplog):
+    with caplog.at_level(logging.INFO, logger="genoctx"):
+        train(prepared, load_recipe(TINY, ["train.steps=2"]), tmp_path / "run")
+    lines = terminal().splitlines()
+    text = "\n".join(lines)
     assert re.search(r"^train .* 2/2 steps .* tok/s", text, re.M), text
     assert _rate(text, "2/2 steps") > 0
+    # the step log lines print whole above the live bar, which is drawn again below them
+    logged = [i for i, ln in enumerate(lines) if re.match(r"\s*INFO\s+step 1/2  loss [\d.]+ nats", ln)]
+    assert len(logged) == 1 and "steps" not in lines[logged[0]], text
+    assert any(re.match(r"^train .* [01]/2 steps", ln) for ln in lines[: logged[0]]), text
+    assert any(re.match(r"^train .* [12]/2 steps", ln) for ln in lines[logged[0] + 1 :]), text
 
 
 def test_eval_bar_shows_windows_and_tokens_per_s(prepared, terminal):

@@ -53,8 +53,8 @@ def check_loggers(names: list[str]) -> None:
         missing = [m for m in MODULES[name] if importlib.util.find_spec(m) is None]
         if missing:
             raise GenoctxError(
-                f"--logger {name} needs the {', '.join(missing)} package{'s' if len(missing) > 1 else ''}, not "
-                f"installed: {EXTRA}"
+                f"--logger {name} (train.loggers) needs the {', '.join(missing)} package"
+                f"{'s' if len(missing) > 1 else ''}, not installed here: {EXTRA}"
             )
 
 

@@ -112,7 +112,8 @@ def test_unknown_logger_and_missing_package_are_one_line_exit_2(prepared, tmp_pa
     )
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if mlflow-skinny were not installed
     line = error_line("--logger", "tensorboard", "--logger", "mlflow")
-    assert "--logger mlflow needs the mlflow package" in line and "pip install 'genoctx[loggers]'" in line
+    assert "--logger mlflow (train.loggers) needs the mlflow package" in line
+    assert line.endswith("not installed here: pip install 'genoctx[loggers]'"), line
     assert not (tmp_path / "run").exists()  # refused before the run folder is touched
     with pytest.raises(GenoctxError, match=r"genoctx\[loggers\]"):
         train(prepared, load_recipe(TINY, ["train.loggers=[mlflow]"]), tmp_path / "lib")
