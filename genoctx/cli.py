@@ -91,19 +91,24 @@ app.add_typer(model_app, name="model")
 
 
 def _setup_logging(verbose: bool) -> None:
-    """Logs to stderr: rich on a terminal, plain unwrapped lines (no colour codes) in pipes and files."""
+    """Logs to stderr: rich on a terminal, plain unwrapped lines (no colour codes) in pipes and files. On a terminal
+    the progress bars (``genoctx.progress``: train's steps, eval's windows) share the log's console, so log lines
+    print above the bar; in pipes there is no bar."""
+    from . import progress
+
     level = logging.DEBUG if verbose else logging.INFO
     if sys.stderr.isatty():
         from rich.console import Console
         from rich.logging import RichHandler
 
-        handler: logging.Handler = RichHandler(
-            console=Console(stderr=True), show_path=False, markup=False, rich_tracebacks=False
-        )
+        console = Console(stderr=True)
+        handler: logging.Handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
         fmt = "%(message)s"
+        progress.use_console(console)
     else:
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        progress.use_console(None)
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=[handler], force=True)
 
 
@@ -415,11 +420,21 @@ def train(
             "rank's bytes as JSON; no Ray, no training, --out untouched.",
         ),
     ] = False,
+    logger: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--logger",
+            help="Also send metrics.jsonl's rows to tensorboard (RUN/tensorboard) or mlflow (RUN/mlruns/mlflow.db), "
+            "local files only; repeatable or a comma list; = train.loggers. Needs pip install 'genoctx[loggers]'.",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
 
     Example: genoctx train --data prepared --recipe recipes/cpu-small.yaml --out runs/demo --steps 200
+
+    Example (metrics to TensorBoard too): genoctx train ... --logger tensorboard; tensorboard --logdir runs/demo
 
     Example (Ray, 2 workers sharing each window): genoctx train --data prepared --recipe recipes/tiny.yaml
     --out runs/cp2 --num-workers 2 --cp 2 [--set train.cp_layout=zigzag]
@@ -450,6 +465,8 @@ def train(
         overrides.append(f"train.ep_folded={str(ep_folded).lower()}")
     if seq_chunk is not None:
         overrides.append(f"train.seq_chunk_tokens={_size('--seq-chunk', seq_chunk)}")
+    if logger is not None:
+        overrides.append(f"train.loggers=[{','.join(_loggers(logger))}]")
     rec = load_recipe(recipe, overrides)
     if rec.train.seq_chunk_tokens is not None and rec.train.cp > 1:
         raise GenoctxError("--seq-chunk (train.seq_chunk_tokens) with --cp > 1 is not supported yet: use one of them")
@@ -493,6 +510,21 @@ def train(
             wait=wait,
         )
     )
+
+
+def _loggers(values: list[str]) -> list[str]:
+    """``--logger`` values (repeated, or comma lists) as a list of names from ``genoctx.recipes.LOGGERS``.
+
+    Raises:
+        GenoctxError: an unknown or empty name (one line naming --logger).
+    """
+    from .recipes import LOGGERS
+
+    names = [name.strip() for value in values for name in value.split(",")]
+    for name in names:
+        if name not in LOGGERS:
+            raise GenoctxError(f"--logger {name!r}: expected {' or '.join(LOGGERS)} (repeatable, or a comma list)")
+    return names
 
 
 def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:

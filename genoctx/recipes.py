@@ -32,6 +32,7 @@ from .errors import GenoctxError
 from .model.config import PRESETS, ModelConfig, preset
 
 SECTIONS = ("model", "train", "data", "loss")
+LOGGERS = ("tensorboard", "mlflow")  # train.loggers: where metrics go besides RUN/metrics.jsonl
 
 
 class RecipeValueError(GenoctxError):
@@ -79,11 +80,19 @@ class TrainConfig:
     # (genoctx.train.chunked): memory bounded by the chunk plus the boundary state; null = one pass
     seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
+    # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
+    loggers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """Check types and ranges; the first bad field raises :class:`RecipeValueError` naming ``train.<field>``."""
+        if isinstance(self.loggers, str):  # a comma list: --set train.loggers=tensorboard,mlflow
+            self.loggers = [name.strip() for name in self.loggers.split(",") if name.strip()]
         for f in dataclasses.fields(self):
             setattr(self, f.name, _check_value(f"train.{f.name}", getattr(self, f.name), _HINTS[TrainConfig][f.name]))
+        bad = [name for name in self.loggers if name not in LOGGERS]
+        if bad:
+            _bad("train.loggers", f"must list {' and/or '.join(map(repr, LOGGERS))}", bad[0])
+        self.loggers = list(dict.fromkeys(self.loggers))  # each once, in order
         choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

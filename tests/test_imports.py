@@ -119,6 +119,7 @@ def test_cluster_knows_nothing_of_training_or_eval():
         (("genoctx.model", "kernels"), ("genoctx.parallel", "genoctx.train")),
         (("genoctx.data",), ("genoctx.model",)),
         (("kernels",), ("genoctx",)),
+        (("genoctx.progress",), ("genoctx",)),  # a leaf: train and eval draw bars without importing the CLI
     ],
 )
 def test_arrows_point_down(importers, forbidden):

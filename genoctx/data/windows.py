@@ -37,7 +37,6 @@ import logging
 import os
 import re
 import threading
-import zlib
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
@@ -46,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from genoctx.data.fasta import FastaError, FastaStream, fasta_md5, is_gzip, line_at
+from genoctx.data.fasta import FastaError, FastaStream, crc32, fasta_md5, is_gzip, line_at
 from genoctx.data.tokenizer import VOCAB, InvalidBaseError, N, encode_chunk
 from genoctx.errors import GenoctxError
 from genoctx.lock import OutputLock, output_lock
@@ -249,7 +248,7 @@ def _file_crc32(path: Path, chunk_bytes: int = 1 << 22) -> str:
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(chunk_bytes):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return f"{crc:08x}"
 
 
@@ -321,7 +320,7 @@ def verify(out: str | Path) -> list[str]:
         shard = manifest["shards"][w["shard"]]
         with open(root / shard["tokens"], "rb") as f:
             f.seek(w["offset"])
-            crc = f"{zlib.crc32(f.read(w['end'] - w['start'])):08x}"
+            crc = f"{crc32(f.read(w['end'] - w['start'])):08x}"
         if crc != w["crc32"]:
             problems.append(
                 f"{root / shard['tokens']}: window {i} ({w['chrom']}:{w['start']}-{w['end']}) crc32 "
@@ -481,7 +480,7 @@ def _stream_shard(
                     ) from None
                 if softmask is None:
                     softmask = bytes(len(tokens))
-                n = tokens.count(4)
+                n = tokens.count(4) if 4 in tokens else 0  # `in`: one memchr, far faster than count on N-free text
                 if n:
                     iupac += n - raw.count(b"N") - raw.count(b"n")
                 counter.add(tokens, n)
@@ -489,8 +488,8 @@ def _stream_shard(
                     sm_count += int(np.count_nonzero(np.frombuffer(softmask, np.uint8)))
                 ftok.write(tokens)
                 fsm.write(softmask)
-                tok_crc = zlib.crc32(tokens, tok_crc)
-                sm_crc = zlib.crc32(softmask, sm_crc)
+                tok_crc = crc32(tokens, tok_crc)
+                sm_crc = crc32(softmask, sm_crc)
                 length += len(tokens)
                 n_count += n
             # no fsync here: a shard torn by a crash fails its crc32 on the next run and is rewritten
@@ -798,7 +797,7 @@ def _prepare(
                         "softmask_count": int(np.count_nonzero(softmask[start:end])),
                         "shard": shard_index,
                         "offset": start,
-                        "crc32": f"{zlib.crc32(tokens[start:end]):08x}",
+                        "crc32": f"{crc32(tokens[start:end]):08x}",
                     }
                 )
             del tokens, softmask, n_counter

@@ -345,7 +345,7 @@ def evaluate(
                                    probe)  # fmt: skip
     for name, model in models or []:
         score = model_scorer(model, chunk_tokens, device)
-        res = score_windows(score, ds, edges, max_windows, views)
+        res = score_windows(score, ds, edges, max_windows, views, label=name)
         taken.add(name)
         tails = model_tail_scorer(model, chunk_tokens, device)
         scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score, tails)))
@@ -411,9 +411,9 @@ def _score_in_process(ckpts, ds, edges, views, max_windows, chunk_tokens, device
         log.info("scoring %d %s windows of %d tokens with %s%s", n, ds.split, ds.window, ck,
                  f" (softmax over the {vocab} vocabulary)" if vocab else "")  # fmt: skip
         score = model_scorer(model, chunk_tokens, device)
-        res = score_windows(score, ds, edges, max_windows, views)
-        scored.append(_Scored(_entry(ck, taken, vocab), res, probe(score, model_tail_scorer(model, chunk_tokens,
-                                                                                            device))))  # fmt: skip
+        entry = _entry(ck, taken, vocab)
+        res = score_windows(score, ds, edges, max_windows, views, label=entry["name"])
+        scored.append(_Scored(entry, res, probe(score, model_tail_scorer(model, chunk_tokens, device))))
         del model, score
     return scored
 
@@ -422,7 +422,7 @@ def _score_markov(data_dir, markov, markov_alpha, ds, edges, max_windows, views,
     """The order-``markov`` chain fitted on the train split, scored on the same windows."""
     log.info("fitting an order-%d Markov chain on the train split of %s", markov, data_dir)
     chain = fit_markov(data_dir, markov, markov_alpha)
-    res = score_windows(markov_scorer(chain), ds, edges, max_windows, views)
+    res = score_windows(markov_scorer(chain), ds, edges, max_windows, views, label=f"markov-{markov}")
     entry = {"name": f"markov-{markov}", "kind": "markov", "path": None, "order": markov, "alpha": markov_alpha,
              "train_tokens": chain.tokens_seen}  # fmt: skip
     return _Scored(entry, res, probe(markov_scorer(chain)))

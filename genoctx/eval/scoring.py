@@ -23,6 +23,7 @@ import torch
 from ..data.dataset import WindowDataset, scored_mask
 from ..data.tokenizer import BOS, PAD, VOCAB, reverse_complement
 from ..model.model import shift_inputs, token_losses
+from ..progress import bar
 from ..train.checkpoint import load_model, resolve_checkpoint
 from .copyprobe import TailScoreFn
 from .markov import MarkovModel
@@ -231,6 +232,7 @@ def score_windows(
     edges: list[int],
     max_windows: int | None = None,
     views: list[str] | None = None,
+    label: str = "eval",
 ) -> dict[str, BinnedLoss]:
     """Score the windows of ``ds`` (or the first ``max_windows``) and sum losses per window, bin and view.
 
@@ -239,6 +241,7 @@ def score_windows(
         ds: the windows; ``ds[i]`` gives ``tokens`` [W], ``softmask`` [W], ``start``/``end``.
         edges: bin edges in tokens of context (:func:`parse_bins`).
         views: names from :func:`view_names`; default the main view only.
+        label: the progress bar's name (``genoctx.progress``: windows scored, tokens/s; shown on a terminal only).
 
     Returns:
         ``{view: BinnedLoss}`` with arrays [windows, bins]; ``both/*`` views are forward + reverse sums.
@@ -250,12 +253,16 @@ def score_windows(
     sums = {(s, m): np.zeros((n, nb)) for s in strands for m in masks}
     cnts = {(s, m): np.zeros((n, nb), dtype=np.int64) for s in strands for m in masks}
     bin_of = np.searchsorted(np.asarray(edges[1:-1]), np.arange(ds.window), side="right")
-    for i in range(n):
-        for strand, tokens, soft in window_strands(ds[i], strands):
-            losses = np.asarray(score(tokens), dtype=np.float64)
-            for mask, (s_, c_) in window_sums(losses, tokens, soft, bin_of, nb, masks).items():
-                sums[strand, mask][i], cnts[strand, mask][i] = s_, c_
-        log.debug("window %d/%d scored", i + 1, n)
+    with bar(label, n, "windows") as progress:
+        for i in range(n):
+            scored = 0
+            for strand, tokens, soft in window_strands(ds[i], strands):
+                losses = np.asarray(score(tokens), dtype=np.float64)
+                scored += len(tokens)
+                for mask, (s_, c_) in window_sums(losses, tokens, soft, bin_of, nb, masks).items():
+                    sums[strand, mask][i], cnts[strand, mask][i] = s_, c_
+            log.debug("window %d/%d scored", i + 1, n)
+            progress.advance(tokens=scored)
     return views_of(sums, cnts, views, edges)
 
 

@@ -30,7 +30,8 @@ layer above it); the worker reaches Ray Train only through the session object th
 - Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each rank's
   mesh coordinates, tokens, tokens/s, peak memory, MoE max/mean expert load, DSA indexer (query, pool) pairs scored
   (``dsa_keys_scored``) and, under EP, the (token, slot) rows its experts received (``ep_received_rows``,
-  ``ep_max_round_rows``). The summary prints the busiest rank's load over the mean (``rank_imbalance``).
+  ``ep_max_round_rows``). The summary prints the busiest rank's load over the mean (``rank_imbalance``). Rank 0 also
+  sends each row's scalars to ``train.loggers`` (TensorBoard, MLflow: ``genoctx.train.metrics``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def _train_worker(config: dict, session) -> None:
     from .faults import DRIVER_ENV, ENV, maybe_kill
     from .init import base_source
     from .loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
+    from .metrics import MetricsLog
     from .sharded import save_sharded
 
     worker_logging()
@@ -139,7 +141,7 @@ def _train_worker(config: dict, session) -> None:
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
     steps_run, status = 0, "failed"
     try:
-        with open(out / "metrics.jsonl", "a") if rank == 0 else nullcontext() as mf:
+        with MetricsLog(out, cfg.loggers, start, recipe, attempt["attempt"]) if rank == 0 else nullcontext() as metrics:
             for step in range(start, end):
                 maybe_kill("step", rank, step, out)
                 t0 = time.perf_counter()
@@ -163,8 +165,7 @@ def _train_worker(config: dict, session) -> None:
                     "ranks": ranks,
                 }
                 if rank == 0:
-                    mf.write(json.dumps(row, default=str) + "\n")
-                    mf.flush()
+                    metrics.write(row)
                     if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                         log_step(step + 1, cfg.steps, m, row["tokens_per_s"], _rank_line(dims, ranks))
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
@@ -366,7 +367,9 @@ def train_distributed(
     from ..parallel.layout import Layout, cp_pieces
     from .init import resolve_init, vocab_head
     from .loop import _check_manifest, check_seq_len
+    from .metrics import check_loggers
 
+    check_loggers(recipe.train.loggers)  # a logger's missing package: before Ray starts (rank 0 imports it)
     try:
         mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp, ep_folded=ep_folded)
     except ValueError as e:

@@ -40,6 +40,7 @@ from ..model.model import HybridLM, shift_inputs, token_losses
 from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..parallel.fsdp import clip_grad_norm, reduce_gradients
 from ..parallel.mesh import ParallelDims
+from ..progress import bar
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
     latest_checkpoint,
@@ -51,6 +52,7 @@ from .checkpoint import (
 from .chunked import chunked_forward_backward
 from .faults import maybe_kill
 from .init import base_source, describe, resolve_init, vocab_head
+from .metrics import MetricsLog, check_loggers
 
 log = logging.getLogger("genoctx.train")
 
@@ -424,6 +426,7 @@ def train(
 
     manifest = _check_manifest(Path(data_dir))
     check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
+    check_loggers(recipe.train.loggers)  # a logger's missing package: an error before --out is touched
     # a bad base or tokenizer: an error before --out is touched; a resumed Hub base at the run's recorded commit
     recipe, base = resolve_init(recipe, Path(out) if resume else None)
     vocab_head(recipe, base)
@@ -440,7 +443,9 @@ def train_unlocked(
     stop_after: int | None = None,
     base: dict | None = None,
 ) -> dict:
-    """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``.
+    """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``
+    (metrics.jsonl, and ``recipe.train.loggers``' TensorBoard/MLflow files: ``genoctx.train.metrics``). On a terminal
+    (``genoctx.progress``) a bar shows the steps and tokens/s.
 
     ``recipe.train.steps == 0`` writes the untrained (initialised) model as checkpoint ``step_000000``.
     ``stop_after`` ends this invocation after that step (with a checkpoint), as a scheduler time limit would;
@@ -520,7 +525,10 @@ def train_unlocked(
     ckpt = latest if start >= end else None
     status = "failed"
     try:
-        with open(out / "metrics.jsonl", "a") as mf:
+        with (
+            MetricsLog(out, cfg.loggers, start, recipe, attempt["attempt"]) as metrics,
+            bar("train", end, "steps", start) as progress,
+        ):
             for step in range(start, end):
                 maybe_kill("step", 0, step, out)
                 t0 = time.perf_counter()
@@ -539,8 +547,8 @@ def train_unlocked(
                     "peak_memory_bytes": peak_memory_bytes(dev),
                     "layers": model.layer_stats(),
                 }
-                mf.write(json.dumps(last) + "\n")
-                mf.flush()
+                metrics.write(last)
+                progress.advance(tokens=tokens.numel())
                 if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                     paths = ",".join(s.get("path", "?") for s in last["layers"])
                     log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")

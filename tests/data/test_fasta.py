@@ -1,9 +1,14 @@
-"""FASTA reading: real hg38 pieces (bgzip, plain, plain gzip) against pyfaidx, and one-line errors."""
+"""FASTA reading: real hg38 pieces (bgzip, plain, plain gzip) against pyfaidx, and one-line errors; ISA-L's
+inflate equals zlib's (its fallback)."""
 
 import gzip
 import hashlib
 import logging
 import shutil
+import subprocess
+import sys
+import threading
+import zlib
 
 import pyfaidx
 import pytest
@@ -98,3 +103,47 @@ def test_header_without_name(tmp_path):
     path = tmp_path / "noname.fa"
     path.write_bytes(b">chrA\nAC\n>\nGG\n")
     _raises(path, "no name", "chrA")
+
+
+def _inflated(paths):
+    """Each file's decompressed bytes three ways: the streaming reader (odd block size), Biopython's records and
+    FastaStream's records."""
+    from genoctx.data import fasta
+
+    out = {}
+    for p in paths:
+        blocks = b"".join(fasta._decompressed_blocks(p, True, 65_521, threading.Event()))
+        stream = [(name, b"".join(raw for raw, _ in segs)) for name, segs in fasta.FastaStream(p, block_bytes=65_521)]
+        out[p.name] = (blocks, list(iter_records(p)), stream)
+    return out
+
+
+def test_isal_and_zlib_fallback_give_identical_bytes_on_bgzip(realdna, monkeypatch):
+    from genoctx.data import fasta
+
+    paths = sorted(realdna.glob("*.fa.gz"))
+    assert len(paths) == 2 and all((p.parent / (p.name + ".gzi")).is_file() for p in paths)  # bgzip, many members
+    assert fasta.GZIP_BACKEND == "isal" and fasta._zlib.__name__ == "isal.isal_zlib"
+    with_isal = _inflated(paths)
+    for p in paths:  # the standard library's reading of all members
+        assert with_isal[p.name][0] == gzip.decompress(p.read_bytes())
+        assert len(with_isal[p.name][0]) == {"chr1": 1_020_006, "chr2": 2_379_948}[p.name.split("_")[1]]
+    monkeypatch.setattr(fasta, "_zlib", zlib)
+    monkeypatch.setattr(fasta, "_gzip", gzip)
+    assert _inflated(paths) == with_isal
+
+
+def test_without_isal_the_import_falls_back_to_zlib(realdna):
+    code = (
+        "import sys, hashlib, threading; sys.modules['isal'] = None\n"  # as if python-isal were not installed
+        "from genoctx.data import fasta\n"
+        "p = sys.argv[1]\n"
+        "data = b''.join(fasta._decompressed_blocks(fasta.Path(p), True, 1 << 20, threading.Event()))\n"
+        "recs = list(fasta.iter_records(p))\n"
+        "print(fasta.GZIP_BACKEND, fasta._zlib.__name__, fasta._gzip.__name__, hashlib.md5(data).hexdigest(),"
+        " recs[0][0], len(recs[0][1]))\n"
+    )
+    path = realdna / "hg38_chr1_1-1000000.fa.gz"
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    expected = hashlib.md5(gzip.decompress(path.read_bytes())).hexdigest()
+    assert r.stdout.split() == ["zlib", "zlib", "gzip", expected, "chr1", "1000000"]
