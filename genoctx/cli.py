@@ -428,9 +428,21 @@ def train(
             "local files only; repeatable or a comma list; = train.loggers. Needs pip install 'genoctx[loggers]'.",
         ),
     ] = None,
+    no_verify: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify",
+            help="Load the --resume checkpoint or the --init genoctx checkpoint without checking its files against "
+            "the sizes and digests recorded when it was written; = train.verify_checkpoints=false.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
+
+    --resume continues from the newest checkpoint whose files verify (sizes and xxh3_64 digests recorded in its
+    state.json); each newer damaged one is skipped with a warning and set aside as step_N.broken. --init RUN
+    (a genoctx run or checkpoint) is refused when its checkpoint does not verify. --no-verify skips the checks.
 
     Example: genoctx train --data prepared --recipe recipes/cpu-small.yaml --out runs/demo --steps 200
 
@@ -467,6 +479,8 @@ def train(
         overrides.append(f"train.seq_chunk_tokens={_size('--seq-chunk', seq_chunk)}")
     if logger is not None:
         overrides.append(f"train.loggers=[{','.join(_loggers(logger))}]")
+    if no_verify:
+        overrides.append("train.verify_checkpoints=false")
     rec = load_recipe(recipe, overrides)
     if rec.train.seq_chunk_tokens is not None and rec.train.cp > 1:
         raise GenoctxError("--seq-chunk (train.seq_chunk_tokens) with --cp > 1 is not supported yet: use one of them")
@@ -667,12 +681,25 @@ def eval_(
     force: Annotated[
         bool, typer.Option("--force", help="Score even when the memory planner predicts a rank does not fit.")
     ] = False,
+    no_verify: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify",
+            help="Read genoctx checkpoints without checking their files against the sizes and digests recorded when "
+            "they were written.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Held-out next-token loss, binned by how many tokens of context each token had, with 95% bootstrap
     intervals over windows. Several --checkpoint: the first is the baseline (paired intervals of the change).
     With --num-workers the checkpoints are scored on Ray workers on the training mesh (no rank holds a model;
     forward only; the statistics are then computed here exactly as for one process).
+
+    Every genoctx checkpoint's weight files are checked against the sizes and xxh3_64 digests recorded when it was
+    written before anything is scored (--no-verify skips it); a damaged file is one line naming it (exit 2). A run
+    directory whose newest checkpoint does not verify is refused, naming the newest one that does (pass that one
+    explicitly): an eval measures one specific model, so an older one is never evaluated silently.
 
     Examples:
       genoctx eval --by-position --checkpoint runs/init --checkpoint runs/demo --data prepared --markov 8
@@ -725,6 +752,7 @@ def eval_(
             copy_segment=copy_segment,
             copy_distances_n=copy_distances,
             mesh=mesh,
+            verify=not no_verify,
         )
     except BaseException:
         remove_folders(created)  # no output of a failed run, not even --plot's empty folder
@@ -805,10 +833,22 @@ def export(
     dtype: Annotated[
         str, typer.Option(help="Stored dtype: keep (as trained), bf16 or fp32; fp32 islands stay fp32.")
     ] = "keep",
+    no_verify: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify",
+            help="Read a genoctx checkpoint without checking its files against the sizes and digests recorded when "
+            "it was written.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face model directory that transformers loads
     (Glm5NextForConditionalGeneration.from_pretrained); prints a JSON summary. See docs/checkpoints.md, "Export".
+
+    A genoctx checkpoint's weight files are first checked against the sizes and xxh3_64 digests recorded when it
+    was written (--no-verify skips it); a run directory whose newest checkpoint does not verify is refused, naming
+    the newest one that does.
 
     Examples:
       genoctx export runs/demo --out export/demo --dtype bf16
@@ -834,6 +874,10 @@ def export(
     check_export_dir(out, force)
     path = resolve_checkpoint(ckpt)
     hf = not (path / "state.json").is_file()
+    if not hf and not no_verify:
+        from .train.integrity import refuse_unverified, run_of
+
+        refuse_unverified(path, ckpt, run_of(ckpt), "export", "export it")
     src, dst = Path(os.path.realpath(path)), Path(os.path.realpath(out))
     if src.is_relative_to(dst) and not (hf and src == dst):
         raise GenoctxError(f"--out {out} holds the checkpoint {path}: replacing it would delete it; choose another")
@@ -864,6 +908,38 @@ def export(
         model = load_hf(path) if hf else load_model(path)[0]
     summary = save_hf(model, out, base_dir=base_dir, max_shard_bytes=shard, force=force, dtype=dtypes[dtype], wait=wait)
     _emit_json({"checkpoint": str(path), **summary})
+
+
+@app.command()
+@_user_errors
+def verify(
+    path: Annotated[Path, typer.Argument(help="A run directory (every checkpoint of it) or one checkpoint directory.")],
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Check checkpoint files against the sizes and xxh3_64 digests recorded in their state.json when they were
+    written; prints JSON (per checkpoint: path, step, ok, and per file: bytes, expected and actual digest, status
+    ok | mismatch | missing | size | unrecorded; seconds and GB hashed).
+
+    Exit codes (like sha256sum -c): 0 every file verifies, 1 something is damaged (a file whose size or digest
+    differs, or missing), 2 bad input (no such path, not a checkpoint or run directory). A checkpoint written
+    before digests were recorded has every file "unrecorded": a warning, not a failure.
+
+    Examples:
+      genoctx verify runs/demo
+      genoctx verify runs/demo/checkpoints/step_000200
+    """
+    _setup_logging(verbose)
+    from .train.integrity import verify_path
+
+    doc = verify_path(path)
+    _emit_json(doc)
+    if not doc["ok"]:
+        from .train.integrity import problem
+
+        for report in doc["checkpoints"]:
+            if (line := problem(report)) is not None:
+                typer.echo(f"genoctx: damaged: {_one_line(line)}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

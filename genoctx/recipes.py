@@ -61,6 +61,9 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100  # steps; a checkpoint is also written at the end
     keep_checkpoints: int = 2  # most recent checkpoints kept on disk (0 = keep all)
+    # check a checkpoint's recorded file sizes and xxh3_64 digests before --resume or --init reads it
+    # (genoctx.train.integrity); false (--no-verify) loads it unchecked
+    verify_checkpoints: bool = True
     log_every: int = 10
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast; states and KDA decay stay fp32)
     num_threads: int | None = None  # torch CPU threads; None = torch's default

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import GenoctxError
+from ..train.integrity import refuse_unverified, run_of
 from .scoring import BinnedLoss, EvalCheckpoint, eval_checkpoint, view_parts, views_of, window_strands, window_sums
 
 log = logging.getLogger("genoctx.eval")
@@ -224,8 +225,13 @@ def _eval_worker(config: dict, session) -> dict | None:
                 else nullcontext())  # fmt: skip
     ds = agree(dims, lambda: WindowDataset(config["data"], config["split"]))
     models, peaks = [], []
-    for path in config["checkpoints"]:
+    given = config.get("given") or config["checkpoints"]
+    runs = config.get("runs") or [None] * len(config["checkpoints"])
+    for path, named, run in zip(config["checkpoints"], given, runs, strict=True):
         spec = agree(dims, lambda p=path: eval_checkpoint(p, config["loss_vocab"]))
+        if config.get("verify", True) and spec.kind == "genoctx":  # every rank hashes its share; one verdict
+            refuse_unverified(spec.path, named, Path(run) if run else None, "--checkpoint", "evaluate it",
+                              dims=dims)  # fmt: skip
         model = build_eval_model(spec, dims, device, config["chunk_tokens"])
         if rank == 0:
             log.info("scoring %d %s windows with %s on %s", config["windows"], config["split"], spec.path,
@@ -260,7 +266,7 @@ def _check_layout(mesh: MeshEval, specs: list[EvalCheckpoint], window: int):
 
     try:
         layout = Layout.for_world(mesh.num_workers, ep=mesh.ep, dp_shard=mesh.fsdp, cp=mesh.cp,
-                                  ep_folded=mesh.ep_folded)
+                                  ep_folded=mesh.ep_folded)  # fmt: skip
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     if mesh.cp_layout not in LAYOUTS:
@@ -341,6 +347,8 @@ def score_on_mesh(
     chunk_tokens: int | None,
     loss_vocab: str | None,
     mesh: MeshEval,
+    verify: bool = True,
+    given: list | None = None,
 ) -> list[tuple[EvalCheckpoint, dict[str, BinnedLoss]]]:
     """Score ``n`` windows of ``split`` with every checkpoint on the mesh of ``mesh`` (module docstring).
 
@@ -352,6 +360,11 @@ def score_on_mesh(
         chunk_tokens: tokens per chunk (CP: per chunk of a piece); None = whole windows (pieces).
         loss_vocab: as ``evaluate``'s.
         mesh: the layout and where to run it.
+        verify: the workers check every genoctx checkpoint's weight files against their recorded sizes and digests
+            before building it (``genoctx.train.integrity.refuse_unverified``: recorded file ``i`` hashed by rank
+            ``i % world``, the verdict agreed by every rank).
+        given: the checkpoints as the user named them (a run directory: its newest checkpoint, refused naming the
+            newest one that verifies when it does not); default ``paths``.
 
     Returns:
         Per checkpoint, in order: its ``EvalCheckpoint`` and ``{view: BinnedLoss}`` (arrays [n, bins]), equal to
@@ -373,8 +386,12 @@ def score_on_mesh(
             validate_checkpoint(spec.path)
     layout = _check_layout(mesh, specs, window)
     _check_memory(mesh, layout, specs, window, chunk_tokens)
+    given = list(given) if given is not None else list(paths)
     config = {
         "checkpoints": [str(s.path) for s in specs],
+        "verify": verify,
+        "given": [str(g) for g in given],  # as named, for the messages
+        "runs": [str(r.resolve()) if (r := run_of(g)) is not None else None for g in given],
         "data": str(Path(data_dir).resolve()),
         "split": split,
         "edges": list(edges),

@@ -36,6 +36,7 @@ from ..data.dataset import WindowDataset, load_manifest
 from ..data.tokenizer import VOCAB
 from ..errors import GenoctxError
 from ..train.checkpoint import resolve_checkpoint
+from ..train.integrity import refuse_unverified, run_of
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
 from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
 from .markov import MAX_ORDER, fit_markov
@@ -256,6 +257,7 @@ def evaluate(
     copy_segment: int = SEGMENT,
     copy_distances_n: int = 8,
     mesh=None,
+    verify: bool = True,
 ) -> dict:
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
@@ -284,6 +286,10 @@ def evaluate(
         mesh: a ``genoctx.eval.distributed.MeshEval``: score the checkpoints on Ray workers on that mesh (FSDP, EP,
             CP; no rank holds a model) instead of in this process; every statistic is then computed here from the
             sums the workers reduced, exactly as for one process. ``models`` and ``copy_probe`` need one process.
+        verify: check each genoctx checkpoint's weight files against the sizes and digests recorded when it was
+            written (``genoctx.train.integrity``) before anything is scored (on a mesh: by the workers, the hashing
+            spread over them). A run directory whose newest checkpoint does not verify is refused, naming the newest
+            one that does: an eval measures one specific model.
 
     Returns:
         The document described in ``docs/eval_schema.md``: ``{"bins": [...], "overall": {...}, "checkpoint",
@@ -311,6 +317,10 @@ def evaluate(
     ckpts = [resolve_checkpoint(c) for c in ckpts_in]
     for ck in ckpts:  # fail before scoring anything
         _hf_token_map(ck)
+    if verify and mesh is None:  # (on a mesh the workers check, each hashing its share)
+        for given, ck in zip(ckpts_in, ckpts, strict=True):
+            if (ck / "state.json").is_file():
+                refuse_unverified(ck, given, run_of(given), "--checkpoint", "evaluate it")
     if not ckpts and markov is None and not models:
         raise GenoctxError("nothing to evaluate: give --checkpoint (one or more) or --markov K")
     ds = WindowDataset(data_dir, split)
@@ -335,11 +345,9 @@ def evaluate(
     if mesh is not None:
         from .distributed import score_on_mesh
 
-        scored = [
-            _Scored(_entry(spec.path, taken, spec.loss_vocab), res)
-            for spec, res in score_on_mesh(ckpts, data_dir, split, edges, views, n, ds.window, chunk_tokens,
-                                           loss_vocab, mesh)  # fmt: skip
-        ]
+        results = score_on_mesh(ckpts, data_dir, split, edges, views, n, ds.window, chunk_tokens, loss_vocab, mesh,
+                                verify=verify, given=ckpts_in)  # fmt: skip
+        scored = [_Scored(_entry(spec.path, taken, spec.loss_vocab), res) for spec, res in results]
     else:
         scored = _score_in_process(ckpts, ds, edges, views, max_windows, chunk_tokens, device, loss_vocab, taken,
                                    probe)  # fmt: skip

@@ -23,10 +23,12 @@ layer above it); the worker reaches Ray Train only through the session object th
   form); ``genoctx eval`` and ``export`` read either; rank 0 reports it (``session.report``); Ray keeps its
   copy under ``RUN/ray``. ``--resume`` reruns the same ``RunConfig(name="ray", storage_path=RUN)``. Every attempt
   (the first, ``--resume``, or Ray's restart of the group after a worker died: ``FailureConfig``) starts from the
-  newest complete checkpoint, Ray's (``session.checkpoint_dir()``) or the run's own, whichever is later
-  (``_resume``): Ray registers a report only once every worker's report is collected, so a kill soon after a save
-  would otherwise redo its steps. ``RUN/events.jsonl`` records each attempt (step loaded, partial saves removed,
-  steps run); the summary's ``resumed_from`` is the step this invocation loaded and ``attempts`` lists its attempts.
+  newest complete checkpoint that verifies (its files against their recorded digests, the hashing shared by the
+  ranks: ``genoctx.train.integrity``), Ray's (``session.checkpoint_dir()``) or the run's own, whichever is later
+  (``_choose_checkpoint``, ``_resume``): Ray registers a report only once every worker's report is collected, so a
+  kill soon after a save would otherwise redo its steps. ``RUN/events.jsonl`` records each attempt (step loaded,
+  partial saves removed, steps run); the summary's ``resumed_from`` is the step this invocation loaded and
+  ``attempts`` lists its attempts.
 - Metrics: ``RUN/metrics.jsonl`` (rank 0) holds, per step, the global loss and a ``ranks`` list with each rank's
   mesh coordinates, tokens, tokens/s, peak memory, MoE max/mean expert load, DSA indexer (query, pool) pairs scored
   (``dsa_keys_scored``) and, under EP, the (token, slot) rows its experts received (``ep_received_rows``,
@@ -45,7 +47,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
-from ..errors import GenoctxError
+from ..errors import AgreedError, GenoctxError
 from ..recipes import Recipe
 
 log = logging.getLogger("genoctx.train")
@@ -121,9 +123,14 @@ def _train_worker(config: dict, session) -> None:
     torch.set_num_threads(cfg.num_threads or config["threads"])
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
     torch.manual_seed(cfg.seed)
-    picked = _choose_checkpoint(out, rank, session)
+    picked = _choose_checkpoint(out, rank, session, dims, verify=cfg.verify_checkpoints)
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
     base = extra.get("init")  # loaded only when no checkpoint is (a fresh run from a base)
+    if picked is None and base is not None and base.get("kind") == "genoctx" and cfg.verify_checkpoints:
+        from .integrity import refuse_unverified
+
+        init_run = Path(config["init_run"]) if config.get("init_run") else None  # a run directory given
+        refuse_unverified(Path(base["path"]), base["source"], init_run, "--init", "start from it", dims=dims)
     source = Zeros() if picked is not None else base_source(base) if base is not None else Fresh()
     bf16_params = torch.bfloat16 if cfg.dtype == "bf16" and dev.type == "cuda" else None  # FSDP MixedPrecisionPolicy
     # meta device -> EP, CP, AC, FSDP2 -> to_empty -> this rank's shards (genoctx.parallel.build)
@@ -184,31 +191,70 @@ def _train_worker(config: dict, session) -> None:
             end_attempt(out, attempt, status, steps_run)
 
 
-def _choose_checkpoint(out: Path, rank: int, session) -> tuple[int, str, str | None] | None:
-    """Where this attempt of the worker group starts: the newest complete checkpoint, Ray's
+def _choose_checkpoint(out: Path, rank: int, session, dims=None, verify: bool = True):
+    """Where this attempt of the worker group starts: the newest complete checkpoint that verifies, Ray's
     (``session.checkpoint_dir()``, restored from ``RUN/ray`` on ``--resume``) or the run's own
-    (``RUN/checkpoints``), whichever holds the later step; None when there is none.
+    (``RUN/checkpoints``), the later step first (the run's own at the same step); None when there is none.
 
     Ray registers a reported checkpoint only once the controller has collected every worker's report; a worker
     killed soon after a save, or a driver killed during one, leaves newer complete checkpoints in
-    ``RUN/checkpoints`` than Ray knows of. Rank 0 chooses and broadcasts ``(step, "ray" | "run", path)``.
+    ``RUN/checkpoints`` than Ray knows of. Rank 0 lists the candidates and broadcasts them; with ``verify`` every
+    rank then checks them in turn, newest first (``genoctx.train.integrity.check_checkpoint``: the hashing spread
+    over the ranks, the verdict the same on every rank) until one verifies; rank 0 warns about each one skipped and
+    sets the run's own aside (``set_aside``). A collective.
+
+    Returns:
+        ``(step, "ray" | "run", path or None)`` or None.
+
+    Raises:
+        AgreedError: (every rank) there are checkpoints but none verifies, the newest one's problem named.
     """
     import torch.distributed as dist
 
-    from .checkpoint import latest_checkpoint, read_state
+    from .checkpoint import list_checkpoints, step_of
+    from .integrity import ALL, check_checkpoint, problem, set_aside, skip_line, warn_unrecorded
 
-    choice = [None]
+    cands = [None]
     if rank == 0:
-        candidates = []
+        found = []
         with session.checkpoint_dir() as d:
-            if d is not None:
-                candidates.append((int(read_state(d)["step"]), "ray", None))
-        own = latest_checkpoint(out)
-        if own is not None:
-            candidates.append((int(read_state(own)["step"]), "run", str(own)))
-        choice = [max(candidates, key=lambda c: (c[0], c[1] == "run")) if candidates else None]
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+            if d is not None:  # (an unreadable state.json: last, and found broken when checked)
+                found.append((_step_or(d, -1), "ray", None))
+        found += [(step_of(c), "run", str(c)) for c in list_checkpoints(out)]
+        cands = [sorted(found, key=lambda c: (c[0], c[1] == "run"), reverse=True)]
+    dist.broadcast_object_list(cands, src=0)
+    cands = cands[0]
+    if not verify or not cands:
+        return cands[0] if cands else None
+    skipped = []
+    for cand in cands:
+        step, source, path = cand
+        if source == "ray":
+            with session.checkpoint_dir() as d:  # every rank's view of Ray's copy
+                report = check_checkpoint(d, ALL, dims, validate_unrecorded=True)
+        else:
+            report = check_checkpoint(Path(path), ALL, dims, validate_unrecorded=True)
+        bad = problem(report)
+        if bad is None:
+            warn_unrecorded(report, dims)
+            if rank == 0:
+                for (s_, src, p), why in skipped:
+                    aside = set_aside(Path(p)) if src == "run" and Path(p).is_dir() else None
+                    log.warning(skip_line(p if src == "run" else f"step {s_} (Ray's copy)", why, aside))
+            return cand
+        skipped.append((cand, bad))
+    raise AgreedError(f"--resume: no checkpoint of {out} verifies; the newest: {skipped[0][1]}; --no-verify loads it "
+                      "anyway, or start a new --out")  # fmt: skip
+
+
+def _step_or(ckpt: Path, default: int) -> int:
+    """The step in ``ckpt/state.json``, or ``default`` when it cannot be read."""
+    from .checkpoint import read_state
+
+    try:
+        return int(read_state(ckpt)["step"])
+    except GenoctxError:
+        return default
 
 
 def _resume(
@@ -348,7 +394,7 @@ def train_distributed(
         gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
         placement_timeout: seconds the workers may wait for their resources (``run_workers``'s; None = its default,
             0 = forever).
-        resume: continue the run in ``out`` from its latest checkpoint.
+        resume: continue the run in ``out`` from its newest checkpoint that verifies (``train.verify_checkpoints``).
         stop_after: end this invocation after that step (checkpointed); ``resume`` continues.
         max_failures: worker-group restarts (from the last checkpoint) before giving up.
         wait: when another process writes ``out`` (``genoctx.lock.output_lock``), wait for it instead of failing.
@@ -416,6 +462,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         )
     state = None
     if resume and latest is not None:
+        latest = _readable_checkpoint(out, recipe.train.verify_checkpoints)
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
         check_resume(recipe, latest, state, base)
     extra = describe(base, vocab_head(recipe, base, state))
@@ -440,6 +487,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         "driver_pid": os.getpid(),
         "invocation": invocation,
         "extra": extra,
+        "init_run": str(init_run.resolve()) if (init_run := _init_run(base)) is not None else None,
     }
     run = run_workers(  # Ray's stdout lines go to stderr there: stdout is for the JSON summary only
         _train_worker,
@@ -455,6 +503,29 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         placement_timeout=placement_timeout,
     )
     return _summary(out, recipe, invocation, run.seconds)
+
+
+def _readable_checkpoint(out: Path, verify: bool) -> Path:
+    """The checkpoint the driver checks a ``--resume`` against (``check_resume``): the newest, or with ``verify`` the
+    newest whose small files read (``validate_checkpoint``); the workers then choose the one they load by its
+    digests (``_choose_checkpoint``). No readable one: the newest (its error is then the driver's one line)."""
+    from .checkpoint import latest_checkpoint, list_checkpoints, validate_checkpoint
+
+    if verify:
+        for ck in reversed(list_checkpoints(out)):
+            try:
+                validate_checkpoint(ck)
+                return ck
+            except GenoctxError:
+                continue
+    return latest_checkpoint(out)
+
+
+def _init_run(base: dict | None) -> Path | None:
+    """The run directory ``--init`` named (a genoctx base given as a run, not one checkpoint), or None."""
+    from .integrity import run_of
+
+    return run_of(base["source"]) if base is not None and base.get("kind") == "genoctx" else None
 
 
 def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool) -> None:

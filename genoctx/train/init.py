@@ -232,7 +232,8 @@ def resolve_init(recipe: Recipe, run: Path | None = None) -> tuple[Recipe, dict 
 
         cfg = load_recipe_of(path).model
         info["files"] = {name: hashlib.sha256((path / name).read_bytes()).hexdigest() for name in ("state.json",)}
-        info["files"].update(_header_hashes([path / "model.safetensors"]))
+        if (path / "model.safetensors").is_file():  # (a DCP checkpoint: its state.json records every file's digest)
+            info["files"].update(_header_hashes([path / "model.safetensors"]))
     else:
         cfg, _ = read_config(path)
         info["files"] = fingerprint(path)

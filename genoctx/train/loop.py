@@ -10,7 +10,8 @@ from ``numpy.random.default_rng([seed, k])``. A resumed run therefore sees exact
 uninterrupted one would have.
 
 A run directory is continued, never redone: each attempt (a process, or a Ray worker group after a restart) loads
-the newest complete checkpoint, deletes the temporaries of a save that was killed, cuts ``metrics.jsonl`` back to
+the newest complete checkpoint whose files verify (``genoctx.train.integrity``: a newer damaged one is skipped with a
+warning and set aside), deletes the temporaries of a save that was killed, cuts ``metrics.jsonl`` back to
 the loaded step (so it holds each step once) and records itself in ``RUN/events.jsonl``: a ``start`` line (attempt
 number, step loaded, checkpoint, temporaries removed) and an ``end`` line (status, last step, optimizer steps this
 attempt ran). Every metrics row names the attempt that computed it.
@@ -52,6 +53,7 @@ from .checkpoint import (
 from .chunked import chunked_forward_backward
 from .faults import maybe_kill
 from .init import base_source, describe, resolve_init, vocab_head
+from .integrity import refuse_unverified, resume_choice, run_of, set_aside, skip_line
 from .metrics import MetricsLog, check_loggers
 
 log = logging.getLogger("genoctx.train")
@@ -406,6 +408,25 @@ def save_run_checkpoint(
     return save_checkpoint(out, step, model, optimizer, scheduler, recipe, state, keep=recipe.train.keep_checkpoints)
 
 
+def _resume_choice(out: Path, verify: bool) -> Path:
+    """The checkpoint a one-process ``--resume`` of ``out`` loads: with ``verify`` the newest that verifies
+    (``genoctx.train.integrity.resume_choice``; each newer one skipped is warned about and set aside), else the
+    newest.
+
+    Raises:
+        GenoctxError: no checkpoint of the run verifies (the newest one's problem named).
+    """
+    if not verify:
+        return latest_checkpoint(out)
+    chosen, skipped = resume_choice(out)
+    if chosen is None:
+        raise GenoctxError(f"--resume: no checkpoint of {out} verifies; the newest: {skipped[0][1]}; --no-verify loads "
+                           "it anyway, or start a new --out")  # fmt: skip
+    for ck, why in skipped:
+        log.warning(skip_line(str(ck), why, set_aside(ck)))
+    return chosen
+
+
 def train(
     data_dir: str | Path,
     recipe: Recipe,
@@ -459,7 +480,9 @@ def train_unlocked(
 
     Raises:
         GenoctxError: bad data dir, a run dir that already holds checkpoints without ``resume``, an unusable base
-            (``genoctx.train.init``), or a ``resume`` from a run whose model differs.
+            (``genoctx.train.init``) or a genoctx base whose files do not verify, a ``resume`` from a run whose
+            model differs or none of whose checkpoints verifies (``recipe.train.verify_checkpoints`` false: not
+            checked).
     """
     cfg = recipe.train
     data_dir, out = Path(data_dir), Path(out)
@@ -481,7 +504,10 @@ def train_unlocked(
         )
     resuming = resume and latest is not None
     if resuming:
+        latest = _resume_choice(out, cfg.verify_checkpoints)  # the newest that verifies
         check_resume(recipe, latest, read_state(latest), base)
+    elif base is not None and base.get("kind") == "genoctx" and cfg.verify_checkpoints:
+        refuse_unverified(Path(base["path"]), base["source"], run_of(base["source"]), "--init", "start from it")
     from ..parallel.build import Fresh, Zeros, build_model
 
     source = Zeros() if resuming else base_source(base) if base is not None else Fresh()

@@ -6,11 +6,14 @@ A distributed run (world > 1) writes::
       dcp/                   DCP: one ``__R_0.distcp`` per rank (its shards), ``.metadata`` written last by DCP
       scheduler.json         the LR schedule's state (small, rank 0)
       recipe.yaml            the resolved recipe (rank 0)
-      state.json             step, data order, layout, ``"format": "dcp"``: written last (the commit marker)
+      state.json             step, data order, layout, ``"format": "dcp"``, the size and xxh3_64 digest of every
+                             other file (``"files"``): written last (the commit marker)
 
-Every rank writes into the same temporary folder (``checkpoints/.step_000100.XXXX``, named by rank 0); after a
-barrier rank 0 writes ``state.json`` and renames the folder into place, so a killed save leaves a temporary that
-``remove_partial_checkpoints`` deletes and ``latest_checkpoint`` never picks.
+Every rank writes into the same temporary folder (``checkpoints/.step_000100.XXXX``, named by rank 0) and then reads
+back and hashes its own shard files (``__R_*.distcp``: the hashing is spread as the writing is); the digests are
+gathered to rank 0, which hashes ``.metadata``, ``scheduler.json`` and ``recipe.yaml``, writes ``state.json`` and
+renames the folder into place, so a killed save leaves a temporary that ``remove_partial_checkpoints`` deletes and
+``latest_checkpoint`` never picks.
 
 The state dict is in canonical, layout-free form: the keys are the one-device names (``model_tensors``) and
 ``optim.<name>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` (AdamW), each tensor with its global shape. A rank offers what
@@ -43,12 +46,14 @@ from ..recipes import Recipe
 from .checkpoint import (
     CKPT_DIR,
     DCP_DIR,
+    FILES_KEY,
     TIED_HEAD,
     _load_scheduler,
     checkpoint_keys,
     checkpoint_name,
+    digest_files,
     is_sharded,
-    list_checkpoints,
+    prune_checkpoints,
     read_full_tensors,
     read_optimizer,
 )
@@ -61,9 +66,11 @@ def save_sharded(
 ) -> Path:
     """Write ``RUN/checkpoints/step_{step}`` from every rank of ``dims`` (a collective: all ranks call it).
 
-    Returns the final directory (on every rank). ``keep`` > 0 removes all but the ``keep`` newest checkpoints (rank
-    0). The fault injection ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before
-    ``state.json`` and the rename.
+    Returns the final directory (on every rank). Each rank reads back and hashes the shard files it wrote; rank 0
+    records every file's size and xxh3_64 digest in state.json (module docstring). ``keep`` > 0 removes all but the
+    ``keep`` newest checkpoints up to this one (rank 0, ``prune_checkpoints``). The fault injection
+    ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before ``state.json`` and the
+    rename.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -80,27 +87,38 @@ def save_sharded(
     tmp = Path(name[0])
     try:
         dcp.save(canonical_state(model, optimizer, dims), checkpoint_id=str(tmp / DCP_DIR))
-        dist.barrier()
+        mine = digest_files(tmp, _rank_shards(tmp, rank))  # this rank's files, read back from disk
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)  # (also the barrier: every rank's files are complete)
         if rank == 0:
             (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict() if scheduler is not None else None))
             (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
             maybe_kill("save", 0, step, Path(run_dir))
+            files = {k: v for p in parts for k, v in p.items()}
+            rest = [f"{DCP_DIR}/{p.name}" for p in sorted((tmp / DCP_DIR).iterdir()) if p.is_file()]
+            files.update(digest_files(tmp, [n for n in rest if n not in files] + ["scheduler.json", "recipe.yaml"]))
             layout = dims.layout.to_dict() if dims is not None else None
-            doc = {"step": step, "genoctx_version": __version__, "format": FORMAT, "layout": layout, **state}
+            doc = {"step": step, "genoctx_version": __version__, "format": FORMAT, "layout": layout, **state,
+                   FILES_KEY: dict(sorted(files.items()))}  # fmt: skip
             (tmp / "state.json").write_text(json.dumps(doc, indent=1))
             share_like_umask(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            if keep > 0:
-                for old in list_checkpoints(run_dir)[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(run_dir, step, keep)
         dist.barrier()
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _rank_shards(root: Path, rank: int) -> list[str]:
+    """The DCP shard files rank ``rank`` wrote under ``root/dcp`` (``__{rank}_{i}.distcp``, the names torch's
+    ``FileSystemWriter`` gives them), relative to ``root``. Any other file of ``dcp/`` (``.metadata``) rank 0
+    hashes."""
+    return sorted(f"{DCP_DIR}/{p.name}" for p in (Path(root) / DCP_DIR).glob(f"__{rank}_*.distcp"))
 
 
 def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:

@@ -193,7 +193,8 @@ def test_a_plan_that_does_not_fit_is_refused_unless_forced(data, checkpoints):
 
 def test_a_checkpoint_unreadable_on_one_rank_is_one_error_on_all(data, checkpoints, tmp_path):
     """FSDP=2 reads the DCP checkpoint saved by FSDP=2: each rank reads its own shard file. Rank 1's file is cut short
-    (the driver, which reads only the metadata, cannot tell): every rank fails with one line, no rank hangs."""
+    (the driver, which reads only the metadata, cannot tell; the digests, which would, are not checked here:
+    ``verify=False``): every rank fails with one line, no rank hangs."""
     import shutil
 
     ckpt = tmp_path / "step_000005"
@@ -201,8 +202,34 @@ def test_a_checkpoint_unreadable_on_one_rank_is_one_error_on_all(data, checkpoin
     shard = ckpt / "dcp" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(GenoctxError, match=r"dcp: cannot load it into this model \(rank \d: ") as e:
-        evaluate([ckpt], data, mesh=_mesh(2, 2, 1, 1, "contiguous"), chunk_tokens=CHUNK, max_windows=2)
+        evaluate([ckpt], data, mesh=_mesh(2, 2, 1, 1, "contiguous"), chunk_tokens=CHUNK, max_windows=2, verify=False)
     assert "\n" not in str(e.value) and str(ckpt) in str(e.value)
+
+
+def test_a_run_whose_newest_checkpoint_does_not_verify_is_refused_on_the_mesh(data, tmp_path):
+    """The workers check the digests (each rank hashing its share) before building the model: a run directory whose
+    newest checkpoint has a damaged weight file is refused on every rank with one line naming the file and the newest
+    checkpoint that verifies; given explicitly, that one is scored."""
+    from genoctx.recipes import Recipe, TrainConfig
+    from genoctx.train.checkpoint import save_checkpoint
+
+    run = tmp_path / "run"
+    recipe = Recipe(model=mesh_config(), train=TrainConfig())
+    for step in (3, 5):
+        save_checkpoint(run, step, mesh_model(), None, None, recipe, {})
+    bad = run / "checkpoints" / "step_000005" / "model.safetensors"
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)
+    bad.write_bytes(bytes(raw))
+    mesh = _mesh(2, 2, 1, 1, "contiguous")
+    with pytest.raises(GenoctxError) as e:
+        evaluate(run, data, mesh=mesh, chunk_tokens=CHUNK, max_windows=1, resamples=0)
+    msg = str(e.value)
+    assert msg.startswith(f"--checkpoint {run}: its newest checkpoint step_000005 does not verify ({bad}: xxh3_64")
+    assert msg.endswith(f"the newest checkpoint that verifies is {run / 'checkpoints' / 'step_000003'}: pass it "
+                        "explicitly to evaluate it")  # fmt: skip
+    doc = evaluate(run / "checkpoints" / "step_000003", data, mesh=mesh, chunk_tokens=CHUNK, max_windows=1, resamples=0)
+    assert doc["checkpoint"] == str(run / "checkpoints" / "step_000003")
 
 
 def _cli(*args):

@@ -90,14 +90,16 @@ def _corrupt(run2, tmp_path, name, how):
     ],
 )
 def test_a_corrupt_checkpoint_file_is_one_line_naming_it(prepared, run2, tmp_path, name, how, verbs):
+    """The readers' own checks (``--no-verify``: the recorded digests, which would catch these first, are
+    tested in test_verify.py)."""
     run, path = _corrupt(run2, tmp_path, name, how)
     for verb in verbs:
         if verb == "eval":
             r = _genoctx("eval", "--by-position", "--data", prepared, "--checkpoint", run, "--max-windows", 1,
-                         "--resamples", 0)  # fmt: skip
+                         "--resamples", 0, "--no-verify")  # fmt: skip
         else:
             r = _genoctx("train", "--data", prepared, "--recipe", "recipes/tiny.yaml", "--out", run, "--steps", 4,
-                         "--resume", *(x for s in SETS for x in ("--set", s)))  # fmt: skip
+                         "--resume", "--no-verify", *(x for s in SETS for x in ("--set", s)))  # fmt: skip
         assert r.returncode == 2, (verb, r.stderr[-2000:])
         lines = r.stderr.strip().splitlines()
         assert "Traceback" not in r.stderr and lines[-1].startswith("genoctx: error:") and str(path) in lines[-1]

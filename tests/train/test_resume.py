@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import genoctx.train.loop as loop
 from genoctx.errors import GenoctxError
@@ -218,3 +219,44 @@ def test_checkpoints_are_readable_by_collaborators(prepared, tmp_path):
     ck = list_checkpoints(tmp_path / "run")[-1]
     assert ck.stat().st_mode & 0o777 == 0o755
     assert {p.stat().st_mode & 0o777 for p in ck.iterdir()} == {0o644}
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(prepared, tmp_path, monkeypatch, caplog):
+    """Checkpoint 4's weights are damaged (64 bytes zeroed, the size unchanged): --resume loads checkpoint 2's
+    weights (not just its step), warns naming 4, sets it aside, and keep-N pruning (keep 1) then keeps the newest
+    checkpoint that verifies (3) instead of counting the broken 4 as the kept one and removing 2 and 3."""
+    from safetensors.torch import load_file
+
+    from genoctx.train.integrity import check_checkpoint
+
+    run = tmp_path / "run"
+    train(prepared, _recipe(4), run)
+    ck2, ck4 = run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000004"
+    want, newer = load_file(str(ck2 / "model.safetensors")), load_file(str(ck4 / "model.safetensors"))
+    assert any(not torch.equal(want[k], newer[k]) for k in want)  # the two checkpoints hold different weights
+    data = bytearray((ck4 / "model.safetensors").read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(64)
+    (ck4 / "model.safetensors").write_bytes(bytes(data))
+
+    loaded = {}
+    real = loop.load_training_state
+
+    def snapshot(ckpt, model, optimizer, scheduler):
+        state = real(ckpt, model, optimizer, scheduler)
+        loaded.update(path=ckpt, tensors={k: v.detach().clone() for k, v in model.state_dict().items()})
+        return state
+
+    monkeypatch.setattr(loop, "load_training_state", snapshot)
+    with caplog.at_level("WARNING", logger="genoctx.train"):
+        summary = train(prepared, _recipe(6, "train.checkpoint_every=3", "train.keep_checkpoints=1"), run, resume=True,
+                        stop_after=3)  # fmt: skip
+    assert summary["resumed_from"] == 2 and summary["steps_run"] == 1 and loaded["path"] == ck2
+    assert all(torch.equal(loaded["tensors"][k], want[k]) for k in want)
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].startswith(f"--resume: skipping checkpoint {ck4} ({ck4}/model.safetensors:")
+    assert skipped[0].endswith("; set aside as step_000004.broken")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000004.broken"]
+    assert check_checkpoint(run / "checkpoints" / "step_000003")["ok"]
+    starts = [e for e in read_events(run) if e["event"] == "start"]
+    assert starts[-1]["checkpoint"] == str(ck2) and starts[-1]["step"] == 2
