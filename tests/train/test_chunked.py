@@ -165,3 +165,25 @@ def test_plan_chunked_training_is_bounded_by_the_chunk_plus_the_boundary():
     assert best_seq_chunk(cfg, 1 << 14, Layout(), **kw)["seq_chunk_tokens"] is None  # one pass fits
     with pytest.raises(ValueError, match="cp > 1"):
         plan_memory(cfg, 1 << 20, Layout(cp=2, dp_shard=1), seq_chunk_tokens=16384, **kw)
+
+
+@pytest.mark.parametrize("vocab", ["full", "nucleotide"])
+def test_chunked_backward_through_a_text_vocabulary_head(vocab):
+    """A base with a text vocabulary (``VocabHead``: inputs mapped to its ids, the chunked head's loss over the full
+    vocabulary or the nucleotide rows) trains in chunks as in one pass."""
+    from genoctx.model.vocab import TokenMap, VocabHead
+
+    cfg = _cfg(vocab_size=40, moe_aux_loss_coef=0.1)
+    head = VocabHead(TokenMap((11, 23, 5, 31, 17, 2, 3, 4)), vocab, chunk_tokens=16)
+    tokens = torch.randint(0, 4, (1, 45))
+    inputs, scored = shift_inputs(tokens, BOS), scored_mask(tokens)
+    torch.manual_seed(0)
+    plain = HybridLM(cfg).double().train()
+    chunked = copy.deepcopy(plain)
+    losses = head.token_losses(plain, inputs, tokens, scored)
+    (losses.sum() / scored.sum() + plain.aux_loss()).backward()
+    loss1, _ = chunked_forward_backward(chunked, inputs, tokens, scored, 20, scored.sum(), head=head)
+    torch.testing.assert_close(loss1, losses.sum().detach(), rtol=0, atol=1e-9)
+    for (name, p0), p1 in zip(plain.named_parameters(), chunked.parameters(), strict=True):
+        if p0.grad is not None:
+            torch.testing.assert_close(p1.grad, p0.grad, rtol=0, atol=1e-10, msg=name)
