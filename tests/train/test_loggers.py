@@ -22,7 +22,7 @@ from genoctx.train.metrics import scalars
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny.yaml"
 KEYS = {"attempt", "loss", "aux_loss", "scored_tokens", "grad_norm", "lr", "moe_load_max_over_mean", "tokens",
-        "tokens_per_s", "peak_memory_bytes"}  # fmt: skip
+        "tokens_per_s", "peak_memory_bytes", "seq_chunks"}  # fmt: skip (seq_chunk_tokens is null: one pass)
 
 
 def _rows(run: Path) -> list[dict]:
