@@ -73,15 +73,26 @@ class ModelCache:
     layers: list = field(default_factory=list)
     position: int = 0
 
-    def detach(self) -> ModelCache:
-        """A copy whose tensors are cut from the autograd graph (truncated backprop across chunks)."""
+    def map_tensors(self, fn) -> ModelCache:
+        """A copy with ``fn`` applied to every floating tensor of every layer's cache (each layer's fields in their
+        declaration order, the order of ``tensors``); other fields as they are."""
 
-        def _d(c):
+        def _m(c):
             if c is None:
                 return None
-            return type(c)(**{k: (v.detach() if torch.is_tensor(v) else v) for k, v in vars(c).items()})
+            return type(c)(**{k: (fn(v) if torch.is_tensor(v) and v.is_floating_point() else v)
+                              for k, v in vars(c).items()})  # fmt: skip
 
-        return ModelCache([_d(c) for c in self.layers], self.position)
+        return ModelCache([_m(c) for c in self.layers], self.position)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every floating tensor of the layers' caches, in ``map_tensors``' order."""
+        return [v for c in self.layers if c is not None for v in vars(c).values()
+                if torch.is_tensor(v) and v.is_floating_point()]  # fmt: skip
+
+    def detach(self) -> ModelCache:
+        """A copy whose tensors are cut from the autograd graph (truncated backprop across chunks)."""
+        return self.map_tensors(torch.Tensor.detach)
 
 
 class DecoderLayer(nn.Module):

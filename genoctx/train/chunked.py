@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from ..model.dsa import DSACache
-from ..model.kda import KDACache
 from ..model.model import HybridLM, ModelCache
 from ..model.moe import MoE
 
@@ -98,45 +97,11 @@ class _Boundaries:
 
 def _leaves(cache: ModelCache | None) -> tuple[ModelCache | None, list[Tensor]]:
     """A copy of ``cache`` whose floating tensors are fresh autograd leaves (detached, ``requires_grad``), and those
-    leaves in a fixed order (``_tensors``)."""
+    leaves in ``ModelCache.tensors``' order."""
     if cache is None:
         return None, []
-    leaves: list[Tensor] = []
-
-    def leaf(t):
-        if t is None or not t.is_floating_point():
-            return t
-        x = t.detach().requires_grad_(True)
-        leaves.append(x)
-        return x
-
-    layers = []
-    for c in cache.layers:
-        if isinstance(c, DSACache):
-            layers.append(DSACache(leaf(c.latent), leaf(c.pool_k), leaf(c.tail_k), leaf(c.tail_gate)))
-        elif isinstance(c, KDACache):
-            layers.append(KDACache(leaf(c.state), leaf(c.conv_state)))
-        else:
-            layers.append(c)
-    return ModelCache(layers, cache.position), leaves
-
-
-def _tensors(cache: ModelCache) -> list[Tensor | None]:
-    """A cache's floating tensors in ``_leaves``' order (None where a field is None or not floating)."""
-    out: list[Tensor | None] = []
-
-    def take(t):
-        if t is not None and t.is_floating_point():
-            out.append(t)
-
-    for c in cache.layers:
-        if isinstance(c, DSACache):
-            for t in (c.latent, c.pool_k, c.tail_k, c.tail_gate):
-                take(t)
-        elif isinstance(c, KDACache):
-            for t in (c.state, c.conv_state):
-                take(t)
-    return out
+    leaves = cache.map_tensors(lambda t: t.detach().requires_grad_(True))
+    return leaves, leaves.tensors()
 
 
 def _moes(model: HybridLM) -> list[MoE]:
@@ -267,7 +232,7 @@ def chunked_forward_backward(
                 aux_total = aux_c.detach() if aux_total is None else aux_total + aux_c.detach()
             outs, grads = [objective], [None]
             if grads_out is not None:
-                for t, g in zip(_tensors(cache_out), grads_out, strict=True):
+                for t, g in zip(cache_out.tensors(), grads_out, strict=True):
                     if g is not None and t.requires_grad:
                         outs.append(t)
                         grads.append(g)
