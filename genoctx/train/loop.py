@@ -237,25 +237,20 @@ def forward_backward(
     count_g = all_reduce_sum(count, group)
     share = 1.0 / dims.world  # q_local / q_g: every rank holds B x L / cp positions
     if chunked:  # every data rank trains its whole windows in chunks (the same number on every rank)
-        loss_sum, aux = chunked_forward_backward(
+        loss_sum, aux_share = chunked_forward_backward(
             model, inputs, tokens, scored, seq_chunk_tokens, count_g, autocast=autocast, head=head, aux_scale=share
         )
-        if aux is not None:
-            aux = aux / share  # the sums below weight it by share again
     else:
         loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
         aux = model.aux_loss()
+        aux_share = aux * share if aux is not None else None  # this rank's part of the global mean
         total = loss_sum / count_g.clamp(min=1)
-        if aux is not None:
-            total = total + aux * share
+        if aux_share is not None:
+            total = total + aux_share
         total.backward()
     reduce_gradients(model, dims)  # a sum over the ranks holding each parameter (FSDP: done in backward)
-    sums = torch.stack(
-        [
-            loss_sum.detach().double(),
-            (aux.detach() * share).double() if aux is not None else loss_sum.new_zeros((), dtype=torch.float64),
-        ]
-    )
+    zero = loss_sum.new_zeros((), dtype=torch.float64)
+    sums = torch.stack([loss_sum.detach().double(), aux_share.detach().double() if aux_share is not None else zero])
     sums = all_reduce_sum(sums, group)
     return sums[0], count_g, float(sums[1])
 
