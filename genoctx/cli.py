@@ -79,6 +79,19 @@ def _literal_help(cmd) -> None:
         _literal_help(sub)
 
 
+# the Ray options train and eval share (genoctx.cluster.run_workers)
+RayAddress = Annotated[
+    str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
+]
+GpusPerWorker = Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")]
+PlacementTimeout = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds the Ray workers may wait for their CPUs/GPUs before exit 2 (default 600; 0 = wait "
+        "forever); a group the cluster can never hold is refused at once."
+    ),
+]
+
 app = typer.Typer(
     help="Post-train hybrid long-context models on the human genome and measure how they use context.",
     no_args_is_help=True,
@@ -398,17 +411,9 @@ def train(
     force: Annotated[
         bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
     ] = False,
-    address: Annotated[
-        str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
-    ] = None,
-    gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
-    placement_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds the Ray workers may wait for their CPUs/GPUs before exit 2 (default 600; 0 = wait "
-            "forever); a group the cluster can never hold is refused at once."
-        ),
-    ] = None,
+    address: RayAddress = None,
+    gpus_per_worker: GpusPerWorker = 0,
+    placement_timeout: PlacementTimeout = None,
     wait: Annotated[
         bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
     ] = False,
@@ -660,17 +665,9 @@ def eval_(
     cp_layout: Annotated[
         str, typer.Option(help="CP pieces: contiguous or zigzag (as train.cp_layout).")
     ] = "contiguous",
-    address: Annotated[
-        str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
-    ] = None,
-    gpus_per_worker: Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")] = 0,
-    placement_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds the Ray workers may wait for their CPUs/GPUs before exit 2 (default 600; 0 = wait "
-            "forever); a group the cluster can never hold is refused at once."
-        ),
-    ] = None,
+    address: RayAddress = None,
+    gpus_per_worker: GpusPerWorker = 0,
+    placement_timeout: PlacementTimeout = None,
     memory_gib: Annotated[
         float | None,
         typer.Option(
