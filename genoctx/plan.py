@@ -466,18 +466,21 @@ def _hc_bwd(cfg: ModelConfig, s: _Sizes) -> float:
 
 
 # copies of the DSA boundary state at the chunked backward's peak (``genoctx.train.chunked``): the latents and pooled
-# keys of every token kept once from the forward sweep, the chunk's outgoing cache (``cat(incoming, own)``), the
-# gradient later chunks sent into it, and the gradient of the incoming leaves it hands on
-_BOUNDARY_COPIES = 4
+# keys of every token kept once from the forward sweep, the gradient later chunks sent into the chunk's outgoing
+# cache, and the gradient of the incoming leaves it hands on; the pooled keys have a fourth, the outgoing cache
+# (``cat(incoming, own)``), which the latents do not (``DSACache.window``: a view of the kept latents)
+_LATENT_COPIES = 3
+_POOL_COPIES = 4
 
 
 def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1, a: int = 2) -> float:
     """Bytes per token of the window that ``train.seq_chunk_tokens`` keeps across chunk boundaries (grows with L).
 
     Per DSA layer, the normalised latents ``R = kv_lora_rank`` of every token and, on a "full" layer, the pooled
-    indexer keys ``d_I / kpool``, ``a`` bytes each, ``_BOUNDARY_COPIES`` times (kept, outgoing cache, its gradient,
-    the incoming gradient); per KDA layer, one recurrent state ``H K V`` fp32 and conv tail ``(w - 1) 3 H K a`` per
-    chunk boundary, i.e. divided by ``chunk_tokens``. ``rows``: sequences per rank (batch size).
+    indexer keys ``d_I / kpool``, ``a`` bytes each, three times (kept, the gradient into the outgoing cache, the
+    incoming gradient; four for the pooled keys, whose outgoing cache is a copy); per KDA layer, one recurrent
+    state ``H K V`` fp32 and conv tail ``(w - 1) 3 H K a`` per chunk boundary, i.e. divided by ``chunk_tokens``.
+    ``rows``: sequences per rank (batch size).
 
     Args:
         cfg: the architecture.
@@ -491,9 +494,9 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
     per = 0.0
     for i, kind in enumerate(cfg.layer_types):
         if kind == DSA:
-            per += _BOUNDARY_COPIES * a * cfg.kv_lora_rank
+            per += _LATENT_COPIES * a * cfg.kv_lora_rank
             if cfg.indexer_types[i] == "full":
-                per += _BOUNDARY_COPIES * a * cfg.index_head_dim / cfg.index_kpool
+                per += _POOL_COPIES * a * cfg.index_head_dim / cfg.index_kpool
         else:
             H, K = cfg.linear_num_heads, cfg.linear_head_dim
             per += (4 * H * K * K + (cfg.linear_conv_kernel_dim - 1) * 3 * H * K * a) / chunk_tokens

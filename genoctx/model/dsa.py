@@ -52,6 +52,7 @@ Design choices (why this is not the reference's code):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -81,17 +82,40 @@ class DSACache:
         pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools, or None (shared layer).
         tail_k: ``[B, S % index_kpool, d_I]`` indexer keys of the incomplete last pool's tokens, or None.
         tail_gate: ``[B, S % index_kpool, d_I]`` their compress-gate logits, or None.
+        window: ``[B, >= S + T, kv_lora_rank]`` the latents of the whole window, already computed (the chunked
+            backward's forward sweep, ``genoctx.train.chunked``), or None. When set, the layer's latents
+            ``cat(latent, own)`` are this tensor's first ``S + T`` positions (``_Splice``: no copy), while gradients
+            still flow to ``latent`` and to the chunk's own projection as through the concatenation.
     """
 
     latent: Tensor
     pool_k: Tensor | None = None
     tail_k: Tensor | None = None
     tail_gate: Tensor | None = None
+    window: Tensor | None = None
+    views: ClassVar[tuple[str, ...]] = ("window",)  # not state: ``ModelCache.map_tensors``/``tensors`` skip it
 
     @property
     def length(self) -> int:
         """Number of cached positions ``S``."""
         return self.latent.shape[1]
+
+
+class _Splice(torch.autograd.Function):
+    """``cat([past, own], dim=1)`` whose values are already in ``window`` (computed by an earlier forward of the same
+    positions): forward returns ``window[:, :S + T]`` (a view, no copy), backward splits the gradient into views for
+    ``past`` ``[B, S, R]`` and ``own`` ``[B, T, R]``. Exact when ``window`` holds what ``past`` and ``own`` hold (the
+    chunked backward recomputes ``own`` from the same inputs with the same kernels)."""
+
+    @staticmethod
+    def forward(ctx, past: Tensor, own: Tensor, window: Tensor) -> Tensor:
+        S, T = past.shape[1], own.shape[1]
+        ctx.S = S
+        return window[:, : S + T]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad[:, : ctx.S], grad[:, ctx.S :], None
 
 
 @dataclass
@@ -708,7 +732,12 @@ class DeepSeekSparseAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, T, H, self.qk_head_dim)
         c = self.latent(x)
-        latent = c if cache is None or S == 0 else torch.cat([cache.latent, c], dim=1)
+        if cache is None or S == 0:
+            latent = c
+        elif cache.window is not None and cache.window.shape[1] >= S + T:
+            latent = _Splice.apply(cache.latent, c, cache.window)  # the same values, without the copy
+        else:
+            latent = torch.cat([cache.latent, c], dim=1)
         W_UK, W_UV = self.absorbed()
         q_abs = torch.einsum("bthd,hdr->bthr", q, W_UK)
         iq = iw = pool_k = None

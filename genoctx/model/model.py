@@ -75,20 +75,22 @@ class ModelCache:
 
     def map_tensors(self, fn) -> ModelCache:
         """A copy with ``fn`` applied to every floating tensor of every layer's cache (each layer's fields in their
-        declaration order, the order of ``tensors``); other fields as they are."""
+        declaration order, the order of ``tensors``); other fields as they are, and so are the fields a cache type
+        names in its ``views`` (views of state held elsewhere, such as ``DSACache.window``: not state of their own)."""
 
         def _m(c):
             if c is None:
                 return None
-            return type(c)(**{k: (fn(v) if torch.is_tensor(v) and v.is_floating_point() else v)
+            skip = getattr(c, "views", ())
+            return type(c)(**{k: (fn(v) if torch.is_tensor(v) and v.is_floating_point() and k not in skip else v)
                               for k, v in vars(c).items()})  # fmt: skip
 
         return ModelCache([_m(c) for c in self.layers], self.position)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every floating tensor of the layers' caches, in ``map_tensors``' order."""
-        return [v for c in self.layers if c is not None for v in vars(c).values()
-                if torch.is_tensor(v) and v.is_floating_point()]  # fmt: skip
+        return [v for c in self.layers if c is not None for k, v in vars(c).items()
+                if torch.is_tensor(v) and v.is_floating_point() and k not in getattr(c, "views", ())]  # fmt: skip
 
     def detach(self) -> ModelCache:
         """A copy whose tensors are cut from the autograd graph (truncated backprop across chunks)."""

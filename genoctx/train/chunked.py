@@ -89,7 +89,7 @@ class _Boundaries:
             if isinstance(last, DSACache):
                 tail_k, tail_gate, n_pools = small
                 pool_k = None if n_pools is None else last.pool_k[:, :n_pools]
-                layers.append(DSACache(last.latent[:, :position], pool_k, tail_k, tail_gate))
+                layers.append(DSACache(last.latent[:, :position], pool_k, tail_k, tail_gate, window=last.latent))
             else:
                 layers.append(small)
         return ModelCache(layers, position)

@@ -122,7 +122,7 @@ def test_chunked_backward_under_activation_checkpointing():
 def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
     """``genoctx.plan.seq_chunk_boundary_bytes``: per token, the DSA latents and pooled keys of every token (times the
     planner's copies at the peak) and a KDA state and conv tail per chunk boundary, as the forward sweep keeps them."""
-    from genoctx.plan import _BOUNDARY_COPIES, seq_chunk_boundary_bytes
+    from genoctx.plan import _LATENT_COPIES, _POOL_COPIES, seq_chunk_boundary_bytes
     from genoctx.train.chunked import _Boundaries
 
     cfg = _cfg(kv_lora_rank=24, index_head_dim=16)
@@ -136,13 +136,14 @@ def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
             kept.add(cache)
             _, cache = model(shift_inputs(tokens, BOS)[:, s : s + T], cache)
     kept.final = cache
-    dsa = sum(t.numel() * 4 for c in cache.layers for t in (getattr(c, "latent", None), getattr(c, "pool_k", None))
-              if t is not None)  # fmt: skip
+    latents = sum(c.latent.numel() * 4 for c in cache.layers if hasattr(c, "latent"))
+    pools = sum(c.pool_k.numel() * 4 for c in cache.layers if getattr(c, "pool_k", None) is not None)
+    assert latents > 0 and pools > 0
     kda = sum(t.numel() * 4 for row, _ in kept.small[1:] for c in row if hasattr(c, "state")
               for t in (c.state, c.conv_state))  # fmt: skip
     # the last boundary's KDA state is the final cache's (not stored per chunk): L / T boundaries in the formula
     kda_per_boundary = kda / (L // T - 1)
-    want = _BOUNDARY_COPIES * dsa / L + kda_per_boundary / T
+    want = (_LATENT_COPIES * latents + _POOL_COPIES * pools) / L + kda_per_boundary / T
     assert seq_chunk_boundary_bytes(cfg, T, rows=1, a=4) == pytest.approx(want, rel=1e-9)
 
 
@@ -187,3 +188,24 @@ def test_chunked_backward_through_a_text_vocabulary_head(vocab):
     for (name, p0), p1 in zip(plain.named_parameters(), chunked.parameters(), strict=True):
         if p0.grad is not None:
             torch.testing.assert_close(p1.grad, p0.grad, rtol=0, atol=1e-10, msg=name)
+
+
+def test_the_recompute_takes_each_dsa_layers_latents_as_a_view_of_the_kept_ones(monkeypatch):
+    """The reverse pass does not copy the latents of earlier tokens (``DSACache.window``, ``_Splice``): every DSA
+    layer of every chunk after the first reads them from the forward sweep's whole-window latents, and the gradients
+    still equal one pass (``cat``'s gradient split into the incoming cache's and the chunk's own)."""
+    from genoctx.model import dsa
+
+    spliced = []
+    orig = dsa._Splice.apply
+
+    def spy(past, own, window):
+        out = orig(past, own, window)
+        spliced.append((out.untyped_storage().data_ptr() == window.untyped_storage().data_ptr(), out.shape[1]))
+        return out
+
+    monkeypatch.setattr(dsa._Splice, "apply", spy)
+    cfg = _cfg(moe_aux_loss_coef=0.0)
+    tokens = torch.randint(0, 4, (1, 50))
+    _compare(cfg, tokens, 16)  # chunks [0,16) [16,32) [32,48) [48,50); DSA layers 1 and 2
+    assert sorted(spliced) == sorted([(True, n) for n in (32, 48, 50) for _ in range(2)])
