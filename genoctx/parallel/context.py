@@ -71,6 +71,7 @@ NCCL (CUDA); ``ParallelDims`` answers which dims are on and which layout CP uses
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -222,7 +223,9 @@ def _state_pass(mixer, x: Tensor, conv_state: Tensor, LM: Tensor) -> tuple[Tenso
     return LM, cs
 
 
-def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
+def kda_cp_cache(
+    mixer, x: Tensor, layout: CPLayout, prior: KDACache | None = None
+) -> tuple[KDACache, Tensor, KDACache]:
     """The ``KDACache`` each local piece needs: what the natural-order pieces before it leave.
 
     Args:
@@ -230,12 +233,16 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
         x: ``[B, n_local c, hidden_size]`` this rank's layer input, its pieces concatenated (``c`` equal on all
             ranks, ``c >= conv_size - 1``).
         layout: this rank's ``CPLayout``.
+        prior: the cache of the positions before the pieces (the same on every rank: the previous round of the
+            chunked backward, ``genoctx.train.chunked``; ``state [B, H, K, V]`` fp32, ``conv_state [B, w, 3 H K]``),
+            or None (the pieces start the window).
 
     Returns:
-        ``(KDACache(state [n_local B, H, K, V] fp32, conv_state [n_local B, conv_size - 1, 3 H K]), zero)``,
-        batched piece-major (``_to_batch``), differentiable w.r.t. every rank's ``x`` and the layer's
-        parameters (through the autograd-aware all-gathers); ``zero`` (a 0-dim tensor equal to 0) ties every
-        gathered value into the layer output.
+        ``(KDACache(state [n_local B, H, K, V] fp32, conv_state [n_local B, conv_size - 1, 3 H K]), zero, out)``:
+        the local pieces' caches, batched piece-major (``_to_batch``), differentiable w.r.t. every rank's ``x``,
+        ``prior`` and the layer's parameters (through the autograd-aware all-gathers); ``zero`` (a 0-dim tensor
+        equal to 0) ties every gathered value into the layer output; ``out`` the cache after the last piece
+        (``state [B, H, K, V]``, ``conv_state [B, w, 3 H K]``), the same on every rank.
 
     Raises:
         ValueError: ``c < conv_size - 1`` or a local length that does not split into the local pieces.
@@ -249,7 +256,8 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
     xt = xb[:, c - w :]
     tail = torch.cat([mixer.q_proj(xt), mixer.k_proj(xt), mixer.v_proj(xt)], dim=-1)  # [n B, w, 3 H K]
     tails = layout.gather_natural(tail.reshape(n, B, w, -1))  # [N, B, w, 3 H K]
-    prev = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])  # prev[p]: tail of piece p - 1 (0 for p = 0)
+    first = torch.zeros_like(tails[:1]) if prior is None else prior.conv_state.to(tails.dtype)[None]
+    prev = torch.cat([first, tails[:-1]])  # prev[p]: tail of piece p - 1 (the prior's, or 0, for p = 0)
     conv_state = layout.local(prev).reshape(n * B, w, -1)
     H, K = mixer.n_heads, mixer.head_dim
     V = K  # the layer's value width (v_proj is H K wide)
@@ -264,18 +272,20 @@ def kda_cp_cache(mixer, x: Tensor, layout: CPLayout) -> tuple[KDACache, Tensor]:
         LM, cs = checkpoint(_state_pass, *args, use_reentrant=False) if ckpt else _state_pass(*args)
     LMs = layout.gather_natural(LM.reshape(n, B, H, K, V + K))  # [N, B, H, K, V + K]
     with torch.autocast(device_type=x.device.type, enabled=False):  # the state stays fp32
-        S = LMs.new_zeros(B, H, K, V)
+        S = LMs.new_zeros(B, H, K, V) if prior is None else prior.state.to(LMs.dtype)
         states = [S]
-        for p in range(layout.n_pieces - 1):  # the same ops on every rank
+        for p in range(layout.n_pieces):  # the same ops on every rank
             L_p, M_p = LMs[p].split([V, K], dim=-1)
             S = M_p @ S + L_p
             states.append(S)
-        state = layout.local(torch.stack(states)).reshape(n * B, H, K, V)
+        state = layout.local(torch.stack(states[:-1])).reshape(n * B, H, K, V)
     zero = (tails.sum() + LMs.sum()) * 0.0
-    return KDACache(state=state, conv_state=conv_state), zero
+    return KDACache(state=state, conv_state=conv_state), zero, KDACache(state=states[-1], conv_state=tails[-1])
 
 
-def dsa_cp_cache(layer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache | None], Tensor]:
+def dsa_cp_cache(
+    layer, x: Tensor, layout: CPLayout, prior: DSACache | None = None, out: bool = False
+) -> tuple[list[DSACache | None], Tensor, DSACache | None]:
     """The ``DSACache`` of each local piece: latents (and pooled indexer keys) of the natural positions before it.
 
     Args:
@@ -283,15 +293,19 @@ def dsa_cp_cache(layer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache | No
         x: ``[B, n_local c, hidden_size]`` this rank's layer input, its pieces concatenated (``c`` equal on all
             ranks; any ``c >= 1``, a multiple of ``index_kpool`` or not).
         layout: this rank's ``CPLayout``.
+        prior: the cache of the ``S0`` positions before the pieces (the same on every rank: the previous round of
+            the chunked backward, ``genoctx.train.chunked``), or None (``S0 = 0``: the pieces start the window).
+        out: also build the cache after the last piece.
 
     Returns:
-        ``(caches, zero)``: for local piece ``j`` (natural index ``p``) None when ``p == 0``, else
-        ``layer.cache_of(latent [B, p c, kv_lora_rank], index_k, index_gate [B, p c, d_I])`` (None index inputs
-        on a shared layer): ``DSACache(latent, pool_k [B, p c // kpool, d_I], tail_k, tail_gate
-        [B, p c % kpool, d_I])``, each tensor in the dtype the layer computes it in; differentiable, through the
-        autograd-aware all-gather, w.r.t. every rank's ``x`` (latents) and indexer parameters (the indexer keys
-        are computed from ``x.detach()``, as in the layer's forward). ``zero`` (a 0-dim tensor equal to 0) must
-        be added to the layer output so that every rank's backward runs the gather's collective.
+        ``(caches, zero, out_cache)``: for local piece ``j`` (natural index ``p``) the ``prior`` when ``p == 0``,
+        else ``layer.cache_of``-style ``DSACache(latent [B, S0 + p c, kv_lora_rank], pool_k [B, (S0 + p c) // kpool,
+        d_I], tail_k, tail_gate [B, (S0 + p c) % kpool, d_I])`` (latents only on a shared layer), each tensor in
+        the dtype the layer computes it in; differentiable, through the autograd-aware all-gather, w.r.t. every
+        rank's ``x`` (latents), ``prior`` and indexer parameters (the indexer keys are computed from
+        ``x.detach()``, as in the layer's forward). ``zero`` (a 0-dim tensor equal to 0) must be added to the
+        layer output so that every rank's backward runs the gather's collective. ``out_cache``: the positions
+        ``[0, S0 + N c)`` (every piece; the same on every rank) when ``out``, else None.
 
     Raises:
         ValueError: a local length that does not split into the local pieces.
@@ -311,16 +325,19 @@ def dsa_cp_cache(layer, x: Tensor, layout: CPLayout) -> tuple[list[DSACache | No
     seq = nat.transpose(0, 1).reshape(B, layout.n_pieces * c, -1)  # the whole window in natural order
     full = [t.to(dt) for t, dt in zip(seq.split(widths, dim=-1), dtypes, strict=True)]
     latent, index_k, index_gate = (full + [None, None])[:3]
-    caches: list[DSACache | None] = []
-    for p in layout.mine:
-        S = p * c
+
+    def before(S: int) -> DSACache | None:  # the cache of positions [0, S0 + S)
         if S == 0:
-            caches.append(None)
-        elif index_k is None:
-            caches.append(layer.cache_of(latent[:, :S], None, None))
-        else:
-            caches.append(layer.cache_of(latent[:, :S], index_k[:, :S], index_gate[:, :S]))
-    return caches, nat.sum() * 0.0
+            return prior
+        if prior is None:
+            return layer.cache_of(latent[:, :S], *(None if t is None else t[:, :S] for t in (index_k, index_gate)))
+        joined = torch.cat([prior.latent, latent[:, :S].to(prior.latent.dtype)], dim=1)
+        if index_k is None:
+            return DSACache(joined)
+        return DSACache(joined, *layer.indexer.extend(prior, index_k[:, :S], index_gate[:, :S]))
+
+    caches = [before(p * c) for p in layout.mine]
+    return caches, nat.sum() * 0.0, before(layout.n_pieces * c) if out else None
 
 
 def cat_selections(sels: list[DSASelection]) -> DSASelection:
@@ -345,22 +362,36 @@ def cat_selections(sels: list[DSASelection]) -> DSASelection:
     return DSASelection(torch.cat(pools, dim=1), torch.cat([s.pos for s in sels]), kp, tail)
 
 
+_CARRY = [False]
+
+
+@contextlib.contextmanager
+def carrying_cache():
+    """Inside this context the CP mixers return the cache after the last piece of the window part they ran (the same
+    on every rank), for the next part's call (``genoctx.train.chunked``: each CP rank chunks its piece). Outside it
+    they return None: the pieces' caches are not needed, and returning none frees them before the next layer."""
+    old, _CARRY[0] = _CARRY[0], True
+    try:
+        yield
+    finally:
+        _CARRY[0] = old
+
+
 def _kda_forward(module, x: Tensor, cache, layout: CPLayout):
     """CP forward of a KDA layer: every local piece at once (batched), each from its predecessors' cache (streamed in
-    chunks of ``layout.chunk_tokens`` with the carried cache when set). Returns ``(y [B, T, D], None)``: no cache
-    (these pieces' caches are not a whole window's; returning none frees them before the next layer)."""
-    if cache is not None:
-        raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
+    chunks of ``layout.chunk_tokens`` with the carried cache when set), the first after ``cache`` (the positions
+    before these pieces, the same on every rank; or None). Returns ``(y [B, T, D], the cache after the last piece
+    inside ``carrying_cache()``, else None)``."""
     n = layout.n_local
     _, c = layout.split(x)
-    new, zero = kda_cp_cache(module, x, layout)
+    new, zero, out = kda_cp_cache(module, x, layout, cache)
     xb = _to_batch(x, n)
     ys = []
     for s, e in layout.spans(0, c):  # the chunk contract: each chunk after the cache the previous one left
         y, new = type(module).forward(module, xb[:, s:e], new)
         ys.append(y)
     y = _from_batch(ys[0] if len(ys) == 1 else torch.cat(ys, dim=1), n)
-    return _tie(y, zero), None
+    return _tie(y, zero), (out if _CARRY[0] else None)
 
 
 def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layout: CPLayout):
@@ -369,12 +400,11 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
     ``selection`` (the previous full layer's, rows in local order; used by a shared layer) is split per local
     piece; with ``layout.chunk_tokens`` each piece is streamed in chunks of that many tokens (the chunk contract).
     ``stats`` keys_scored/keys_attended are summed over the calls, ``indexer_loss`` and ``aux_loss`` averaged (equal
-    pieces; chunks of one length). Returns ``(y [B, T, D], None (no cache: see ``_kda_forward``), the pieces'
-    selections concatenated along T (``cat_selections``; None in dense mode))``."""
-    if cache is not None:
-        raise ValueError("apply_cp: a CP slice must start without a cache (chunked CP is not supported)")
+    pieces; chunks of one length). ``cache``: the positions before these pieces (the same on every rank), or None.
+    Returns ``(y [B, T, D], the cache after the last piece inside ``carrying_cache()`` else None (see
+    ``_kda_forward``), the pieces' selections concatenated along T (``cat_selections``; None in dense mode))``."""
     _, c = layout.split(x)
-    caches, zero = dsa_cp_cache(module, x, layout)
+    caches, zero, out = dsa_cp_cache(module, x, layout, cache, out=_CARRY[0])
     ys, stats, auxes, sels = [], [], [], []
     for j, new in enumerate(caches):
         for r0, r1 in layout.spans(j * c, (j + 1) * c):  # each chunk after the cache the previous one left
@@ -393,7 +423,7 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
     module.aux_loss = None if any(a is None for a in auxes) else torch.stack(auxes).mean()
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
     out_sel = None if any(s is None for s in sels) else cat_selections(sels)
-    return _tie(y, zero), None, out_sel
+    return _tie(y, zero), out, out_sel
 
 
 def _tie(y: Tensor, zero: Tensor) -> Tensor:

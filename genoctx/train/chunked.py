@@ -41,6 +41,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from ..model.config import DSA
 from ..model.dsa import DSACache
 from ..model.model import HybridLM, ModelCache
 from ..model.moe import MoE
@@ -61,7 +62,7 @@ class _Boundaries:
     """The incoming cache of every chunk, with the DSA latents and pooled keys held once (prefix views)."""
 
     def __init__(self) -> None:
-        # per chunk: None (chunk 0) or (per layer: KDACache | (tail_k, tail_gate, pools), position)
+        # per chunk: None (chunk 0) or (per layer: KDACache | (tail_k, tail_gate, pools, positions), position)
         self.small: list = []
         self.final: ModelCache | None = None
 
@@ -73,7 +74,7 @@ class _Boundaries:
         row = []
         for c in cache.layers:
             if isinstance(c, DSACache):
-                row.append((c.tail_k, c.tail_gate, None if c.pool_k is None else c.pool_k.shape[1]))
+                row.append((c.tail_k, c.tail_gate, None if c.pool_k is None else c.pool_k.shape[1], c.length))
             else:
                 row.append(c)
         self.small.append((row, cache.position))
@@ -87,9 +88,9 @@ class _Boundaries:
         layers = []
         for small, last in zip(row, self.final.layers, strict=True):
             if isinstance(last, DSACache):
-                tail_k, tail_gate, n_pools = small
+                tail_k, tail_gate, n_pools, length = small  # length: window positions (this rank's, under CP)
                 pool_k = None if n_pools is None else last.pool_k[:, :n_pools]
-                layers.append(DSACache(last.latent[:, :position], pool_k, tail_k, tail_gate, window=last.latent))
+                layers.append(DSACache(last.latent[:, :length], pool_k, tail_k, tail_gate, window=last.latent))
             else:
                 layers.append(small)
         return ModelCache(layers, position)
@@ -153,6 +154,7 @@ def chunked_forward_backward(
     autocast=None,
     head=None,
     aux_scale: float = 1.0,
+    cp=None,
 ) -> tuple[Tensor, Tensor | None]:
     """Loss and gradients of whole windows, computed chunk by chunk with bounded memory (module docstring).
 
@@ -168,6 +170,16 @@ def chunked_forward_backward(
         head: a ``genoctx.model.vocab.VocabHead`` (a base with a text vocabulary), or None for the model's logits.
         aux_scale: the auxiliary losses' weight in the objective (1 in one process; the rank's share of the global
             queries under data parallelism).
+        cp: under context parallelism, this rank's ``genoctx.parallel.mesh.ParallelDims`` (``cp``, ``cp_rank``,
+            ``cp_layout``; the model's mixers under ``apply_cp``), with ``inputs``, ``tokens``, ``scored`` the whole
+            windows: the window is cut into rounds of ``cp x chunk_tokens`` tokens and each round into the CP pieces
+            of its layout (``shard_sequence``), so each rank runs a chunk of ``chunk_tokens`` tokens per round, all
+            ranks in step (their mixers' collectives, FSDP's), each round after the cache the previous round left
+            (the same on every rank: ``carrying_cache``). None: no CP.
+
+    Raises:
+        ValueError: under CP, a round (the last one: ``L mod (cp x chunk_tokens)`` tokens) that does not split into
+            the layout's pieces, or pieces shorter than the KDA conv tail.
 
     Returns:
         ``(loss_sum, aux)``: the sum of token losses in nats (fp64, detached) over the ``B x L`` positions, and the
@@ -180,18 +192,43 @@ def chunked_forward_backward(
 
     autocast = autocast if autocast is not None else contextlib.nullcontext()
     L = inputs.shape[1]
-    bounds = chunk_bounds(L, chunk_tokens)
+    if cp is None:
+        bounds = chunk_bounds(L, chunk_tokens)
+        carry = contextlib.nullcontext
+
+        def cut(x: Tensor, s: int, e: int) -> Tensor:
+            return x[:, s:e]
+    else:
+        from ..parallel.context import carrying_cache, shard_sequence
+        from ..parallel.layout import cp_pieces
+
+        bounds = chunk_bounds(L, chunk_tokens * cp.cp)
+        n_pieces = sum(len(p) for p in cp_pieces(cp.cp, cp.cp_layout))
+        tail = model.cfg.linear_conv_kernel_dim - 1 if any(t != DSA for t in model.cfg.layer_types) else 0
+        for s, e in bounds:
+            if (e - s) % n_pieces or (e - s) // n_pieces < max(tail, 1):
+                raise ValueError(
+                    f"chunked training under CP: the round [{s}, {e}) of {e - s} tokens does not split into "
+                    f"{n_pieces} pieces ({cp.cp_layout}, cp={cp.cp}) of at least {max(tail, 1)} tokens"
+                )
+        carry = carrying_cache
+
+        def cut(x: Tensor, s: int, e: int) -> Tensor:
+            return shard_sequence(x[:, s:e], cp.cp, cp.cp_rank, cp.cp_layout)
+
     denom = count.clamp(min=1)
     moes = _moes(model)
+    L_local = L if cp is None else L // cp.cp  # this rank's tokens (every round splits evenly over the CP ranks)
 
     def run(c: int, cache: ModelCache | None):
         s, e = bounds[c]
-        with autocast:
+        x, y, m = (cut(t, s, e) for t in (inputs, tokens, scored))
+        with autocast, carry():
             if head is not None:
-                losses, cache = head.token_losses_cached(model, inputs[:, s:e], tokens[:, s:e], scored[:, s:e], cache)
+                losses, cache = head.token_losses_cached(model, x, y, m, cache)
             else:
-                logits, cache = model(inputs[:, s:e], cache)
-                losses = token_losses(logits, tokens[:, s:e], scored[:, s:e])
+                logits, cache = model(x, cache)
+                losses = token_losses(logits, y, m)
         return losses, cache
 
     # 1. forward, no graph: the boundaries, the router loads, each sequence's expert selections
@@ -209,7 +246,7 @@ def chunked_forward_backward(
     boundaries.final = cache
     del cache
     for m, sel in zip(moes, selections, strict=True):
-        m.window_selection = None if sel is None else (sel, L)
+        m.window_selection = None if sel is None else (sel, L_local)
     saved_counts = [m.load_counts.clone() for m in moes]
 
     # 2. backward, in reverse
@@ -233,10 +270,13 @@ def chunked_forward_backward(
             outs, grads = [objective], [None]
             if grads_out is not None:
                 for t, g in zip(cache_out.tensors(), grads_out, strict=True):
+                    if g is None and cp is not None and t.requires_grad:
+                        g = torch.zeros_like(t)  # under CP every rank back-propagates the same graph
                     if g is not None and t.requires_grad:
                         outs.append(t)
                         grads.append(g)
-            torch.autograd.backward(outs, grads)
+            with carry():  # a layer recomputed in backward (activation checkpointing) carries as its forward did
+                torch.autograd.backward(outs, grads)
             grads_out = [x.grad for x in leaves]
             loss_sum += part.detach().double()
             for name, m in model.named_modules():

@@ -200,19 +200,14 @@ def forward_backward(
     base's ids and the loss runs through its chunked head (``full`` or ``nucleotide`` vocabulary); None = the
     model's own logits over the 8 nucleotide tokens.
 
-    ``seq_chunk_tokens`` (``train.seq_chunk_tokens``): windows longer than it are trained as consecutive chunks by the
-    exact chunked backward (``genoctx.train.chunked``), with the same objective; None = one pass.
-
-    Raises:
-        GenoctxError: ``seq_chunk_tokens`` with context parallelism (not supported yet).
+    ``seq_chunk_tokens`` (``train.seq_chunk_tokens``): windows longer than it (per rank: under CP, pieces longer than
+    it) are trained as consecutive chunks by the exact chunked backward (``genoctx.train.chunked``), with the same
+    objective; under CP each rank chunks its piece, one round of ``cp`` chunks at a time; None = one pass.
     """
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
-    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < tokens.shape[1]
-    if chunked and dims is not None and dims.cp > 1:
-        raise GenoctxError(
-            "train.seq_chunk_tokens (--seq-chunk) with --cp > 1 is not supported yet: use one or the other"
-        )
+    cp = dims.cp if dims is not None else 1
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens * cp < tokens.shape[1]
     if chunked and (dims is None or not dims.is_distributed):
         count = scored.sum()
         loss_sum, aux = chunked_forward_backward(
@@ -228,6 +223,7 @@ def forward_backward(
         total = loss + aux if aux is not None else loss
         total.backward()
         return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
+    window = inputs, tokens, scored
     if dims.cp > 1:
         inputs, tokens, scored = (
             shard_sequence(t, dims.cp, dims.cp_rank, dims.cp_layout) for t in (inputs, tokens, scored)
@@ -238,8 +234,9 @@ def forward_backward(
     share = 1.0 / dims.world  # q_local / q_g: every rank holds B x L / cp positions
     if chunked:  # every data rank trains its whole windows in chunks (the same number on every rank)
         loss_sum, aux_share = chunked_forward_backward(
-            model, inputs, tokens, scored, seq_chunk_tokens, count_g, autocast=autocast, head=head, aux_scale=share
-        )
+            model, *window, seq_chunk_tokens, count_g, autocast=autocast, head=head, aux_scale=share,
+            cp=dims if dims.cp > 1 else None,
+        )  # fmt: skip
     else:
         loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
         aux = model.aux_loss()
@@ -274,8 +271,11 @@ def train_step(
     before the router-bias update, so every rank takes the same step.
     """
     optimizer.zero_grad(set_to_none=True)
+    cp = dims.cp if dims is not None else 1  # under CP a chunk is each rank's part of a round of cp x chunk tokens
     chunk = (
-        cfg.seq_chunk_tokens if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens < tokens.shape[1] else None
+        cfg.seq_chunk_tokens
+        if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens * cp < tokens.shape[1]
+        else None
     )
     loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head, chunk)
     if dims is not None and dims.is_distributed:
@@ -297,8 +297,9 @@ def train_step(
         "lr": lr,
         "moe_load_max_over_mean": max((m["load_max_over_mean"] for m in moe), default=None),
         # the path that ran: one pass over the window (None) or the chunked backward with chunks of this many tokens
+        # (per rank: under CP each of the seq_chunks rounds is cp chunks of the window)
         "seq_chunk_tokens": chunk,
-        "seq_chunks": -(-tokens.shape[1] // chunk) if chunk else 1,
+        "seq_chunks": -(-tokens.shape[1] // (chunk * cp)) if chunk else 1,
     }
 
 

@@ -43,11 +43,15 @@ def tiny_model() -> HybridLM:
     return HybridLM(cp_config())
 
 
-def _case(model, tokens, dims):
+def _case(model, tokens, dims, seq_chunk=None):
     model.zero_grad(set_to_none=True)
-    loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims)
+    calls = [0]  # forwards of layer 0's mixer: 1 for one pass, 2 per round for the chunked backward
+    hook = model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims, None, seq_chunk)
+    hook.remove()
     stats = model.layer_stats()
     return {
+        "mixer_calls": calls[0],
         "loss_sum": float(loss_sum),
         "count": int(count),
         "aux": aux,
@@ -59,8 +63,15 @@ def _case(model, tokens, dims):
     }
 
 
+# chunked training under CP (genoctx.train.chunked): tokens per rank per round, for (cp, layout). Rounds of 2 x 70 and
+# 2 x 50 tokens cut L = 324 into [0, 140) [140, 280) [280, 324) (last pieces 22) and 3 x 100 + 24 (zigzag pieces of
+# 25, the last 6); CP=4 zigzag 4 x 20 cuts L4 = 264 into 3 x 80 + 24 (pieces of 10, the last 3 = the conv tail)
+SEQ_CHUNK = {(2, "contiguous"): 70, (2, "zigzag"): 50, (4, "zigzag"): 20}
+
+
 def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor]) -> None:
-    """``res[name]`` for each window, on a model with CP applied in ``layout`` (removed afterwards)."""
+    """``res[name]`` for each window, on a model with CP applied in ``layout`` (removed afterwards); and
+    ``res[name + "_chunk"]``, the same window trained by each rank in chunks (``SEQ_CHUNK``)."""
     dims = init_parallel(cp=cp, layout=layout)
     assert (dims.cp, dims.dp, dims.cp_layout) == (cp, 1, layout)
     model = tiny_model()
@@ -68,6 +79,8 @@ def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor])
     assert all("forward" in vars(layer.self_attn) for layer in model.layers)
     for name, tokens in windows.items():
         res[name] = _case(model, tokens[None], dims)
+        if (cp, layout) in SEQ_CHUNK:
+            res[name + "_chunk"] = _case(model, tokens[None], dims, SEQ_CHUNK[cp, layout])
     for h in handles:
         h.remove()
     assert not any("forward" in vars(layer.self_attn) for layer in model.layers)  # the class forward is back

@@ -50,8 +50,11 @@ CASES = {
     # "_chunk": each data rank trains its window in chunks of CHUNK tokens (the exact chunked backward)
     "fsdp2_chunk": (1, 2, 1),
     "fsdp2_ep2_chunk_ac": (2, 2, 1),
+    # with CP each rank chunks its piece: rounds of CP x CHUNK tokens, each rank a CHUNK-token piece of each round
+    "cp2_chunk": (1, 1, 2),
+    "fsdp2_cp2_chunk_ac": (1, 2, 2),
 }
-CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long
+CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long (CP=2: two rounds, the last one 32)
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
 # one-process safetensors checkpoint written by the test (ONE_CKPT in the windows file), loaded by the mesh

@@ -262,3 +262,27 @@ def test_cp4_dsa_keys_scored_per_rank(distributed4, reference):
     exact = (7 * c * c + c * (c + 1)) / KPOOL
     assert all(exact - 2 * c < k <= exact for k in zigzag)
     assert sum(contiguous) == sum(zigzag) == _dsa_keys(reference("short"))
+
+
+@pytest.mark.parametrize("case,window", [("cp2_chunk", "dna"), ("cp2z_chunk", "dna"), ("cp2_n_chunk", "n_start"),
+                                         ("cp2z_n_chunk", "n_start"), ("cp4z_chunk", "short")])  # fmt: skip
+def test_each_cp_rank_chunks_its_piece_as_one_process(request, reference, case, window):
+    """Chunked training under CP (``genoctx.train.chunked`` with ``cp``): rounds of ``cp`` x ``SEQ_CHUNK`` tokens, the
+    last one shorter, each cut into the layout's pieces and run after the round before's cache (KDA state and conv
+    tail, DSA latents and pooled keys: the same on every rank); the reverse sweep hands each round's incoming-cache
+    gradient to the round before. Loss, indexer KL and every gradient equal one process over the whole window, and
+    the ranks' selections together attend exactly its tokens."""
+    from cp_worker import SEQ_CHUNK
+
+    ranks = request.getfixturevalue("distributed4" if case.startswith("cp4") else "distributed")
+    world = len(ranks)
+    layout = "zigzag" if case.split("_")[0].endswith("z") else "contiguous"
+    length = L4 if world == 4 else L
+    rounds = -(-length // (SEQ_CHUNK[world, layout] * world))
+    assert rounds == 3 if world == 2 and layout == "contiguous" else rounds == 4
+    ref = reference(window)
+    for rank in range(world):
+        assert ranks[rank][case]["mixer_calls"] == 2 * rounds  # the forward sweep, then each round again
+        _assert_same(ranks[rank][case], ref)
+    for layer in (FULL, SHARED):
+        assert sum(ranks[r][case]["keys_attended"][layer] for r in range(world)) == ref["keys_attended"][layer]

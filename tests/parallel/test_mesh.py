@@ -30,9 +30,9 @@ from mesh_worker import CASES, CHUNK, RESHARD, STEPS, mesh_config, mesh_model, t
 
 L = 160  # window tokens: CP=2 pieces of 80
 TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac",
-       "fsdp2_chunk"]
+       "fsdp2_chunk", "cp2_chunk"]
 FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac", "fsdp2_cp2_fep4",
-        "fsdp2_cp2_fep4_ac", "fsdp2_ep2_chunk_ac"]
+        "fsdp2_cp2_fep4_ac", "fsdp2_ep2_chunk_ac", "fsdp2_cp2_chunk_ac"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[di
         assert want * 0.9 <= got["local_numel"] <= want * 1.1, (case, got["local_numel"], want, full)
         assert got["optimizer_numel"] == 2 * got["local_numel"]
         # recomputed in backward; chunked: a forward sweep over the chunks, then each chunk again in backward
-        chunks = -(-L // CHUNK) if "_chunk" in case else 0
+        chunks = -(-L // (CHUNK * layout.cp)) if "_chunk" in case else 0  # under CP: rounds of cp chunks
         per_step = (2 if case.endswith("_ac") else 1) if not chunks else chunks * (3 if case.endswith("_ac") else 2)
         assert got["mixer_forwards"] == STEPS * per_step
         if chunks:
