@@ -404,8 +404,8 @@ def train(
         typer.Option(
             "--seq-chunk",
             help="Train each window as consecutive chunks of this many tokens (k/M suffixes), exactly (the chunked "
-            "backward: memory bounded by the chunk plus the state crossing chunk boundaries); "
-            "= train.seq_chunk_tokens.",
+            "backward: memory bounded by the chunk plus the state crossing chunk boundaries); with --cp C each "
+            "worker chunks its piece (rounds of C chunks); = train.seq_chunk_tokens.",
         ),
     ] = None,
     force: Annotated[
@@ -487,8 +487,6 @@ def train(
     if no_verify:
         overrides.append("train.verify_checkpoints=false")
     rec = load_recipe(recipe, overrides)
-    if rec.train.seq_chunk_tokens is not None and rec.train.cp > 1:
-        raise GenoctxError("--seq-chunk (train.seq_chunk_tokens) with --cp > 1 is not supported yet: use one of them")
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
@@ -1004,9 +1002,9 @@ def plan(
         str | None,
         typer.Option(
             "--seq-chunk",
-            help="Train each window in chunks of this many tokens (train.seq_chunk_tokens; k/M suffixes), planned "
-            "for the layouts without CP; 'auto': per layout one pass if it fits, else the largest chunk that fits "
-            "(default: the recipe's train.seq_chunk_tokens, else one pass).",
+            help="Train each window in chunks of this many tokens (train.seq_chunk_tokens; k/M suffixes; under CP "
+            "each rank's chunk of its piece); 'auto': per layout one pass if it fits, else the largest chunk that "
+            "fits (default: the recipe's train.seq_chunk_tokens, else one pass).",
         ),
     ] = None,
 ) -> None:
@@ -1061,8 +1059,6 @@ def plan(
         raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
         layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
-        if layout.cp > 1 and kwargs.get("seq_chunk_tokens") is not None:
-            raise GenoctxError("--seq-chunk with --cp > 1: chunked training runs without context parallelism (yet)")
         try:
             if kwargs.get("seq_chunk_tokens") == "auto":
                 kwargs.pop("seq_chunk_tokens")

@@ -582,10 +582,11 @@ def plan_memory(
         allocator_slack: fraction of the peak added for the caching allocator; None = ``ALLOCATOR_SLACK`` on CUDA,
             0 on CPU.
         seq_chunk_tokens: ``train.seq_chunk_tokens``: each window trained as chunks of this many tokens by the exact
-            chunked backward (``genoctx.train.chunked``; no CP). The step's phases are one chunk's (``T`` = the
-            chunk), its DSA layers seeing the whole window before it (indexer tiles over ``L``, the latents'
-            gradient over ``L``), plus ``seq_chunk_boundary`` (``seq_chunk_boundary_bytes x L``) until the end of
-            backward. None, or not below ``L``: one pass.
+            chunked backward (``genoctx.train.chunked``; under CP each rank's part of a round of ``cp x`` this many
+            tokens). The step's phases are one chunk's (``T`` = the chunk), its DSA layers seeing the whole window
+            before it (indexer tiles over ``L``, the latents' gradient over ``L``; under CP the gathered tensors of
+            one round), plus ``seq_chunk_boundary`` (``seq_chunk_boundary_bytes x L``, the same on every CP rank)
+            until the end of backward. None, or not below ``L / cp``: one pass.
 
     Returns:
         ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,
@@ -650,17 +651,17 @@ def plan_memory(
     ep, cp = layout.ep, layout.cp
     T = seq_len // cp
     chunked = seq_chunk_tokens is not None and seq_chunk_tokens < T
-    if chunked and cp > 1:
-        raise ValueError("seq_chunk_tokens with cp > 1 is not modelled (chunked training runs without CP)")
     if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
         raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
     if chunked:
-        T = seq_chunk_tokens
+        T = seq_chunk_tokens  # under CP: this rank's part of a round of cp x T tokens
     N = batch_size * T
     windows = batch_size
     # keys a DSA query may see on the busiest rank: the window's last piece (CP) or last chunk
     ctx = seq_len if (cp > 1 or chunked) else T
-    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T, batch_size, a) if chunked else 0.0
+    # tokens whose DSA latents/keys a CP layer gathers at once: the window, or (chunked) one round
+    gather_len = cp * T if chunked else seq_len
+    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T * cp, batch_size, a) if chunked else 0.0
     fsdp = layout.fsdp
     pc = param_counts(cfg)
     sd, se = layout.dense_shard, layout.expert_shard
@@ -714,20 +715,20 @@ def plan_memory(
         else:
             saved["dsa"] = N * _dsa(cfg, s, full)
             if cp > 1:
-                saved["dsa"] += windows * seq_len * _dsa_cp_saved(cfg, s, full)
+                saved["dsa"] += windows * gather_len * _dsa_cp_saved(cfg, s, full)
             tile_b = _dsa_tiles_bwd(cfg, T)
             grads = N * (a * cfg.num_attention_heads * cfg.kv_lora_rank - _dsa_out_part(cfg, s))
             grads += windows * ctx * f * cfg.kv_lora_rank if (cp > 1 or chunked) else N * f * cfg.kv_lora_rank
             w_bwd_mix["dsa_attention"] = tile_b + grads
             if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
                 W = _dsa_gather_width(cfg, full)
-                window_grads = windows * seq_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
+                window_grads = windows * gather_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
                 w_bwd_mix["dsa_attention"] = max(tile_b, window_grads) + grads
             w_fwd["dsa_attention"] = _dsa_tiles_fwd(cfg, s, T) + N * a * cfg.num_attention_heads * cfg.kv_lora_rank
             if full:
                 w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, ctx)
             if cp > 1:
-                w_fwd["cp_gather"] = windows * seq_len * 2 * _dsa_gather_width(cfg, full) * a
+                w_fwd["cp_gather"] = windows * gather_len * 2 * _dsa_gather_width(cfg, full) * a
             # DSACache: the latents (saved anyway without AC; under CP the concatenation with the earlier ones), the
             # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys
             dI, R = cfg.index_head_dim, cfg.kv_lora_rank
@@ -1446,9 +1447,9 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
         gpus: ranks (the layouts' world size).
         mode: ``"train"`` (one training step) or ``"eval"`` (scoring one window).
         **kwargs: the other keyword arguments of ``plan_memory`` (of ``plan_eval`` in eval). In train mode
-            ``seq_chunk_tokens`` applies to the layouts without CP (chunked training does not combine with CP yet);
-            ``"auto"`` plans each of them by ``best_seq_chunk`` (one pass when it fits), so the list says whether
-            chunking a whole window per rank beats spreading it over CP ranks.
+            ``seq_chunk_tokens`` applies to every layout (under CP, to each rank's piece); ``"auto"`` plans each of
+            them by ``best_seq_chunk`` (one pass when it fits), so the list says whether chunking a whole window per
+            rank beats spreading it over CP ranks, or both together.
 
     Returns:
         The plans (``plan_memory`` or ``plan_eval`` dicts); empty when no layout is valid.
@@ -1464,7 +1465,7 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
         lays = valid_layouts(cfg, seq_len, gpus, optimizer_offload=kwargs.get("optimizer_offload", False), mode=mode)
         plans = []
         for lay in lays:
-            if lay.cp > 1 or chunk is None:
+            if chunk is None:
                 plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
             elif chunk == "auto":
                 plans.append(best_seq_chunk(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
@@ -1480,9 +1481,10 @@ SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens
 
 
 def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
-    """``plan_memory`` of ``layout`` (no CP) in one pass if it fits, else with the largest ``seq_chunk_tokens`` of
-    ``SEQ_CHUNK_CANDIDATES`` (below the window) that fits (fewest chunks: the least boundary state and overhead);
-    when none fits, the candidate with the smallest total. ``kwargs``: ``plan_memory``'s."""
+    """``plan_memory`` of ``layout`` in one pass if it fits, else with the largest ``seq_chunk_tokens`` of
+    ``SEQ_CHUNK_CANDIDATES`` (below the window's ``L / cp`` tokens per rank) that fits (fewest chunks: the least
+    boundary state and overhead); when none fits, the candidate with the smallest total.
+    ``kwargs``: ``plan_memory``'s."""
     whole = plan_memory(cfg, seq_len, layout, **kwargs)
     if whole["fits"]:
         return whole

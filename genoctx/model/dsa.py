@@ -118,6 +118,18 @@ class _Splice(torch.autograd.Function):
         return grad[:, : ctx.S], grad[:, ctx.S :], None
 
 
+def join_latents(past: Tensor, own: Tensor, window: Tensor | None) -> Tensor:
+    """``cat([past, own], dim=1)`` ``[B, S + T, R]``: latents of the ``S`` earlier positions and of ``T`` new ones.
+
+    When ``window`` ``[B, >= S + T, R]`` already holds them (the chunked backward's forward sweep computed every
+    position's latents, ``DSACache.window``), its first ``S + T`` positions are returned as a view (``_Splice``: no
+    copy) and gradients still reach ``past`` and ``own`` as through the concatenation; else a ``torch.cat``."""
+    S, T = past.shape[1], own.shape[1]
+    if window is not None and window.shape[1] >= S + T:
+        return _Splice.apply(past, own, window)
+    return torch.cat([past, own], dim=1)
+
+
 @dataclass
 class DSASelection:
     """What the indexer selected for a chunk's queries (shared with the next layer if it is "shared").
@@ -732,12 +744,7 @@ class DeepSeekSparseAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, T, H, self.qk_head_dim)
         c = self.latent(x)
-        if cache is None or S == 0:
-            latent = c
-        elif cache.window is not None and cache.window.shape[1] >= S + T:
-            latent = _Splice.apply(cache.latent, c, cache.window)  # the same values, without the copy
-        else:
-            latent = torch.cat([cache.latent, c], dim=1)
+        latent = c if cache is None or S == 0 else join_latents(cache.latent, c, cache.window)
         W_UK, W_UV = self.absorbed()
         q_abs = torch.einsum("bthd,hdr->bthr", q, W_UK)
         iq = iw = pool_k = None

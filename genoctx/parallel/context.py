@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.config import DSA
-from ..model.dsa import SENTINEL, DSACache, DSASelection
+from ..model.dsa import SENTINEL, DSACache, DSASelection, join_latents
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
 from .layout import cp_pieces
@@ -331,10 +331,11 @@ def dsa_cp_cache(
             return prior
         if prior is None:
             return layer.cache_of(latent[:, :S], *(None if t is None else t[:, :S] for t in (index_k, index_gate)))
-        joined = torch.cat([prior.latent, latent[:, :S].to(prior.latent.dtype)], dim=1)
+        # in the chunked backward's reverse sweep a view of the forward sweep's latents (DSACache.window), not a copy
+        joined = join_latents(prior.latent, latent[:, :S].to(prior.latent.dtype), prior.window)
         if index_k is None:
-            return DSACache(joined)
-        return DSACache(joined, *layer.indexer.extend(prior, index_k[:, :S], index_gate[:, :S]))
+            return DSACache(joined, window=prior.window)
+        return DSACache(joined, *layer.indexer.extend(prior, index_k[:, :S], index_gate[:, :S]), window=prior.window)
 
     caches = [before(p * c) for p in layout.mine]
     return caches, nat.sum() * 0.0, before(layout.n_pieces * c) if out else None

@@ -441,6 +441,15 @@ def train_distributed(
             f"--cp {cp}{how}: the {L}-token training window does not split into {pieces} equal slices "
             f"of at least {tail} tokens"
         )
+    chunk = recipe.train.seq_chunk_tokens
+    if cp > 1 and chunk is not None and chunk * cp < L:  # each rank chunks its piece: rounds of cp x chunk tokens
+        last = L % (chunk * cp) or chunk * cp
+        if (chunk * cp) % pieces or last // pieces < max(tail, 1):
+            raise GenoctxError(
+                f"--seq-chunk {chunk} with --cp {cp}: rounds of {chunk * cp} tokens (the last one {last}) of the "
+                f"{L}-token window do not split into {pieces} equal pieces of at least {max(tail, 1)} tokens "
+                f"({layout} layout)"
+            )
     _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,

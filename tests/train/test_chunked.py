@@ -164,8 +164,14 @@ def test_plan_chunked_training_is_bounded_by_the_chunk_plus_the_boundary():
     assert p["total_gib"] - q["total_gib"] >= boundary * ((1 << 20) - (1 << 18)) * 0.99
     assert best_seq_chunk(cfg, 1 << 20, Layout(), **kw)["seq_chunk_tokens"] >= 16384  # the largest chunk that fits
     assert best_seq_chunk(cfg, 1 << 14, Layout(), **kw)["seq_chunk_tokens"] is None  # one pass fits
-    with pytest.raises(ValueError, match="cp > 1"):
-        plan_memory(cfg, 1 << 20, Layout(cp=2, dp_shard=1), seq_chunk_tokens=16384, **kw)
+    # under CP each rank chunks its piece: one chunk's working set, the same boundary state (every rank holds it)
+    cp2 = plan_memory(cfg, 1 << 20, Layout(cp=2, dp_shard=1), **kw)
+    c = plan_memory(cfg, 1 << 20, Layout(cp=2, dp_shard=1), seq_chunk_tokens=16384, **kw)
+    assert c["tokens_per_rank"] == 16384 and c["seq_chunk_tokens"] == 16384 and cp2["seq_chunk_tokens"] is None
+    assert c["total_gib"] < 4 < cp2["total_gib"]
+    assert c["components_gib"]["seq_chunk_boundary"] == pytest.approx(
+        seq_chunk_boundary_bytes(cfg, 2 * 16384, 1, 4) / 2**30 * (1 << 20), abs=1e-5
+    )
 
 
 @pytest.mark.parametrize("vocab", ["full", "nucleotide"])
