@@ -39,6 +39,14 @@ the piece's cache above; the KDA ``[L | M]`` pass streams the same way (``chunk_
 The layer's working set is then that of one chunk; what grows with the piece is only its residual streams and the
 DSA caches (the gathered window). Equal to one call per piece to fp32 rounding.
 
+Carried caches (chunked training, ``genoctx.train.chunked``: each rank chunks its piece). A mixer's ``cache``
+argument is then the cache of the positions before the pieces it runs (a previous round of ``cp`` chunks; the same
+on every rank): the KDA fold starts from its state and piece 0's convolution input is its tail; each DSA piece's
+cache is its latents and pools extended by the gathered ones before the piece (``join_latents``,
+``Indexer.extend``). Inside ``carrying_cache()`` the mixers return the cache after their last piece (the KDA fold run
+one step further with the last piece's tail; the DSA latents and pools of every position), the same on every rank;
+outside it they return None.
+
 Balance. Causal attention makes later positions cost more: the query at position ``t`` scores the
 ``(t + 1) // kpool`` complete pools it sees (``kpool = index_kpool``), so piece ``p`` scores about
 ``(c^2 p + c (c + 1) / 2) / kpool`` pools. Contiguous, the last rank scores the most (busiest / mean 1.5 at
@@ -451,8 +459,9 @@ def apply_cp(model: nn.Module, cp_group, layout: str = "contiguous", chunk_token
     wrapper cuts its input ``[B, n_local c, hidden_size]`` into the local pieces, builds each piece's cache from
     the other ranks (``kda_cp_cache``, ``dsa_cp_cache``) and runs the class ``forward`` on them (a DSA wrapper
     also takes and returns the selection, in local row order). The model's forward is then called on this
-    rank's pieces only (``shard_sequence`` with the same layout), with no cache; the mixers return no cache
-    (their pieces' caches are not those of a whole window).
+    rank's pieces only (``shard_sequence`` with the same layout), with no cache, and the mixers return none (their
+    pieces' caches are not those of a whole window); or, in chunked training, with the cache of the window positions
+    before the pieces, and inside ``carrying_cache()`` the mixers return the cache after them (module docstring).
 
     Args:
         model: a ``HybridLM`` (its ``layers``, each with ``layer_type`` and ``self_attn``).

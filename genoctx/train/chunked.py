@@ -30,6 +30,15 @@ boundary state, which grows with ``L`` only through the DSA latents and pooled i
 (``genoctx.plan``: ``seq_chunk_tokens``). Cost: every chunk runs forward twice (three times with activation
 checkpointing).
 
+Under context parallelism (``cp=``) each rank chunks its piece: the window is cut into rounds of ``cp x
+seq_chunk_tokens`` tokens, each round into the CP layout's pieces (``shard_sequence``), and a round is one chunk of
+the two sweeps above on every rank at once. The CP mixers take the cache of the positions before the round and,
+inside ``genoctx.parallel.context.carrying_cache``, return the cache after it, the same on every rank (built from
+the gathered pieces); the reverse sweep enters that context too, so a layer recomputed by activation checkpointing
+carries as its forward did, and every rank back-propagates the same roots (a missing gradient is a zero), so the
+collectives stay in step. Each rank's incoming-cache gradient is its own uses'; the gathers' reduce-scatters sum them
+for the pieces' owners (``docs/context_parallel.md``).
+
 Router loads are counted in the forward sweep only (the backward sweep restores ``load_counts``); after the step each
 layer's ``stats`` describe the whole window (counts summed over chunks, the indexer loss the window's mean).
 """

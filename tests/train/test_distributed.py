@@ -54,6 +54,13 @@ def _losses(run):
             ["--num-workers", "2", "--cp", "2", "--set", "train.cp_layout=zigzag", "--set", "train.seq_len=254"],
             "--cp 2 with train.cp_layout=zigzag: the 254-token training window does not split into 4 equal slices",
         ),
+        # each CP rank chunks its piece: every round of cp x chunk tokens must split into the layout's pieces
+        (
+            ["--num-workers", "2", "--cp", "2", "--set", "train.cp_layout=zigzag", "--seq-chunk", "51"],
+            "--seq-chunk 51 with --cp 2: rounds of 102 tokens (the last one 52) of the 256-token window do not split "
+            "into 4 equal pieces of at least 3 tokens (zigzag layout)",
+        ),
+        (["--num-workers", "2", "--cp", "2", "--seq-chunk", "127"], "rounds of 254 tokens (the last one 2)"),
     ],
 )
 def test_bad_parallel_flags_are_one_line_errors(prepared, tmp_path, args, msg):
