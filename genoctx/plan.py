@@ -733,7 +733,8 @@ def plan_memory(
             # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys
             dI, R = cfg.index_head_dim, cfg.kv_lora_rank
             cache = N * a * (R * recompute + full * dI * (1 + recompute + 1 / cfg.index_kpool))
-        if cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context)
+        if cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context); chunked, the round's cache,
+            # views of the kept boundary state (DSA latents: join_latents) and small copies (KDA state and tail)
             cache = 0.0
         if ffn == "sparse":
             saved["moe"] = N * _moe(cfg, s)

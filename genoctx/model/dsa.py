@@ -105,7 +105,9 @@ class _Splice(torch.autograd.Function):
     """``cat([past, own], dim=1)`` whose values are already in ``window`` (computed by an earlier forward of the same
     positions): forward returns ``window[:, :S + T]`` (a view, no copy), backward splits the gradient into views for
     ``past`` ``[B, S, R]`` and ``own`` ``[B, T, R]``. Exact when ``window`` holds what ``past`` and ``own`` hold (the
-    chunked backward recomputes ``own`` from the same inputs with the same kernels)."""
+    chunked backward recomputes ``own`` from the same inputs with the same kernels; under CP the window's values of a
+    rank's own positions come from the gather of the whole piece's projection, equal up to the rounding of a GEMM
+    of another shape)."""
 
     @staticmethod
     def forward(ctx, past: Tensor, own: Tensor, window: Tensor) -> Tensor:
@@ -392,8 +394,13 @@ def _no_autocast(fn):
 
 
 def _gather_rows(x: Tensor, idx: Tensor) -> Tensor:
-    """``x [B, N, ...]`` gathered at ``idx [B, R, K]`` (entries >= 0) -> ``[B, R, K, ...]``."""
+    """``x [B, N, ...]`` gathered at ``idx [B, R, K]`` (entries >= 0) -> ``[B, R, K, ...]``. ``x`` may be a view
+    whose rows are not contiguous across the batch (``join_latents``' prefix of a longer window): its rows are
+    then gathered in place (no copy of ``x``)."""
     B, N = x.shape[:2]
+    if B > 1 and not x.is_contiguous():  # reshape would copy the whole [B, N, ...] on every call
+        rows = torch.arange(B, device=x.device).view(B, 1)
+        return x[rows, idx.reshape(B, -1)].view(*idx.shape, *x.shape[2:])
     flat = x.reshape(B * N, *x.shape[2:])  # explicit trailing shape: N may be 0 (no complete pool yet)
     off = (torch.arange(B, device=x.device) * N).view(B, 1, 1)
     g = flat.index_select(0, (idx + off).reshape(-1))
@@ -662,7 +669,8 @@ class Indexer(nn.Module):
         n = k.shape[1] // self.kpool * self.kpool
         new = self.pool(k[:, :n], gate[:, :n])
         pool_k = new if cache is None or cache.pool_k is None else torch.cat([cache.pool_k, new], dim=1)
-        return pool_k, k[:, n:], gate[:, n:]
+        # the tail copied (< kpool rows): a view would keep the whole chunk's keys alive with the cache
+        return pool_k, k[:, n:].clone(), gate[:, n:].clone()
 
 
 class DeepSeekSparseAttention(nn.Module):

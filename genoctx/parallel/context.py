@@ -288,7 +288,8 @@ def kda_cp_cache(
             states.append(S)
         state = layout.local(torch.stack(states[:-1])).reshape(n * B, H, K, V)
     zero = (tails.sum() + LMs.sum()) * 0.0
-    return KDACache(state=state, conv_state=conv_state), zero, KDACache(state=states[-1], conv_state=tails[-1])
+    out = KDACache(state=states[-1], conv_state=tails[-1].clone())  # a copy: a view would keep every piece's tail
+    return KDACache(state=state, conv_state=conv_state), zero, out
 
 
 def dsa_cp_cache(

@@ -97,7 +97,7 @@ class _Boundaries:
         layers = []
         for small, last in zip(row, self.final.layers, strict=True):
             if isinstance(last, DSACache):
-                tail_k, tail_gate, n_pools, length = small  # length: window positions (this rank's, under CP)
+                tail_k, tail_gate, n_pools, length = small  # length: positions before the chunk (the round, CP)
                 pool_k = None if n_pools is None else last.pool_k[:, :n_pools]
                 layers.append(DSACache(last.latent[:, :length], pool_k, tail_k, tail_gate, window=last.latent))
             else:

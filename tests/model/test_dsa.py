@@ -199,6 +199,32 @@ def test_pool_keys_and_extend_across_chunks():
         assert pk.shape[1] == b // 4 and tk.shape[1] == b % 4
     torch.testing.assert_close(cache.pool_k, ind.pool(k[:, :20], g[:, :20]), **TOL)
     torch.testing.assert_close(cache.tail_k, k[:, 20:], **TOL)
+    # the carried tail is a copy: a view would keep the chunk's keys alive as long as the cache (the chunked backward
+    # keeps every boundary's tail to the end of the step)
+    assert cache.tail_k.untyped_storage().nbytes() == cache.tail_k.numel() * cache.tail_k.element_size()
+    assert cache.tail_gate.untyped_storage().nbytes() == cache.tail_gate.numel() * cache.tail_gate.element_size()
+
+
+def test_gather_rows_reads_a_batch_strided_view_without_copying_it(monkeypatch):
+    """``_gather_rows`` on a prefix view ``window[:, :n]`` of a longer batched window (``join_latents``): the same rows
+    as on a contiguous copy, and no reshape of the whole view (which would copy it on every query tile)."""
+    from genoctx.model import dsa
+
+    window = torch.randn(3, 40, 5, dtype=F64)
+    view = window[:, :25]
+    idx = torch.randint(0, 25, (3, 7, 4))
+    want = dsa._gather_rows(view.contiguous(), idx)
+    torch.testing.assert_close(want[1, 2, 3], view[1, idx[1, 2, 3]], rtol=0, atol=0)
+    reshape = torch.Tensor.reshape
+
+    def no_copy(t, *a, **k):
+        if t.untyped_storage().data_ptr() == window.untyped_storage().data_ptr():
+            pytest.fail("reshape of the view (a copy of all its rows)")
+        return reshape(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "reshape", no_copy)
+    got = dsa._gather_rows(view, idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # ---- sparse attention ----
