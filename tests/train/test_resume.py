@@ -92,6 +92,14 @@ def test_stop_after_then_resume_runs_each_step_once(prepared, tmp_path, counted,
     assert [(e["status"], e["step"], e["steps_run"]) for e in ends] == [("completed", 3, 3), ("completed", 6, 3)]
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT unblocked and at its default, as in a shell. An ignored or blocked SIGINT is
+    inherited through exec (a library earlier in the suite may leave the pytest process so), and the child would then
+    never see the test's interrupt (seen twice in the full suite, never alone)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_before_the_first_checkpoint_then_resume_logs_each_step_once(prepared, tmp_path, counted):
     """SIGINT before any checkpoint exists, then --resume: nothing to load, so training starts again at step 1
     and metrics.jsonl holds steps 1..N once (not 1, 1, 2, ...)."""
@@ -99,7 +107,7 @@ def test_interrupt_before_the_first_checkpoint_then_resume_logs_each_step_once(p
     cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--data", str(prepared),
            "--out", str(run), "--steps", "100000", "--set", "train.seq_len=256",
            "--set", "train.checkpoint_every=100000"]  # fmt: skip
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 120
         while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
