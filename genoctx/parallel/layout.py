@@ -58,6 +58,23 @@ def cp_pieces(cp: int, layout: str = "contiguous") -> list[list[int]]:
     raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
 
 
+def uneven_seq_chunk_round(length: int, chunk_tokens: int, cp: int, layout: str, min_piece: int) -> int | None:
+    """Chunked training under CP (``genoctx.train.chunked``) cuts a window of ``length`` tokens into rounds of
+    ``cp x chunk_tokens`` tokens (the last one shorter) and each round into the ``cp_pieces`` of ``layout``: the
+    length in tokens of the first round that does not split into equal pieces of at least ``min_piece`` tokens
+    (the full round, or else the last one), or None when every round splits.
+
+    Raises:
+        ValueError: as ``cp_pieces``.
+    """
+    pieces = sum(len(p) for p in cp_pieces(cp, layout))
+    full = cp * chunk_tokens
+    for r in (full, length % full or full):
+        if r % pieces or r // pieces < min_piece:
+            return r
+    return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes of the four mesh dimensions (each >= 1) and whether EP is folded into ``dp_shard x cp``

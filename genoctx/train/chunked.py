@@ -209,17 +209,16 @@ def chunked_forward_backward(
             return x[:, s:e]
     else:
         from ..parallel.context import carrying_cache, shard_sequence
-        from ..parallel.layout import cp_pieces
+        from ..parallel.layout import uneven_seq_chunk_round
 
         bounds = chunk_bounds(L, chunk_tokens * cp.cp)
-        n_pieces = sum(len(p) for p in cp_pieces(cp.cp, cp.cp_layout))
         tail = model.cfg.linear_conv_kernel_dim - 1 if any(t != DSA for t in model.cfg.layer_types) else 0
-        for s, e in bounds:
-            if (e - s) % n_pieces or (e - s) // n_pieces < max(tail, 1):
-                raise ValueError(
-                    f"chunked training under CP: the round [{s}, {e}) of {e - s} tokens does not split into "
-                    f"{n_pieces} pieces ({cp.cp_layout}, cp={cp.cp}) of at least {max(tail, 1)} tokens"
-                )
+        bad = uneven_seq_chunk_round(L, chunk_tokens, cp.cp, cp.cp_layout, max(tail, 1))
+        if bad is not None:
+            raise ValueError(
+                f"chunked training under CP: a round of {bad} tokens does not split into the {cp.cp_layout} "
+                f"layout's pieces (cp={cp.cp}) of at least {max(tail, 1)} tokens"
+            )
         carry = carrying_cache
 
         def cut(x: Tensor, s: int, e: int) -> Tensor:

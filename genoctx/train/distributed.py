@@ -410,7 +410,7 @@ def train_distributed(
     """
     from ..data.dataset import WindowDataset
     from ..lock import output_lock
-    from ..parallel.layout import Layout, cp_pieces
+    from ..parallel.layout import Layout, cp_pieces, uneven_seq_chunk_round
     from .init import resolve_init, vocab_head
     from .loop import _check_manifest, check_seq_len
     from .metrics import check_loggers
@@ -444,7 +444,7 @@ def train_distributed(
     chunk = recipe.train.seq_chunk_tokens
     if cp > 1 and chunk is not None and chunk * cp < L:  # each rank chunks its piece: rounds of cp x chunk tokens
         last = L % (chunk * cp) or chunk * cp
-        if (chunk * cp) % pieces or last // pieces < max(tail, 1):
+        if uneven_seq_chunk_round(L, chunk, cp, layout, max(tail, 1)) is not None:
             raise GenoctxError(
                 f"--seq-chunk {chunk} with --cp {cp}: rounds of {chunk * cp} tokens (the last one {last}) of the "
                 f"{L}-token window do not split into {pieces} equal pieces of at least {max(tail, 1)} tokens "
