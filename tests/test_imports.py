@@ -1,4 +1,4 @@
-"""The import arrows point down only (README, "Layout"):
+"""The import arrows point down only (docs/design.md, "Layout"):
 
     cli -> cluster -> {train, eval} -> {plan, parallel} -> model -> kernels        (data beside)
 

@@ -85,7 +85,7 @@ def _allocated(cfg, layout: Layout) -> dict:
 
 def test_persistent_state_is_what_a_rank_allocates():
     counts = P.param_counts(GLM)
-    assert counts["total"] == 313_326_816_766  # `genoctx model info` counts the same (README, The model)
+    assert counts["total"] == 313_326_816_766  # `genoctx model info` counts the same (docs/model.md)
     for layout in (Layout(dp_shard=2, cp=32), Layout(ep=8, dp_shard=8), Layout(dp_replicate=2, ep=4, dp_shard=4, cp=2),
                    Layout(ep=2, cp=4), Layout(cp=8), Layout(cp=64)):  # fmt: skip
         p = _plan(GLM, 1 << 20, layout)
@@ -183,7 +183,7 @@ def test_search_lists_only_valid_layouts_of_the_world_best_first():
 
 def test_reference_run_plan_schema():
     """`genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --gpu-memory-gib 178`: every 64-rank layout, each
-    with the documented keys (the numbers the README quotes come from this command)."""
+    with the documented keys (the numbers docs/plan.md quotes come from this command)."""
     plans = P.search_layouts(GLM, 1 << 20, 64, 178.0)
     assert len(plans) == len(P.valid_layouts(GLM, 1 << 20, 64)) > 50
     for p in plans:
@@ -199,7 +199,7 @@ def test_reference_run_plan_schema():
 def test_reference_run_fits_with_folded_experts_without_offload():
     """The reference run (GLM-5.3-Flash, 1M tokens, 64 GPUs of 178 GiB, AdamW): the best layout is CP=64 with EP=32
     folded into the same ranks, at or below the published 144.5 GiB without any offload; without folding no layout
-    fits unless the optimizer state goes to host memory (README, Planning memory)."""
+    fits unless the optimizer state goes to host memory (docs/plan.md)."""
     plans = P.search_layouts(GLM, 1 << 20, 64, 178.0)
     best = plans[0]
     assert best["fits"] and best["total_gib"] <= 144.5
