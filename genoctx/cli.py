@@ -353,13 +353,16 @@ def prepare(
     window: Annotated[
         str,
         typer.Option(
+            metavar="SIZE",
             help="Window length in tokens (bases); k/M suffixes, k = 1024. At least 64 (a shorter window holds "
             "less than one KDA chunk and no DSA key pool: the model needs context), at most 1G."
         ),
     ] = "512k",
     stride: Annotated[
         str | None,
-        typer.Option(help="Stride between window starts, 1 to --window (no base skipped); default = window."),
+        typer.Option(
+            metavar="SIZE", help="Stride between window starts, 1 to --window (no base skipped); default = window."
+        ),
     ] = None,
     chroms: Annotated[str | None, typer.Option(help="Training chromosomes, comma-separated (e.g. chr1,chr2).")] = None,
     eval_chroms: Annotated[str | None, typer.Option(help="Held-out chromosomes, comma-separated (e.g. chr22).")] = None,
@@ -516,6 +519,7 @@ def train(
         str | None,
         typer.Option(
             "--seq-chunk",
+            metavar="SIZE",
             help="Train each window as consecutive chunks of this many tokens (k/M suffixes), exactly (the chunked "
             "backward: memory bounded by the chunk plus the state crossing chunk boundaries); with --cp C each "
             "worker chunks its piece (rounds of C chunks); = train.seq_chunk_tokens.",
@@ -721,6 +725,7 @@ def eval_(
         bool,
         typer.Option(
             "--by-position",
+            show_default=False,
             help="The loss binned by how many tokens of context each token had: what eval does (the default and, so "
             "far, only mode; --copy-probe adds to it), so the flag may be left out.",
         ),
@@ -757,6 +762,7 @@ def eval_(
         str | None,
         typer.Option(
             "--seq-chunk",
+            metavar="SIZE",
             help="Score each window (under --cp each CP piece) as consecutive chunks of this many tokens (k/M "
             "suffixes) with the carried cache, as train's --seq-chunk; default whole windows. Old name: "
             "--chunk-tokens.",
@@ -1092,7 +1098,10 @@ def plan(
         typer.Option(help="A recipe: its model (a preset, or model.init's config.json), batch, dtype and loss."),
     ] = None,
     seq_len: Annotated[
-        str | None, typer.Option("--seq-len", help="Window length in tokens (k/M suffixes); default recipe's or 1M.")
+        str | None,
+        typer.Option(
+            "--seq-len", metavar="SIZE", help="Window length in tokens (k/M suffixes); default recipe's or 1M."
+        ),
     ] = None,
     gpus: Annotated[
         int,
@@ -1150,6 +1159,7 @@ def plan(
         str | None,
         typer.Option(
             "--seq-chunk",
+            metavar="SIZE|auto",
             help="Each window as consecutive chunks of this many tokens (k/M suffixes; under CP each rank's chunk "
             "of its piece), as train's and eval's --seq-chunk. Training: train.seq_chunk_tokens; 'auto': per layout "
             "one pass if it fits, else the largest chunk that fits (default: the recipe's train.seq_chunk_tokens, "
@@ -1448,7 +1458,7 @@ def model_info(
         typer.Option("--hf", help="Use the config.json of an HF glm5_next model directory (no weights needed)."),
     ] = None,
     seq_len: Annotated[
-        str, typer.Option("--seq-len", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
+        str, typer.Option("--seq-len", metavar="SIZE", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
     ] = "1M",
 ) -> None:
     """Print the architecture, parameter counts (total and active per token) and FLOPs per token as JSON.
