@@ -3,6 +3,11 @@
 Results go to stdout (JSON, or a table/CSV for ``eval``); logs and progress go to stderr. Exit codes:
 0 success, 2 bad input (a one-line message naming the file, record or flag), 1 an internal error.
 
+Help (``--help``) is plain text at most 80 columns wide whatever the terminal (``_HelpFormatter``): option names
+are never cut and help text wraps instead of being truncated. One idea has one flag name across verbs
+(``--seq-chunk``, ``--gpu-memory-gib``, ``--ep-folded/--no-ep-folded``, ``--cp-layout``); an old name stays
+accepted as a hidden alias (``_alias``), and messages name the flag the user typed.
+
 Flags are checked here, before any work (a size flag through :func:`_size`, an output file before scoring), so
 a bad value never costs a long run or leaves partial output.
 """
@@ -170,6 +175,8 @@ app.add_typer(model_app, name="model")
 
 
 def _version(value: bool) -> None:
+    """``genoctx --version``: print ``genoctx X.Y.Z`` (the installed distribution's version, importlib.metadata) and
+    exit 0 before any verb runs."""
     if value:
         from importlib.metadata import PackageNotFoundError, version
 
