@@ -3,9 +3,9 @@
 Prepares the embedded real hg38 chr2 piece (chr2:1-2,333,275) into windows of ``--window`` tokens (default
 1M = 1,048,576 bases) in a temporary directory, builds the ``cpu-small`` model (random init; or
 ``--checkpoint``: a genoctx checkpoint or an HF model directory), and scores the first window with
-``genoctx.eval.position.score_windows`` in chunks of ``--chunk-tokens`` with the carried cache (the chunk
-contract). Reports wall time, tokens/s, the process's peak resident memory (``ru_maxrss``) and its resident
-memory before scoring, and the loss.
+``genoctx.eval.position.score_windows`` in chunks of ``--seq-chunk`` tokens (as ``genoctx eval --seq-chunk``; old
+name ``--chunk-tokens``) with the carried cache (the chunk contract). Reports wall time, tokens/s, the process's
+peak resident memory (``ru_maxrss``) and its resident memory before scoring, and the loss.
 
     .venv/bin/python bench/eval_long.py                      # the README number (a long run on a CPU)
     .venv/bin/python bench/eval_long.py --window 64k         # a quick check
@@ -37,7 +37,8 @@ from genoctx.model.model import HybridLM  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", default="1M", help="window length (k/M suffixes, k = 1024)")
-    ap.add_argument("--chunk-tokens", default="16k", help="tokens per chunk (carried cache)")
+    ap.add_argument("--seq-chunk", "--chunk-tokens", dest="chunk_tokens", default="16k", metavar="N",
+                    help="tokens per chunk (carried cache), as genoctx eval --seq-chunk")
     ap.add_argument(
         "--checkpoint",
         type=Path,

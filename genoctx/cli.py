@@ -3,6 +3,11 @@
 Results go to stdout (JSON, or a table/CSV for ``eval``); logs and progress go to stderr. Exit codes:
 0 success, 2 bad input (a one-line message naming the file, record or flag), 1 an internal error.
 
+Help (``--help``) is plain text at most 80 columns wide whatever the terminal (``_HelpFormatter``): option names
+are never cut and help text wraps instead of being truncated. One idea has one flag name across verbs
+(``--seq-chunk``, ``--gpu-memory-gib``, ``--ep-folded/--no-ep-folded``, ``--cp-layout``); an old name stays
+accepted as a hidden alias (``_alias``), and messages name the flag the user typed.
+
 Flags are checked here, before any work (a size flag through :func:`_size`, an output file before scoring), so
 a bad value never costs a long run or leaves partial output.
 """
@@ -10,9 +15,13 @@ a bad value never costs a long run or leaves partial output.
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
 import json
 import logging
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -27,14 +36,95 @@ _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "Usag
 _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-class _OneLineUsageErrors(TyperGroup):
-    """Click's usage errors (``--steps abc``, a missing ``--data``, an unknown verb) as one line on stderr,
-    ``genoctx: error: ...``, exit code 2, like every other user error (instead of a usage box). Its help, and its
-    verbs' and sub-verbs', is literal text (``_literal_help``)."""
+_CLICK = importlib.import_module(_USAGE_ERROR.__module__.rpartition(".")[0])  # typer's click (or click itself)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        _literal_help(self)
+
+def _wrap(text: str, width: int, indent: str = "", hanging: str = "") -> list[str]:
+    """``text`` wrapped to ``width`` columns (first line after ``indent``, the others after ``hanging``), never
+    inside a word or at a hyphen: a flag name (``--no-ep-folded``) or a path is never cut. A word longer than a line
+    stands on a line of its own."""
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=hanging, break_long_words=False,
+                         break_on_hyphens=False) or [indent.rstrip()]  # fmt: skip
+
+
+class _HelpFormatter(_CLICK.formatting.HelpFormatter):
+    """click's help formatter (plain text, at most ``width`` columns: the terminal's, capped at 80) that never
+    truncates and never cuts a name: option names stay whole (a long one takes its own line, its help below it),
+    help text wraps at spaces only. A paragraph of a docstring whose lines after the first are indented (``Examples:``
+    and its command lines) keeps its line breaks, each line wrapped with a hanging indent."""
+
+    def write_text(self, text: str) -> None:
+        width = max(self.width - self.current_indent, 20)
+        pad = " " * self.current_indent
+        for i, para in enumerate(text.split("\n\n")):
+            if i:
+                self.write("\n")
+            lines = para.splitlines()
+            if len(lines) > 1 and any(ln[:1].isspace() for ln in lines[1:]):  # a block: keep its line breaks
+                for ln in lines:
+                    lead = ln[: len(ln) - len(ln.lstrip())]
+                    out = _wrap(ln.strip(), width, pad + lead, pad + lead + "    ")
+                    self.write("".join(f"{o}\n" for o in out))
+            else:
+                self.write("".join(f"{o}\n" for o in _wrap(" ".join(para.split()), width, pad, pad)))
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        first = min(max(len(name) for name, _ in rows), col_max) + col_spacing
+        pad = " " * self.current_indent
+        text_width = max(self.width - self.current_indent - first, 20)
+        for name, help_ in rows:
+            names = _wrap(name, max(self.width - self.current_indent, 20), pad, pad + "  ")
+            text = _wrap(" ".join((help_ or "").split()), text_width)
+            if help_ and len(names) == 1 and len(name) <= first - col_spacing:
+                head = f"{names[0]:<{self.current_indent + first}}{text[0]}"
+                self.write(head + "\n" + "".join(f"{pad}{' ' * first}{t}\n" for t in text[1:]))
+            else:
+                self.write("".join(f"{n}\n" for n in names))
+                self.write("".join(f"{pad}{' ' * first}{t}\n" for t in text if help_))
+
+
+def _get_help(cmd, ctx) -> str:
+    formatter = _HelpFormatter(width=ctx.terminal_width, max_width=ctx.max_content_width)
+    cmd.format_help(ctx, formatter)
+    return formatter.getvalue().rstrip("\n")
+
+
+class _Command(typer.core.TyperCommand):
+    """A verb whose ``--help`` is plain text that fits the terminal (``_HelpFormatter``): every option name whole,
+    help wrapped rather than truncated, nothing wider than 80 columns; literal (no rich markup)."""
+
+    def get_help(self, ctx) -> str:
+        return _get_help(self, ctx)
+
+
+_FIRST_SENTENCE = re.compile(r"(?<=[a-z0-9)\]]\.)\s+(?=[A-Z])")
+
+
+class _Group(TyperGroup):
+    """A group of verbs with ``_Command``'s help; its list of verbs gives each verb's whole first sentence
+    (wrapped), not one truncated to a line."""
+
+    def get_help(self, ctx) -> str:
+        return _get_help(self, ctx)
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                first = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
+                rows.append((name, _FIRST_SENTENCE.split(first, 1)[0]))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class _OneLineUsageErrors(_Group):
+    """Click's usage errors (``--steps abc``, a missing ``--data``, an unknown verb) as one line on stderr,
+    ``genoctx: error: ...``, exit code 2, like every other user error (instead of a usage box)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -42,9 +132,8 @@ class _OneLineUsageErrors(TyperGroup):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _USAGE_ERROR as e:
-            if type(e).__name__ == "NoArgsIsHelpError":  # no verb: the help, as typer shows it
-                if not getattr(typer.core, "HAS_RICH", False):
-                    e.show()  # (with rich, building the error already printed the help)
+            if type(e).__name__ == "NoArgsIsHelpError":  # no verb: the help on stdout, exit 2 (as typer)
+                typer.echo(e.ctx.get_help())
                 sys.exit(e.exit_code)
             where = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
             typer.echo(f"genoctx: error: {_one_line(e.format_message())}{where}", err=True)
@@ -56,27 +145,6 @@ class _OneLineUsageErrors(TyperGroup):
             typer.echo("Aborted!", err=True)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
-
-
-def _literal_help(cmd) -> None:
-    """Make the help texts of the click command ``cmd`` (its own, its options' and arguments', and recursively its
-    subcommands') print literally under typer's rich help, which reads them as rich markup: ``org/name[@revision]``
-    would lose ``[@revision]``. Every ``[`` that could open a markup tag is escaped (``rich.markup.escape``) in
-    place, once per command object; the layout (panels, kept line breaks of examples) stays typer's. Help that
-    typer renders without rich (``TYPER_USE_RICH=0``, another markup mode) is left as written."""
-    if getattr(cmd, "_genoctx_literal", False):
-        return
-    cmd._genoctx_literal = True
-    if typer.core.HAS_RICH and getattr(cmd, "rich_markup_mode", None) == "rich":
-        from rich.markup import escape
-
-        for obj in (cmd, *cmd.params):
-            for attr in ("help", "short_help", "epilog"):
-                text = getattr(obj, attr, None)
-                if isinstance(text, str):
-                    setattr(obj, attr, escape(text))
-    for sub in getattr(cmd, "commands", {}).values():
-        _literal_help(sub)
 
 
 # the Ray options train and eval share (genoctx.cluster.run_workers)
@@ -97,10 +165,37 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help (_HelpFormatter): names whole and text wrapped at 80 columns, literal text
     cls=_OneLineUsageErrors,
 )
-model_app = typer.Typer(help="Inspect model presets, recipes and HF checkpoints.", no_args_is_help=True)
+model_app = typer.Typer(
+    help="Inspect model presets, recipes and HF checkpoints.", no_args_is_help=True, rich_markup_mode=None, cls=_Group
+)
 app.add_typer(model_app, name="model")
+
+
+def _version(value: bool) -> None:
+    """``genoctx --version``: print ``genoctx X.Y.Z`` (the installed distribution's version, importlib.metadata) and
+    exit 0 before any verb runs."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("genoctx")
+        except PackageNotFoundError:  # a source tree that was not installed: the package's own
+            from . import __version__ as v
+        typer.echo(f"genoctx {v}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_version, help="Print genoctx's version and exit."),
+    ] = False,
+) -> None:
+    pass
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -151,6 +246,20 @@ def _one_line(msg: str) -> str:
 def _emit_json(doc: dict) -> None:
     sys.stdout.write(json.dumps(doc, indent=None if not sys.stdout.isatty() else 2) + "\n")
     sys.stdout.flush()
+
+
+def _alias(flag: str, value, old_flag: str, old_value):
+    """``(value, name)`` of an option that has an old name kept as a hidden alias: the value given by ``flag`` or by
+    ``old_flag`` (None when neither), and the name it was given by (for messages).
+
+    Raises:
+        GenoctxError: both names given (one line naming both).
+    """
+    if old_value is None:
+        return value, flag
+    if value is not None:
+        raise GenoctxError(f"{old_flag} is the old name of {flag}: give one of them")
+    return old_value, old_flag
 
 
 def _split_list(s: str | None) -> list[str] | None:
@@ -229,11 +338,12 @@ def _data_dir(path: Path, flag: str = "--data") -> Path:
     return p
 
 
-@app.command()
+@app.command(cls=_Command)
 @_user_errors
 def prepare(
     fasta: Annotated[
-        list[Path] | None, typer.Option("--fasta", help="Local FASTA file (plain, gzip or bgzip); repeatable.")
+        list[Path] | None,
+        typer.Option("--fasta", metavar="FILE", help="Local FASTA file (plain, gzip or bgzip); repeatable."),
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Output directory for shards and manifest.json.")] = None,
     assembly: Annotated[
@@ -250,13 +360,16 @@ def prepare(
     window: Annotated[
         str,
         typer.Option(
+            metavar="SIZE",
             help="Window length in tokens (bases); k/M suffixes, k = 1024. At least 64 (a shorter window holds "
             "less than one KDA chunk and no DSA key pool: the model needs context), at most 1G."
         ),
     ] = "512k",
     stride: Annotated[
         str | None,
-        typer.Option(help="Stride between window starts, 1 to --window (no base skipped); default = window."),
+        typer.Option(
+            metavar="SIZE", help="Stride between window starts, 1 to --window (no base skipped); default = window."
+        ),
     ] = None,
     chroms: Annotated[str | None, typer.Option(help="Training chromosomes, comma-separated (e.g. chr1,chr2).")] = None,
     eval_chroms: Annotated[str | None, typer.Option(help="Held-out chromosomes, comma-separated (e.g. chr22).")] = None,
@@ -353,7 +466,7 @@ def prepare(
     )
 
 
-@app.command()
+@app.command(cls=_Command)
 @_user_errors
 def train(
     data: Annotated[Path, typer.Option(help="Prepared data directory (genoctx prepare --out).")],
@@ -365,7 +478,9 @@ def train(
         int | None,
         typer.Option(help="End this invocation after step N >= 1 (checkpointed); --resume continues."),
     ] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe key: train.lr=1e-3.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", metavar="KEY=VALUE", help="Override a recipe key: train.lr=1e-3.")
+    ] = None,
     init: Annotated[
         str | None,
         typer.Option(
@@ -381,7 +496,15 @@ def train(
     cp: Annotated[
         int | None,
         typer.Option(
-            help="Context-parallel size: workers sharing one window (train.cp_layout: contiguous|zigzag); = train.cp."
+            help="Context-parallel size: workers sharing one window (pieces: --cp-layout); = train.cp."
+        ),
+    ] = None,
+    cp_layout: Annotated[
+        str | None,
+        typer.Option(
+            "--cp-layout",
+            metavar="LAYOUT",
+            help="CP pieces: contiguous or zigzag, as eval's and plan's; = train.cp_layout.",
         ),
     ] = None,
     ep: Annotated[
@@ -403,6 +526,7 @@ def train(
         str | None,
         typer.Option(
             "--seq-chunk",
+            metavar="SIZE",
             help="Train each window as consecutive chunks of this many tokens (k/M suffixes), exactly (the chunked "
             "backward: memory bounded by the chunk plus the state crossing chunk boundaries); with --cp C each "
             "worker chunks its piece (rounds of C chunks); = train.seq_chunk_tokens.",
@@ -429,6 +553,7 @@ def train(
         list[str] | None,
         typer.Option(
             "--logger",
+            metavar="NAME",
             help="Also send metrics.jsonl's rows to tensorboard (RUN/tensorboard) or mlflow (RUN/mlruns/mlflow.db), "
             "local files only; repeatable or a comma list; = train.loggers. Needs pip install 'genoctx[loggers]'.",
         ),
@@ -480,6 +605,10 @@ def train(
             overrides.append(f"train.{key}={value}")
     if ep_folded is not None:
         overrides.append(f"train.ep_folded={str(ep_folded).lower()}")
+    if cp_layout is not None:
+        if cp_layout not in ("contiguous", "zigzag"):
+            raise GenoctxError(f"--cp-layout must be contiguous or zigzag, got {cp_layout!r}")
+        overrides.append(f"train.cp_layout={cp_layout}")
     if seq_chunk is not None:
         overrides.append(f"train.seq_chunk_tokens={_size('--seq-chunk', seq_chunk)}")
     if logger is not None:
@@ -587,18 +716,27 @@ def _device(name: str) -> str:
     return name
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 @_user_errors
 def eval_(
     data: Annotated[Path, typer.Option(help="Prepared data directory.")],
     checkpoint: Annotated[
         list[Path] | None,
         typer.Option(
+            metavar="PATH",
             help="Checkpoint, run directory (its latest) or HF model directory (config.json + safetensors); "
             "repeatable, the first is the baseline."
         ),
     ] = None,
-    by_position: Annotated[bool, typer.Option("--by-position", help="Bin the loss by context length.")] = False,
+    by_position: Annotated[
+        bool,
+        typer.Option(
+            "--by-position",
+            show_default=False,
+            help="The loss binned by how many tokens of context each token had: what eval does (the default and, so "
+            "far, only mode; --copy-probe adds to it), so the flag may be left out.",
+        ),
+    ] = True,
     baseline: Annotated[
         Path | None, typer.Option(help="Checkpoint to compare against (same as giving it as the first --checkpoint).")
     ] = None,
@@ -627,7 +765,17 @@ def eval_(
     plot_metric: Annotated[
         str, typer.Option(help="What --plot draws: loss or relative_change (vs the baseline).")
     ] = "loss",
-    chunk_tokens: Annotated[str | None, typer.Option(help="Score windows in chunks (carried cache).")] = None,
+    seq_chunk: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-chunk",
+            metavar="SIZE",
+            help="Score each window (under --cp each CP piece) as consecutive chunks of this many tokens (k/M "
+            "suffixes) with the carried cache, as train's --seq-chunk; default whole windows. Old name: "
+            "--chunk-tokens.",
+        ),
+    ] = None,
+    chunk_tokens: Annotated[str | None, typer.Option("--chunk-tokens", hidden=True)] = None,
     loss_vocab: Annotated[
         str | None,
         typer.Option(
@@ -655,7 +803,11 @@ def eval_(
     ep: Annotated[int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts.")] = None,
     ep_folded: Annotated[
         bool,
-        typer.Option("--ep-folded", help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding)."),
+        typer.Option(
+            "--ep-folded/--no-ep-folded",
+            help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding) instead of an axis of "
+            "its own, as train's.",
+        ),
     ] = False,
     cp: Annotated[
         int | None, typer.Option(help="Context-parallel size: workers sharing one window (pieces as in training).")
@@ -666,13 +818,15 @@ def eval_(
     address: RayAddress = None,
     gpus_per_worker: GpusPerWorker = 0,
     placement_timeout: PlacementTimeout = None,
-    memory_gib: Annotated[
+    gpu_memory_gib: Annotated[
         float | None,
         typer.Option(
-            help="Memory of one worker's device in GiB for the memory plan (default: the GPU's; on the CPU with a "
-            "local Ray, host memory / workers)."
+            "--gpu-memory-gib",
+            help="Memory of one worker's device in GiB for the memory plan, as genoctx plan's (default: the GPU's; "
+            "on the CPU with a local Ray, host memory / workers). Old name: --memory-gib.",
         ),
     ] = None,
+    memory_gib: Annotated[float | None, typer.Option("--memory-gib", hidden=True)] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Score even when the memory planner predicts a rank does not fit.")
     ] = False,
@@ -687,7 +841,8 @@ def eval_(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Held-out next-token loss, binned by how many tokens of context each token had, with 95% bootstrap
-    intervals over windows. Several --checkpoint: the first is the baseline (paired intervals of the change).
+    intervals over windows (--by-position: the default mode, the flag may be left out; --copy-probe adds a
+    copy probe to it). Several --checkpoint: the first is the baseline (paired intervals of the change).
     With --num-workers the checkpoints are scored on Ray workers on the training mesh (no rank holds a model;
     forward only; the statistics are then computed here exactly as for one process).
 
@@ -702,25 +857,25 @@ def eval_(
       genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
       genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --copy-probe
       genoctx eval --by-position --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4
-        --fsdp 2 --cp 2 --chunk-tokens 16k
+        --fsdp 2 --cp 2 --seq-chunk 16k
     """
     _setup_logging(verbose)
     if format_ not in ("table", "json", "csv"):
         raise GenoctxError(f"--format must be table, json or csv, got {format_!r}")
-    if not by_position:
-        raise GenoctxError("only --by-position evaluation exists so far; pass --by-position")
     if plot_metric not in ("loss", "relative_change"):
         raise GenoctxError(f"--plot-metric must be loss or relative_change, got {plot_metric!r}")
     if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
         raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
-    chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    seq_chunk, chunk_flag = _alias("--seq-chunk", seq_chunk, "--chunk-tokens", chunk_tokens)
+    gpu_memory_gib, memory_flag = _alias("--gpu-memory-gib", gpu_memory_gib, "--memory-gib", memory_gib)
+    chunk = _size(chunk_flag, seq_chunk) if seq_chunk is not None else None
     _at_least("--copy-segment", copy_segment, 1)
     _at_least("--copy-distances", copy_distances, 1)
     if loss_vocab not in (None, "full", "nucleotide"):
         raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
     data = _data_dir(data)
-    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded,
-                      placement_timeout)  # fmt: skip
+    mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, gpu_memory_gib, force,
+                      ep_folded, placement_timeout, memory_flag)  # fmt: skip
     from .eval.plot import prepare_plot_path, remove_folders
     from .eval.position import evaluate, to_csv, to_table
     from .eval.position import plot as write_plot
@@ -766,8 +921,9 @@ def eval_(
 
 
 def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded=False,
-               placement_timeout=None):  # fmt: skip
-    """``genoctx.eval.distributed.MeshEval`` of eval's --num-workers flags, or None for one process.
+               placement_timeout=None, memory_flag="--gpu-memory-gib"):  # fmt: skip
+    """``genoctx.eval.distributed.MeshEval`` of eval's --num-workers flags, or None for one process. ``memory_flag``:
+    the name the memory was given by (--gpu-memory-gib, or its old name --memory-gib), for messages.
 
     Raises:
         GenoctxError: a size below 1, a mesh flag without --num-workers, or (local Ray) more GPUs asked than this
@@ -778,10 +934,10 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
     _at_least("--gpus-per-worker", gpus_per_worker, 0)
     _at_least("--placement-timeout", placement_timeout, 0)
     if memory_gib is not None and not 0 < memory_gib < float("inf"):
-        raise GenoctxError(f"--memory-gib: must be a positive number of GiB, got {memory_gib}")
+        raise GenoctxError(f"{memory_flag}: must be a positive number of GiB, got {memory_gib}")
     if num_workers is None:
         given = [f for f, v in (("--fsdp", fsdp), ("--ep", ep), ("--cp", cp), ("--address", address),
-                                ("--gpus-per-worker", gpus_per_worker or None), ("--memory-gib", memory_gib),
+                                ("--gpus-per-worker", gpus_per_worker or None), (memory_flag, memory_gib),
                                 ("--force", force or None), ("--ep-folded", ep_folded or None),
                                 ("--placement-timeout", placement_timeout))
                  if v is not None]  # fmt: skip
@@ -798,7 +954,7 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
                     ep_folded=ep_folded, placement_timeout=placement_timeout)  # fmt: skip
 
 
-@app.command()
+@app.command(cls=_Command)
 @_user_errors
 def export(
     ckpt: Annotated[
@@ -905,7 +1061,7 @@ def export(
     _emit_json({"checkpoint": str(path), **summary})
 
 
-@app.command()
+@app.command(cls=_Command)
 @_user_errors
 def verify(
     path: Annotated[Path, typer.Argument(help="A run directory (every checkpoint of it) or one checkpoint directory.")],
@@ -937,7 +1093,7 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_user_errors
 def plan(
     preset: Annotated[str | None, typer.Option(help="Preset name: tiny, cpu-small, glm-5.3-flash.")] = None,
@@ -949,14 +1105,29 @@ def plan(
         typer.Option(help="A recipe: its model (a preset, or model.init's config.json), batch, dtype and loss."),
     ] = None,
     seq_len: Annotated[
-        str | None, typer.Option("--seq-len", help="Window length in tokens (k/M suffixes); default recipe's or 1M.")
+        str | None,
+        typer.Option(
+            "--seq-len", metavar="SIZE", help="Window length in tokens (k/M suffixes); default recipe's or 1M."
+        ),
     ] = None,
-    gpus: Annotated[int, typer.Option(help="Number of GPUs (ranks): the layouts' world size.")] = 1,
+    gpus: Annotated[
+        int,
+        typer.Option(
+            "--gpus",
+            "--num-workers",
+            help="Number of GPUs (ranks): the layouts' world size; --num-workers as in train and eval.",
+        ),
+    ] = 1,
     gpu_memory_gib: Annotated[float, typer.Option(help="Memory of one GPU in GiB (B200: 178).")] = 178.0,
     dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
     ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
     ep_folded: Annotated[
-        bool, typer.Option("--ep-folded", help="The --ep group drawn from the --fsdp x --cp ranks (MoE folding).")
+        bool,
+        typer.Option(
+            "--ep-folded/--no-ep-folded",
+            help="The --ep group drawn from the --fsdp x --cp ranks (MoE folding) instead of an axis of its own, as "
+            "train's.",
+        ),
     ] = False,
     fsdp: Annotated[int | None, typer.Option("--fsdp", help="FSDP ranks (dp_shard; > 1 shards parameters).")] = None,
     cp: Annotated[int | None, typer.Option(help="Context-parallel ranks (pieces of one window).")] = None,
@@ -987,14 +1158,7 @@ def plan(
             "no optimizer (genoctx.plan.plan_eval).",
         ),
     ] = False,
-    chunk_tokens: Annotated[
-        str | None,
-        typer.Option(
-            "--chunk-tokens",
-            help="With --eval: genoctx eval's --chunk-tokens (the window, or each CP piece, streamed in chunks of "
-            "this many tokens with the carried cache); default whole windows.",
-        ),
-    ] = None,
+    chunk_tokens: Annotated[str | None, typer.Option("--chunk-tokens", hidden=True)] = None,
     cp_layout: Annotated[
         str, typer.Option("--cp-layout", help="With --eval: contiguous or zigzag CP pieces (genoctx eval's).")
     ] = "contiguous",
@@ -1002,9 +1166,12 @@ def plan(
         str | None,
         typer.Option(
             "--seq-chunk",
-            help="Train each window in chunks of this many tokens (train.seq_chunk_tokens; k/M suffixes; under CP "
-            "each rank's chunk of its piece); 'auto': per layout one pass if it fits, else the largest chunk that "
-            "fits (default: the recipe's train.seq_chunk_tokens, else one pass).",
+            metavar="SIZE|auto",
+            help="Each window as consecutive chunks of this many tokens (k/M suffixes; under CP each rank's chunk "
+            "of its piece), as train's and eval's --seq-chunk. Training: train.seq_chunk_tokens; 'auto': per layout "
+            "one pass if it fits, else the largest chunk that fits (default: the recipe's train.seq_chunk_tokens, "
+            "else one pass). With --eval: eval's streaming chunk with the carried cache (default whole windows; "
+            "old name --chunk-tokens).",
         ),
     ] = None,
 ) -> None:
@@ -1012,8 +1179,9 @@ def plan(
     With --eval: of scoring one window in evaluation instead (the peak of one forward, no gradients).
 
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
-    listed, best first (the table shows the top 10; none fitting: the closest). See genoctx/plan.py for every
-    formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
+    listed, best first (the table shows the top 10; none fitting: the closest). When no training step fits in one
+    pass but one in chunks would, the table and the JSON (`hint`) name the --seq-chunk that fits. See
+    genoctx/plan.py for every formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
 
     Examples:
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --gpu-memory-gib 178
@@ -1021,10 +1189,18 @@ def plan(
       genoctx plan --recipe recipes/cpu-small.yaml --seq-len 16k --gpus 4 --gpu-memory-gib 8
       genoctx plan --dry-run --preset glm-5.3-flash --seq-len 1M --gpus 64 --cp 64
       genoctx plan --eval --preset glm-5.3-flash --seq-len 512k --gpus 64 --gpu-memory-gib 178
-      genoctx plan --eval --chunk-tokens 4k --preset glm-5.3-flash --seq-len 1M --gpus 64 --format json
+      genoctx plan --eval --seq-chunk 4k --preset glm-5.3-flash --seq-len 1M --gpus 64 --format json
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --seq-chunk auto
     """
-    from .plan import best_seq_chunk, format_table, plan_eval, plan_memory, search_layouts
+    from .plan import (
+        best_seq_chunk,
+        describe_layout,
+        format_table,
+        plan_eval,
+        plan_memory,
+        search_layouts,
+        seq_chunk_hint,
+    )
 
     _setup_logging(False)
     if format_ not in ("table", "json"):
@@ -1043,10 +1219,13 @@ def plan(
     L = _size("--seq-len", seq_len) if seq_len is not None else default_len
     if L < cfg.kda_chunk_size:
         raise GenoctxError(f"--seq-len: {L} tokens is shorter than one KDA chunk ({cfg.kda_chunk_size} tokens)")
+    chunk_flag = "--chunk-tokens"
+    if eval_ and seq_chunk is not None:  # eval's chunk: --seq-chunk, or its old name --chunk-tokens
+        if seq_chunk == "auto":
+            raise GenoctxError("--seq-chunk auto chooses a training chunk; with --eval give a size (e.g. 16k)")
+        (chunk_tokens, chunk_flag), seq_chunk = _alias("--seq-chunk", seq_chunk, "--chunk-tokens", chunk_tokens), None
     kwargs = _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload_optimizer, batch_size, dtype, dry_run,
-                          chunk_tokens, cp_layout)  # fmt: skip
-    if seq_chunk is not None and eval_:
-        raise GenoctxError("--seq-chunk is about a training step; --eval plans scoring one window (see --chunk-tokens)")
+                          chunk_tokens, cp_layout, chunk_flag)  # fmt: skip
     if not eval_:
         if seq_chunk is None:
             chunk = rec.train.seq_chunk_tokens if rec is not None else None
@@ -1057,10 +1236,11 @@ def plan(
     doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {})}
     if ep_folded and ep is None:
         raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
+    auto, layout = kwargs.get("seq_chunk_tokens") == "auto", None
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
         layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
         try:
-            if kwargs.get("seq_chunk_tokens") == "auto":
+            if auto:
                 kwargs.pop("seq_chunk_tokens")
                 plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
             else:
@@ -1086,6 +1266,22 @@ def plan(
                 plans[0]["total_gib"],
             )  # fmt: skip
         shown = fitting or plans
+    if not eval_ and not auto and not any(p["fits"] for p in plans):  # does chunking fit? (--seq-chunk auto's pick)
+        try:
+            hint = seq_chunk_hint(cfg, L, gpus, layout=layout, **kwargs)
+        except ValueError as e:
+            raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
+        if hint is not None:
+            lay = hint["layout"]
+            sizes = (("--ep", "ep"), ("--fsdp", "dp_shard"), ("--cp", "cp"))
+            flags = " ".join([hint["flag"], *(f"{f} {lay[d]}" for f, d in sizes if lay[d] > 1),
+                              *(["--ep-folded"] if lay["ep_folded"] else [])])  # fmt: skip
+            hint["message"] = (f"no training step fits in {gpu_memory_gib:g} GiB as planned, but one in chunks does: "
+                               f"{flags if layout is None else hint['flag']} ({describe_layout(hint)}, "
+                               f"{hint['total_gib']:.2f} GiB per GPU); --seq-chunk auto plans every layout "
+                               "chunked")  # fmt: skip
+            doc["hint"] = hint
+            logging.getLogger("genoctx.plan").warning("%s", hint["message"])
     if dry_run:
         from .parallel.layout import Layout
         from .train.dryrun import dry_run as run_dry
@@ -1099,14 +1295,17 @@ def plan(
     if doc.get("layouts") == [] and "closest" in doc:
         sys.stdout.write(f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB; the closest:\n")
     sys.stdout.write(format_table(shown) + "\n")
+    if "hint" in doc:
+        sys.stdout.write("\nhint: " + doc["hint"]["message"] + "\n")
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
 
 
 def _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload, batch_size, dtype, dry_run, chunk_tokens,
-                 cp_layout) -> dict:  # fmt: skip
+                 cp_layout, chunk_flag="--seq-chunk") -> dict:  # fmt: skip
     """The keyword arguments of ``plan_memory`` (``plan_eval`` with --eval) from ``genoctx plan``'s flags and recipe.
+    ``chunk_tokens``: eval's chunk, given as ``chunk_flag`` (--seq-chunk with --eval, or the old --chunk-tokens).
 
     Raises:
         GenoctxError: a training flag with --eval, an eval flag without it, a bad --chunk-tokens or --cp-layout.
@@ -1127,7 +1326,7 @@ def _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload, batch_size, 
                                "optimizer)")  # fmt: skip
     if cp_layout not in ("contiguous", "zigzag"):
         raise GenoctxError(f"--cp-layout must be contiguous or zigzag, got {cp_layout!r}")
-    chunk = _size("--chunk-tokens", chunk_tokens) if chunk_tokens is not None else None
+    chunk = _size(chunk_flag, chunk_tokens) if chunk_tokens is not None else None
     # eval runs bf16 under autocast on the GPU whatever the recipe trained in: --dtype only
     return dict(gpu_memory_gib=gpu_memory_gib, chunk_tokens=chunk, dtype=dtype or "bf16", cp_layout=cp_layout,
                 **head)  # fmt: skip
@@ -1254,7 +1453,7 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=
     return layout
 
 
-@model_app.command("info")
+@model_app.command("info", cls=_Command)
 @_user_errors
 def model_info(
     preset: Annotated[
@@ -1266,7 +1465,7 @@ def model_info(
         typer.Option("--hf", help="Use the config.json of an HF glm5_next model directory (no weights needed)."),
     ] = None,
     seq_len: Annotated[
-        str, typer.Option("--seq-len", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
+        str, typer.Option("--seq-len", metavar="SIZE", help="Sequence length for FLOPs per token, e.g. 4096, 512k, 1M.")
     ] = "1M",
 ) -> None:
     """Print the architecture, parameter counts (total and active per token) and FLOPs per token as JSON.

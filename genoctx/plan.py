@@ -1497,6 +1497,41 @@ def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> 
     return min(tried + [whole], key=lambda p: p["total_gib"])
 
 
+def seq_chunk_hint(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, layout: Layout | None = None,
+                   **kwargs) -> dict | None:  # fmt: skip
+    """What ``genoctx plan`` says when a training step does not fit: the ``train.seq_chunk_tokens`` that would.
+
+    The planner's own choice (``--seq-chunk auto``): ``best_seq_chunk`` of ``layout`` when one is given, else the
+    first plan that fits of ``search_layouts(..., seq_chunk_tokens="auto")`` (the search's order: the most headroom
+    first), kept only when it trains in chunks.
+
+    Args:
+        cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
+        gpus: ranks searched when ``layout`` is None (the layouts' world size).
+        layout: the one layout to chunk, or None to search every layout of ``gpus`` ranks.
+        **kwargs: ``plan_memory``'s other keyword arguments (a ``seq_chunk_tokens`` among them is ignored).
+
+    Returns:
+        None when no chunked plan fits (or one pass does), else ``{"seq_chunk_tokens": N, "flag": "--seq-chunk 64k",
+        "layout": the plan's layout dict, "total_gib": GiB per GPU, "peak_phase": str}``.
+
+    Raises:
+        ValueError: as ``plan_memory`` and ``valid_layouts``.
+    """
+    kwargs.pop("seq_chunk_tokens", None)
+    if layout is not None:
+        plans = [best_seq_chunk(cfg, seq_len, layout, gpu_memory_gib=gpu_memory_gib, **kwargs)]
+    else:
+        plans = search_layouts(cfg, seq_len, gpus, gpu_memory_gib, seq_chunk_tokens="auto", **kwargs)
+    fit = next((p for p in plans if p["fits"]), None)
+    if fit is None or not fit.get("seq_chunk_tokens"):
+        return None
+    n = fit["seq_chunk_tokens"]
+    size = f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
+    return {"seq_chunk_tokens": n, "flag": f"--seq-chunk {size}", "layout": fit["layout"],
+            "total_gib": fit["total_gib"], "peak_phase": fit["peak_phase"]}  # fmt: skip
+
+
 def _layout_dict(layout: Layout) -> dict:
     """A plan's ``"layout"``: the four sizes, ``ep_folded`` and ``world``."""
     return {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world}
@@ -1597,5 +1632,5 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
 __all__ = [
     "ALLOCATOR_SLACK", "COMPONENTS", "EVAL_COMPONENTS", "GIB", "SEQ_CHUNK_CANDIDATES", "best_seq_chunk", "check_fits",
     "describe_layout", "format_table", "seq_chunk_boundary_bytes",
-    "param_counts", "plan_eval", "plan_memory", "search_layouts", "valid_layouts",
+    "param_counts", "plan_eval", "plan_memory", "search_layouts", "seq_chunk_hint", "valid_layouts",
 ]  # fmt: skip

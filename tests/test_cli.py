@@ -249,3 +249,75 @@ def test_help_lists_the_verbs():
     r = genoctx("--help")
     for verb in ("prepare", "train", "eval"):
         assert verb in r.stdout
+
+
+@pytest.fixture
+def fake_eval(monkeypatch, tmp_path):
+    """``genoctx eval`` in-process with ``genoctx.eval.position.evaluate`` replaced by a recorder (no model, no
+    scoring): returns ``run(*args) -> (result, keyword arguments evaluate got)``; --data is a folder with a
+    manifest."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    (tmp_path / "manifest.json").write_text("{}")
+    calls = []
+    monkeypatch.setattr("genoctx.eval.position.evaluate", lambda ckpts, data, **kw: calls.append(kw) or {"ok": 1})
+
+    def run(*args):
+        calls.clear()
+        res = CliRunner().invoke(app, ["eval", "--data", str(tmp_path), "--markov", "2", "--format", "json", *args])
+        return res, (calls[0] if calls else None)
+
+    return run
+
+
+def test_eval_without_a_mode_scores_by_position(fake_eval):
+    """--by-position is eval's default mode: leaving it out scores the same way (it was required and selected
+    nothing); the flag is still accepted."""
+    res, kw = fake_eval()
+    assert res.exit_code == 0 and json.loads(res.stdout) == {"ok": 1}, res.output
+    res2, kw2 = fake_eval("--by-position")
+    assert res2.exit_code == 0 and kw2 == kw and not kw["copy_probe"]
+
+
+def test_eval_old_flag_names_are_aliases(fake_eval, monkeypatch):
+    """One name per idea: --seq-chunk (as train's and plan's) with the old --chunk-tokens, --gpu-memory-gib (as
+    plan's) with the old --memory-gib, and --ep-folded/--no-ep-folded (as train's): old and new give evaluate the
+    same arguments; both names at once, or a bad value, is one line naming the flag typed."""
+    monkeypatch.setattr("genoctx.cluster.check_local", lambda *a: 0)
+    _, new = fake_eval("--seq-chunk", "4k")
+    _, old = fake_eval("--chunk-tokens", "4k")
+    assert new["chunk_tokens"] == old["chunk_tokens"] == 4096
+    mesh = ["--num-workers", "4", "--ep", "2", "--cp", "2"]
+    _, new = fake_eval(*mesh, "--gpu-memory-gib", "3.5", "--ep-folded")
+    _, old = fake_eval(*mesh, "--memory-gib", "3.5", "--ep-folded")
+    assert new["mesh"] == old["mesh"] and new["mesh"].memory_gib == 3.5 and new["mesh"].ep_folded
+    _, off = fake_eval(*mesh, "--no-ep-folded")
+    assert off["mesh"].ep_folded is False and off["mesh"].memory_gib is None
+    bad = [(["--seq-chunk", "4k", "--chunk-tokens", "4k"], "--chunk-tokens is the old name of --seq-chunk"),
+           (["--chunk-tokens", "0"], "--chunk-tokens:"), (["--seq-chunk", "0"], "--seq-chunk:"),
+           (["--memory-gib", "2"], "--memory-gib needs --num-workers"),
+           ([*mesh, "--gpu-memory-gib", "-1"], "--gpu-memory-gib: must be a positive number")]  # fmt: skip
+    for args, needle in bad:
+        res, kw = fake_eval(*args)
+        assert res.exit_code == 2 and kw is None and res.stdout == "", res.output
+        assert res.stderr.startswith(f"genoctx: error: {needle}"), res.stderr
+        assert res.stderr.count("\n") == 1
+
+
+def test_train_ep_folded_and_cp_layout_flags(monkeypatch, tmp_path):
+    """train takes --cp-layout as eval and plan do (= train.cp_layout), and --no-ep-folded; both reach the recipe."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    (tmp_path / "manifest.json").write_text("{}")
+    got = []
+    monkeypatch.setattr("genoctx.train.loop.train", lambda data, rec, out, **kw: got.append(rec) or {"steps": 0})
+    args = ["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--recipe", "recipes/tiny.yaml"]
+    res = CliRunner().invoke(app, [*args, "--cp-layout", "zigzag", "--no-ep-folded"])
+    assert res.exit_code == 0, res.output
+    assert got[0].train.cp_layout == "zigzag" and got[0].train.ep_folded is False
+    res = CliRunner().invoke(app, [*args, "--cp-layout", "diagonal"])
+    assert res.exit_code == 2 and "--cp-layout must be contiguous or zigzag" in res.stderr

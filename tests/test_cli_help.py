@@ -1,7 +1,10 @@
-"""Help and messages are literal text: typer's rich help reads help strings as rich markup, so every bracketed piece
-of a verb's docstring or an option's help (``org/name[@revision]``, ``[--set train.cp_layout=zigzag]``) must come out
-as written; user strings (paths, FASTA record names) printed through rich (log lines on a terminal, the download
-bar) too. In-process through typer's CliRunner, with a wide terminal so that rich wraps little."""
+"""Help that fits a terminal, and help and messages that are literal text.
+
+Every verb's and sub-verb's ``--help`` at 80 columns in a pipe keeps every option name whole and every help text
+whole (wrapped, not truncated) in lines of at most 80 characters. Every bracketed piece of a verb's docstring or an
+option's help (``org/name[@revision]``, ``[--set train.cp_layout=zigzag]``) comes out as written (typer's rich help
+read them as markup); user strings (paths, FASTA record names) printed through rich (log lines on a terminal, the
+download bar) too. In-process through typer's CliRunner."""
 
 import io
 import logging
@@ -39,6 +42,60 @@ def _help_sources(t: typer.Typer, path: tuple[str, ...] = (), help_: str | None 
 
 def _sources() -> list[tuple[tuple[str, ...], list[str]]]:
     return list(_help_sources(app))
+
+
+def _click_commands(cmd=None, path=()):
+    """``(path, click command)`` of the built app and, recursively, of every verb and sub-verb."""
+    cmd = typer.main.get_command(app) if cmd is None else cmd
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items():
+        yield from _click_commands(sub, (*path, name))
+
+
+COMMANDS = dict(_click_commands())
+
+
+@pytest.mark.parametrize("path", list(COMMANDS), ids=lambda p: " ".join(p) or "genoctx")
+def test_help_fits_80_columns_with_every_name_and_text_whole(path):
+    """``COLUMNS=80``, stdout not a terminal (a pipe): no line over 80 characters; every option name the click
+    command declares (its flags, their ``--no-`` forms, short flags; hidden old names excepted) appears whole, not
+    followed or preceded by more of a name; every option's help and the verb's own text appear whole once the
+    wrapping's whitespace is folded; a group lists each of its verbs."""
+    cmd = COMMANDS[path]
+    res = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    too_long = [ln for ln in out.splitlines() if len(ln) > 80]
+    assert not too_long, too_long
+    assert "\u2026" not in out and not BOX.search(out) and not ANSI.search(out)  # no ellipsis, panel or colour
+    names = [n for p in cmd.params if not getattr(p, "hidden", False) for n in (*p.opts, *p.secondary_opts)]
+    names = [n for n in names if n.startswith("-")] + ["--help"]
+    assert len(names) == len(set(names))
+    missing = [n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", out)]
+    assert not missing, f"genoctx {' '.join(path)} --help cut or lost {missing}"
+    flat = _flat(out)
+    for p in cmd.params:
+        if getattr(p, "help", None) and not getattr(p, "hidden", False):
+            assert _flat(p.help) in flat, p.name
+    assert _flat(cmd.help or "") in flat
+    for name in getattr(cmd, "commands", {}):
+        assert re.search(rf"^  {name} ", out, re.M), name
+
+
+def test_the_80_column_walk_sees_every_verb_and_long_names():
+    """The walk above is not vacuous: it covers the sub-verb and the names that rich's panels cut at 80 columns."""
+    assert {("model", "info"), ("train",), ("eval",), ("plan",), ("prepare",)} <= set(COMMANDS)
+    prepare = [n for p in COMMANDS[("prepare",)].params for n in (*p.opts, *p.secondary_opts)]
+    assert {"--keep-partial", "--pad-last", "--drop-partial", "--drop-last"} <= set(prepare)
+    assert "--no-ep-folded" in [n for p in COMMANDS[("eval",)].params for n in p.secondary_opts]
+
+
+def test_version():
+    from importlib.metadata import version
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.stdout == f"genoctx {version('genoctx')}\n", res.output
+    assert version("genoctx") == __import__("genoctx").__version__
 
 
 def test_every_verb_is_found():

@@ -350,6 +350,63 @@ def test_cli_seq_chunk_auto_plans_chunked_training_beside_cp():
         assert r.exit_code == 0 and "chunk" in r.stdout and "seq_chunk_boundary" in r.stdout, r.output
 
 
+def test_seq_chunk_hint_is_the_planners_auto_pick():
+    """When no layout trains a 1M window in one pass in 12 GiB (cpu-small, 2 GPUs; the test above), the hint is the
+    first fitting plan of the --seq-chunk auto search: a chunk that fits where the same layout in one pass does not.
+    With one layout given: that layout's best_seq_chunk. None when one pass fits, or when no chunk fits either."""
+    kw = dict(gpu_memory_gib=12.0, dtype="bf16")
+    hint = P.seq_chunk_hint(SMALL, M, 2, **kw)
+    auto = P.search_layouts(SMALL, M, 2, seq_chunk_tokens="auto", **kw)
+    assert not any(p["fits"] for p in P.search_layouts(SMALL, M, 2, **kw))  # one pass fits nowhere
+    assert auto[0]["fits"] and auto[0]["seq_chunk_tokens"] == hint["seq_chunk_tokens"] == 256 * 1024
+    assert hint["layout"] == auto[0]["layout"] and hint["total_gib"] == auto[0]["total_gib"] < 12.0
+    assert hint["flag"] == "--seq-chunk 256k"
+    lay = Layout(**{k: v for k, v in hint["layout"].items() if k != "world"})
+    assert not _plan(SMALL, M, lay, **kw)["fits"]
+    assert _plan(SMALL, M, lay, seq_chunk_tokens=hint["seq_chunk_tokens"], **kw)["total_gib"] == hint["total_gib"]
+    fsdp = P.seq_chunk_hint(SMALL, M, 2, layout=Layout(dp_shard=2), **kw)
+    assert fsdp["seq_chunk_tokens"] == P.best_seq_chunk(SMALL, M, Layout(dp_shard=2), **kw)["seq_chunk_tokens"]
+    assert fsdp["layout"]["dp_shard"] == 2 and fsdp["total_gib"] < 12.0
+    assert P.seq_chunk_hint(SMALL, M, 2, gpu_memory_gib=40.0, dtype="bf16") is None  # one pass fits (18 GiB, CP=2)
+    assert P.seq_chunk_hint(SMALL, M, 2, gpu_memory_gib=0.01, dtype="bf16") is None  # nothing fits
+
+
+def test_cli_plan_names_the_seq_chunk_that_fits():
+    """`genoctx plan` with nothing fitting in one pass: the JSON's `hint` and the table's last line name the
+    --seq-chunk the planner picks (with the layout's flags); none with --seq-chunk auto, or when a layout fits."""
+    args = ["--preset", "cpu-small", "--seq-len", "1M", "--gpus", "2", "--gpu-memory-gib", "12"]
+    want = P.seq_chunk_hint(SMALL, M, 2, gpu_memory_gib=12.0, dtype="bf16")
+    doc = json.loads(_cli(*args, "--format", "json").stdout)
+    assert doc["layouts"] == [] and {k: doc["hint"][k] for k in want} == want
+    assert doc["hint"]["message"].startswith("no training step fits in 12 GiB as planned, but one in chunks does: "
+                                             "--seq-chunk 256k --ep 2 --cp 2 --ep-folded (")  # fmt: skip
+    table = _cli(*args).stdout
+    assert table.splitlines()[-1] == "hint: " + doc["hint"]["message"]
+    one = json.loads(_cli(*args, "--fsdp", "2", "--format", "json").stdout)  # one layout given: that layout chunked
+    assert not one["layouts"][0]["fits"] and one["hint"]["flag"] == "--seq-chunk 256k"
+    assert one["hint"]["layout"] == one["layouts"][0]["layout"] and "--fsdp" not in one["hint"]["message"]
+    assert "hint" not in json.loads(_cli(*args, "--seq-chunk", "auto", "--format", "json").stdout)
+    assert "hint" not in json.loads(_cli(*args[:-1], "40", "--format", "json").stdout)
+    assert "hint:" not in _cli(*args[:-1], "0.01").stdout
+
+
+def test_cli_plan_old_and_new_flag_names_agree():
+    """One name per idea: --num-workers is --gpus; with --eval, --seq-chunk is eval's chunk and --chunk-tokens its
+    old name (still accepted; without --eval still refused, as before); --no-ep-folded is the default."""
+    base = ["--preset", "cpu-small", "--seq-len", "16k", "--format", "json"]
+    gpus = json.loads(_cli(*base, "--gpus", "4").stdout)
+    assert json.loads(_cli(*base, "--num-workers", "4").stdout) == gpus and gpus["gpus"] == 4
+    new = json.loads(_cli(*base, "--eval", "--gpus", "2", "--seq-chunk", "4k").stdout)
+    old = json.loads(_cli(*base, "--eval", "--gpus", "2", "--chunk-tokens", "4k").stdout)
+    assert new == old and {p["chunk_tokens"] for p in new["layouts"]} == {4096}
+    lay = ["--gpus", "2", "--ep", "2", "--cp", "2"]
+    assert json.loads(_cli(*base, *lay, "--ep-folded").stdout)["layouts"][0]["layout"]["ep_folded"] is True
+    r = _cli(*base, *lay, "--no-ep-folded")
+    assert r.exit_code == 2 and "(or add --ep-folded" in r.stderr  # an axis of its own: 2 x 2 ranks are not 2
+    r = _cli(*base, "--eval", "--seq-chunk", "0")
+    assert r.exit_code == 2 and r.stderr.startswith("genoctx: error: --seq-chunk"), r.stderr
+
+
 def test_cli_recipe():
     r = _cli("--recipe", "recipes/cpu-small.yaml", "--seq-len", "8k", "--gpus", "2", "--format", "json")
     assert r.exit_code == 0, r.output
@@ -377,7 +434,8 @@ def test_cli_recipe():
         (["--preset", "tiny", "--ep-folded"], "--ep-folded needs --ep"),
         (["--preset", "tiny", "--gpus", "2", "--ep", "2", "--cp", "2"], "(or add --ep-folded"),
         (["--preset", "tiny", "--gpus", "2", "--ep", "4", "--cp", "2", "--ep-folded"], "--ep 4 (folded) must divide"),
-        (["--preset", "tiny", "--eval", "--seq-chunk", "1k"], "--seq-chunk is about a training step"),
+        (["--preset", "tiny", "--eval", "--seq-chunk", "auto"], "--seq-chunk auto chooses a training chunk"),
+        (["--preset", "tiny", "--eval", "--seq-chunk", "1k", "--chunk-tokens", "1k"], "old name of --seq-chunk"),
         (["--preset", "tiny", "--seq-chunk", "0"], "--seq-chunk"),
     ],
 )
