@@ -856,8 +856,7 @@ def eval_(
       genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
       genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
       genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --copy-probe
-      genoctx eval --by-position --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4
-        --fsdp 2 --cp 2 --seq-chunk 16k
+      genoctx eval --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4 --fsdp 2 --cp 2
     """
     _setup_logging(verbose)
     if format_ not in ("table", "json", "csv"):
