@@ -178,19 +178,33 @@ def is_hf_dir(path: str | Path) -> bool:
     )
 
 
+def _index_map(p: Path) -> tuple[Path, dict[str, str]]:
+    """``(index path, weight_map)`` of the ``model.safetensors.index.json`` of directory ``p``, checked to be a map of
+    tensor names to file names.
+
+    Raises:
+        GenoctxError: an unreadable index, or a ``weight_map`` that is not ``{name: file name}`` (the index named).
+    """
+    index = p / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise GenoctxError(f"{index}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise GenoctxError(f"{index}: not a safetensors index (weight_map is not a map of tensor names to files)")
+    return index, weight_map
+
+
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of an HF model directory, in index order.
+    """The safetensors files of an HF model directory, in index order (the files its index lists; any other
+    ``.safetensors`` file beside them is not one of them: ``tensor_files``).
 
     Raises:
         GenoctxError: no weights, an unreadable index, or a shard the index names that is absent.
     """
     p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise GenoctxError(f"{index}: not a safetensors index ({e})") from None
+    if (p / "model.safetensors.index.json").is_file():
+        index, weight_map = _index_map(p)
         files = list(dict.fromkeys(weight_map.values()))
         missing = [f for f in files if not (p / f).is_file()]
         if missing:
@@ -199,6 +213,66 @@ def weight_files(path: str | Path) -> list[Path]:
     if (p / "model.safetensors").is_file():
         return [p / "model.safetensors"]
     raise GenoctxError(f"{p}: no model.safetensors or model.safetensors.index.json")
+
+
+_WARNED: set[tuple[str, str]] = set()  # (directory, warning) already logged by this process
+
+
+def tensor_files(path: str | Path, warn: bool = True) -> dict[str, Path]:
+    """Where each tensor of an HF model directory is read from: ``{checkpoint key: file}``, read through the index.
+
+    One ``model.safetensors`` (no index): every tensor of it. With ``model.safetensors.index.json``: each tensor of
+    its ``weight_map`` from the shard it names, and nothing else. What the index does not place is ignored, with
+    one warning (``warn``; once per directory and process) naming the files: a ``.safetensors`` file the index does
+    not list (a stray copy, an old ``model.safetensors``), and a tensor of a listed shard that the ``weight_map``
+    does not name. Only safetensors headers are read.
+
+    Raises:
+        GenoctxError: one line naming the tensor and the file(s): a tensor missing from the shard the index names
+            for it, a tensor present in two shards the index lists; as ``weight_files`` (no weights, a bad index, a
+            missing shard); an unreadable safetensors header.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    files = weight_files(p)
+
+    def keys(f: Path) -> list[str]:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                return list(h.keys())
+        except (SafetensorError, OSError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise GenoctxError(f"{f}: not a readable safetensors file ({first})") from None
+
+    if not (p / "model.safetensors.index.json").is_file():
+        return dict.fromkeys(keys(files[0]), files[0])
+    index, weight_map = _index_map(p)
+    held: dict[str, list[str]] = {}  # tensor -> the listed shards holding it
+    for f in files:
+        for k in keys(f):
+            held.setdefault(k, []).append(f.name)
+    for key, names in held.items():
+        if len(names) > 1:
+            raise GenoctxError(f"{p}: tensor {key} is in two shards, {names[0]} and {names[1]} (the index names "
+                               f"{weight_map.get(key, 'neither')}); remove one copy")  # fmt: skip
+    for key, name in weight_map.items():
+        if name not in held.get(key, ()):
+            where = f" (it is in {held[key][0]})" if key in held else ""
+            raise GenoctxError(f"{index}: tensor {key} is not in {name}, the shard the index names for it{where}")
+    listed = {f.name for f in files}
+    ignored = sorted(f.name for f in p.glob("*.safetensors") if f.name not in listed)
+    unmapped: dict[str, int] = {}
+    for key, names in held.items():
+        if key not in weight_map:
+            unmapped[names[0]] = unmapped.get(names[0], 0) + 1
+    ignored += [f"{n} tensor{'s' * (n > 1)} of {name} (not in the weight_map)" for name, n in sorted(unmapped.items())]
+    if ignored and warn:
+        line = f"ignored, as {index.name} does not list it: {', '.join(ignored)}"
+        if (str(p), line) not in _WARNED:
+            _WARNED.add((str(p), line))
+            log.warning("%s: %s", p, line)
+    return {k: p / weight_map[k] for k in held if k in weight_map}  # file order
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], origin=(0, 0)) -> torch.Tensor:
@@ -312,7 +386,7 @@ def _read_box(reader: SliceReader, f: Path, key: str, box: tuple[slice, ...], sc
     return _dequant_fp8(t, reader.read(sf, sk, sbox), block, origin=(r0, c0))
 
 
-def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
+def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict, warn: bool = True) -> dict:
     """Fill this rank's pieces of a model from an HF glm5_next directory, reading only the bytes they need.
 
     Every checkpoint tensor is mapped by ``checkpoint_layout`` to a region of a genoctx tensor (a stacked expert's
@@ -330,23 +404,26 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict) -> dict:
         cfg: the architecture (the directory's, with any compute knobs).
         targets: ``name -> (local tensor, global shape, box)`` (``genoctx.parallel.state.local_targets``; one
             device: every tensor whole). Parameters and persistent buffers are filled; others are left as they are.
+        warn: log what the index leaves out (``tensor_files``); the ranks of a mesh pass False (the driver's
+            ``check_hf`` said it once).
 
     Returns:
         ``{"files": [names], "skipped": {"vision": n, "mtp": n}, "read_bytes": bytes of tensor data read}``.
 
     Raises:
         GenoctxError: a missing, misshapen or unknown tensor (named with its file), an fp8 weight without its scale
-            or with a misshapen one, a ``_scale_inv`` without a quantization config.
+            or with a misshapen one, a ``_scale_inv`` without a quantization config; an index that names a shard
+            without the tensor, or a tensor in two shards (``tensor_files``).
     """
     root = Path(root)
     _, raw = read_config(root)
     block = block_size(raw)
+    where = tensor_files(root, warn)  # each tensor from the shard the index names (scale_inv may be in another)
     files = weight_files(root)
     layout = checkpoint_layout(cfg)
     reader = SliceReader(budget=1)
     try:
-        where = {k: f for f in files for k in reader.handle(f).keys()}  # scale_inv lookups may cross shards
-        reader.budget = max(reader.nbytes(f, k) for k, f in where.items())  # the largest tensor (SliceReader)
+        reader.budget = max((reader.nbytes(f, k) for k, f in where.items()), default=1)  # the largest tensor
         filled: set[tuple[str, str]] = set()
         skipped = {"vision": 0, "mtp": 0}
         read = 0
@@ -695,10 +772,7 @@ def _carried_tensors(base: Path, cfg: ModelConfig, dtype: torch.dtype) -> tuple[
     from safetensors import safe_open
 
     block = block_size(json.loads((base / "config.json").read_text()))
-    where: dict[str, Path] = {}
-    for f in weight_files(base):
-        with safe_open(str(f), framework="pt") as h:
-            where.update(dict.fromkeys(h.keys(), f))
+    where = tensor_files(base)  # through the base's index, as load_hf reads it
     counts = {"vision": 0, "mtp": 0, "dequantized": 0}
 
     def read(key: str) -> torch.Tensor:

@@ -175,7 +175,9 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
     if isinstance(source, FromHF):
         from ..model.hf import read_hf_into
 
-        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims))
+        # warn=False: what the index leaves out was said once, by the driver's check_hf (genoctx.train.init,
+        # genoctx.eval.distributed) before any rank started
+        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims), warn=False)
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)

@@ -110,6 +110,73 @@ def test_sharded_copy_with_index(base, tmp_path):
         load_hf(path)
 
 
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+WK = f"{PRE}layers.3.self_attn.indexer.wk.weight"
+
+
+def _two_shards(base, path: Path) -> Path:
+    """``base``'s tensors in two shards with their index; ``WK`` in the second."""
+    names = sorted(base.tensors)
+    first = [n for n in names[::2] if n != WK]
+    return _write(path, base.tensors, base.config, [first, [n for n in names if n not in first]])
+
+
+def _index(path: Path) -> dict:
+    return json.loads((path / "model.safetensors.index.json").read_text())
+
+
+def test_the_index_says_where_each_tensor_is_read_from(base, tmp_path):
+    """A stray ``.safetensors`` beside the shards, holding a tensor of the model with other values (the issue's
+    "stray tensor silently wins"), and a tensor of a listed shard that the weight_map does not name: both ignored, the
+    index's tensors read, one warning naming both files; the same through the per-rank reader (``build_model``),
+    which does not warn again."""
+    from genoctx.parallel.build import FromHF, build_model
+
+    path = _two_shards(base, tmp_path / "stray")
+    save_file({WK: torch.full_like(base.tensors[WK], 7.0)}, str(path / "extra.safetensors"))
+    unmapped = f"{PRE}layers.0.self_attn.rotary_emb.inv_freq"  # read, it would be an unknown tensor
+    save_file({**load_file(path / SHARDS[1]), unmapped: torch.zeros(4)}, str(path / SHARDS[1]))
+    with genoctx_log() as records:
+        model = load_hf(path)
+    _assert_same_model(model, base.ours)
+    assert model.hf_source["files"] == SHARDS
+    warnings = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "extra.safetensors" in warnings[0], warnings
+    assert f"1 tensor of {SHARDS[1]} (not in the weight_map)" in warnings[0]
+    with genoctx_log() as records:
+        built = build_model(model.cfg, None, source=FromHF(path))
+    _assert_same_model(built, base.ours)
+    assert [r for r in records if r.levelname == "WARNING"] == []
+
+
+@pytest.mark.parametrize("case", ["wrong shard", "in two shards"])
+def test_an_index_that_misplaces_a_tensor_is_one_line(base, tmp_path, case):
+    """The index names a shard that lacks the tensor (it is in the other one), or two listed shards both hold it:
+    one line naming the tensor and the files, from ``load_hf`` and from ``genoctx export`` (exit 2), before any
+    tensor data is read (``check_hf``, what the driver runs before workers start)."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+    from genoctx.model.hf import check_hf
+
+    path = _two_shards(base, tmp_path / "bad")
+    index = _index(path)
+    if case == "wrong shard":
+        index["weight_map"][WK] = SHARDS[0]
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        want = f"tensor {WK} is not in {SHARDS[0]}, the shard the index names for it (it is in {SHARDS[1]})"
+    else:
+        save_file({**load_file(path / SHARDS[0]), WK: torch.zeros_like(base.tensors[WK])}, str(path / SHARDS[0]))
+        want = f"tensor {WK} is in two shards, {SHARDS[0]} and {SHARDS[1]} (the index names {SHARDS[1]})"
+    for read in (load_hf, lambda p: check_hf(p, base.ours.cfg)):
+        with pytest.raises(GenoctxError) as e:
+            read(path)
+        assert "\n" not in str(e.value) and want in str(e.value), str(e.value)
+    res = CliRunner().invoke(app, ["export", str(path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and want in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
 def test_flat_text_config(base, tmp_path):
     """A text-only checkpoint: flat ``glm5_next_text`` config.json and ``model.*`` names, no vision tower."""
     flat = {**base.config["text_config"], "architectures": ["Glm5NextForCausalLM"], "dtype": "float32"}
