@@ -247,13 +247,17 @@ def vocab_head(recipe: Recipe, base: dict | None, state: dict | None = None) -> 
     """The ``VocabHead`` a run trains through: None for a nucleotide model (``vocab_size`` == 8, identity map);
     for a text base, its token map (from ``state`` when resuming, else built from the base's tokenizer.json).
 
+    A nucleotide model needs no tokenizer: an HF base with the 8 nucleotide tokens (``genoctx export`` of a
+    nucleotide run, which has no tokenizer.json) is read as eval reads it (``genoctx.eval.scoring``), without a map.
+
     Raises:
         GenoctxError: a text vocabulary without a base to read the tokenizer from, or a bad tokenizer
             (``build_token_map``).
     """
     cfg = recipe.model
-    if cfg.vocab_size == len(VOCAB) and base is None:
-        return None
+    if cfg.vocab_size == len(VOCAB) and (base is None or base.get("kind") == "hf"):
+        if not (state or {}).get("token_map"):  # (a run that recorded a map keeps it: read below)
+            return None
     if state is None and base is not None and base.get("kind") == "genoctx":
         from .checkpoint import read_state
 

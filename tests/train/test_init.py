@@ -414,3 +414,35 @@ def test_resume_whose_recorded_commit_left_the_cache_names_it(prepared, base, tw
     msg = str(e.value)
     assert msg.startswith(f"--resume: --init zai-org/GLM-tiny@{A}: not in the Hugging Face cache: revision {A}")
     assert msg.endswith("(the commit the run started from, in its state.json)") and "\n" not in msg
+
+
+def test_init_takes_its_own_export_of_a_nucleotide_run(prepared, tmp_path):
+    """``genoctx export`` of a run with the 8 nucleotide tokens (no base: no tokenizer.json) is a base for
+    ``--init``, as eval reads it: one step from the export equals one step from the run itself (loss and weights),
+    with no token map recorded."""
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    sets = ["train.seq_len=16", "train.warmup_steps=1", "train.checkpoint_every=1"]
+    run = tmp_path / "run"
+    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=1", *sets]), run)
+    hf = tmp_path / "hf"
+    res = CliRunner().invoke(app, ["export", str(run), "--out", str(hf)])
+    assert res.exit_code == 0, res.stderr[-2000:]
+    assert not (hf / "tokenizer.json").exists() and json.loads(res.stdout)["base"] is None
+
+    def one_step(init, out, *knobs):
+        rec = load_recipe("recipes/tiny.yaml", [f"model.init={init}", "model.preset=null", "train.steps=1", *sets,
+                                                *knobs])  # fmt: skip
+        return train(prepared, rec, out)
+
+    # config.json has no compute knobs: the tiny preset's, given as the recipe's, so both runs compute alike
+    knobs = ["model.kda_chunk_size=16", "model.indexer_tile_tokens=4096", "model.moe_chunk_tokens=64"]
+    a, b = one_step(hf, tmp_path / "from-export", *knobs), one_step(run, tmp_path / "from-run")
+    assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-6)
+    sa, sb = (load_model(tmp_path / x)[0].state_dict() for x in ("from-export", "from-run"))
+    assert set(sa) == set(sb) and all(torch.allclose(sa[k], sb[k], atol=1e-6) for k in sa)
+    state = json.loads((latest_checkpoint(tmp_path / "from-export") / "state.json").read_text())
+    assert state["init"]["kind"] == "hf" and state["init"]["path"] == str(hf.resolve())
+    assert "token_map" not in state and "loss_vocab" not in state
