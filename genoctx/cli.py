@@ -237,6 +237,26 @@ def _user_errors(fn):
     return wrapper
 
 
+def _absolute_paths(fn):
+    """Every path a verb is given (its ``Path`` and ``list[Path]`` parameters) made absolute against this process's
+    working directory before the verb runs: Ray workers start in another directory, so a relative path handed on to
+    them names another file, or none. Symlinks are kept (``Path.absolute``, not ``resolve``). ``--init`` (a path or
+    a Hub repo id) is resolved on the driver by ``genoctx.train.init.resolve_base``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        def absolute(v):
+            if isinstance(v, Path):
+                return v.absolute()
+            if isinstance(v, list | tuple) and v and all(isinstance(x, Path) for x in v):
+                return [x.absolute() for x in v]
+            return v
+
+        return fn(*args, **{k: absolute(v) for k, v in kwargs.items()})
+
+    return wrapper
+
+
 def _one_line(msg: str) -> str:
     """``msg`` on one line whatever a quoted value held: control characters (newlines, \\x1d, \\x85, ...) and
     other unprintable ones are written as Python escapes."""
@@ -468,6 +488,7 @@ def prepare(
 
 @app.command(cls=_Command)
 @_user_errors
+@_absolute_paths
 def train(
     data: Annotated[Path, typer.Option(help="Prepared data directory (genoctx prepare --out).")],
     out: Annotated[Path, typer.Option(help="Run directory: checkpoints/ and metrics.jsonl.")],
@@ -718,6 +739,7 @@ def _device(name: str) -> str:
 
 @app.command("eval", cls=_Command)
 @_user_errors
+@_absolute_paths
 def eval_(
     data: Annotated[Path, typer.Option(help="Prepared data directory.")],
     checkpoint: Annotated[
@@ -955,6 +977,7 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
 
 @app.command(cls=_Command)
 @_user_errors
+@_absolute_paths
 def export(
     ckpt: Annotated[
         Path,
@@ -1062,6 +1085,7 @@ def export(
 
 @app.command(cls=_Command)
 @_user_errors
+@_absolute_paths
 def verify(
     path: Annotated[Path, typer.Argument(help="A run directory (every checkpoint of it) or one checkpoint directory.")],
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,

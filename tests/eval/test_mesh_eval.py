@@ -232,11 +232,11 @@ def test_a_run_whose_newest_checkpoint_does_not_verify_is_refused_on_the_mesh(da
     assert doc["checkpoint"] == str(run / "checkpoints" / "step_000003")
 
 
-def _cli(*args):
+def _cli(*args, cwd=None):
     import subprocess
 
     cmd = [sys.executable, "-m", "genoctx", "eval", "--by-position", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parents[1], timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd or HERE.parents[1], timeout=600)
 
 
 @pytest.mark.parametrize(
@@ -256,11 +256,20 @@ def test_cli_refuses_a_bad_mesh_before_any_worker_starts(data, checkpoints, args
 
 
 @pytest.mark.slow
-def test_cli_on_ray_equals_one_process(data, checkpoints, one_process):
-    """``genoctx eval --num-workers 2 --cp 2 --cp-layout zigzag`` through Ray Train: the one-process JSON."""
-    r = _cli("--data", data, *[a for c in checkpoints for a in ("--checkpoint", c)], "--bins", "linear:4",
+def test_cli_on_ray_equals_one_process(data, checkpoints, one_process, monkeypatch):
+    """``genoctx eval --num-workers 2 --cp 2 --cp-layout zigzag`` through Ray Train: the one-process JSON. Every path
+    is given relative to the driver's working directory (the workers start in another: the CLI makes them absolute
+    before they start)."""
+    import os
+
+    here = Path(os.path.commonpath([data, *checkpoints]))
+    monkeypatch.chdir(here)
+    rel = [os.path.relpath(p) for p in (data, *checkpoints)]
+    assert not any(os.path.isabs(p) for p in rel)
+    r = _cli("--data", rel[0], *[a for c in rel[1:] for a in ("--checkpoint", c)], "--bins", "linear:4",
              "--resamples", 200, "--seed", 3, "--chunk-tokens", CHUNK, "--reverse-complement", "--split-by",
-             "softmask", "--format", "json", "--num-workers", 2, "--cp", 2, "--cp-layout", "zigzag")  # fmt: skip
+             "softmask", "--format", "json", "--num-workers", 2, "--cp", 2, "--cp-layout", "zigzag",
+             cwd=here)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_same(json.loads(r.stdout), json.loads(json.dumps(one_process)))
     assert "distributed eval on dp_replicate=1 ep=1 dp_shard=1 cp=2" in r.stderr
