@@ -1095,8 +1095,9 @@ def verify(
     ok | mismatch | missing | size | unrecorded; seconds and GB hashed).
 
     Exit codes (like sha256sum -c): 0 every file verifies, 1 something is damaged (a file whose size or digest
-    differs, or missing), 2 bad input (no such path, not a checkpoint or run directory). A checkpoint written
-    before digests were recorded has every file "unrecorded": a warning, not a failure.
+    differs, or missing) or incomplete (a checkpoint folder without state.json: status "incomplete"), 2 bad input
+    (no such path, not a checkpoint or run directory). A checkpoint written before digests were recorded has every
+    file "unrecorded": a warning, not a failure.
 
     Examples:
       genoctx verify runs/demo
@@ -1112,7 +1113,7 @@ def verify(
 
         for report in doc["checkpoints"]:
             if (line := problem(report)) is not None:
-                typer.echo(f"genoctx: damaged: {_one_line(line)}", err=True)
+                typer.echo(f"genoctx: {report.get('status', 'damaged')}: {_one_line(line)}", err=True)
         raise typer.Exit(1)
 
 

@@ -35,6 +35,7 @@ state.json) is a ``GenoctxError`` naming the file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -60,6 +61,8 @@ ALGO = "xxh3_64"  # the digest recorded for each file
 FILES_KEY = "files"  # state.json's key of the digests: {name: {"bytes": n, "xxh3_64": hex}}
 BLOCK = 8 << 20  # bytes read per call while hashing
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+log = logging.getLogger("genoctx.train")
 
 
 def checkpoint_name(step: int) -> str:
@@ -379,6 +382,30 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def incomplete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders of a run without a state.json (``checkpoints/step_N/``), oldest first: not checkpoints
+    genoctx reads. A save writes state.json last and renames its folder into place only then, so such a folder is an
+    interrupted copy (or a state.json removed by hand); ``list_checkpoints`` never lists it."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir() and not (p / "state.json").is_file()]
+    return sorted(found, key=step_of)
+
+
+def newer_incomplete(run_dir: Path, chosen: Path | None) -> list[Path]:
+    """The ``incomplete_checkpoints`` of ``run_dir`` of a later step than the checkpoint ``chosen`` (all of them
+    when ``chosen`` is None or not named ``step_N``), oldest first: what a reader of the run's newest checkpoint
+    would have read, had it been complete."""
+    after = step_of(chosen) if chosen is not None else None
+    return [p for p in incomplete_checkpoints(run_dir) if after is None or step_of(p) > after]
+
+
+def incomplete_line(path: Path) -> str:
+    """The one-line description of an incomplete checkpoint folder (``incomplete_checkpoints``)."""
+    return f"{path} is incomplete (no state.json, which a save writes last: an interrupted copy?)"
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The most recent complete checkpoint of a run, or None."""
     ckpts = list_checkpoints(run_dir)
@@ -389,8 +416,14 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, a run directory meaning its latest checkpoint, or an HF model directory
     (``config.json`` + safetensors, ``genoctx.model.hf.is_hf_dir``), returned as is.
 
+    A run's incomplete checkpoint folders (``incomplete_checkpoints``: no state.json) are never read: older than its
+    latest complete one, they are named in one warning; newer, the run is refused (a reader of a run's newest
+    checkpoint never reads an older one silently, as ``genoctx.train.integrity.refuse_unverified`` refuses a newest
+    one that does not verify).
+
     Raises:
-        GenoctxError: the path is none of these, or the run has no complete checkpoint.
+        GenoctxError: the path is none of these, the run has no complete checkpoint, or a newer incomplete one (named
+            with the newest complete one, to pass explicitly).
     """
     p = Path(path)
     if (p / "state.json").is_file() and ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()):
@@ -399,7 +432,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     if p.is_dir():
         latest = latest_checkpoint(p)
+        newer = newer_incomplete(p, latest)
+        if newer:
+            tail = (f"the newest complete checkpoint is {latest}: pass it explicitly to read it" if latest is not None
+                    else f"{p} has no complete checkpoint")  # fmt: skip
+            raise GenoctxError(f"{p}: its newest checkpoint {incomplete_line(newer[-1])}; {tail}")
         if latest is not None:
+            older = incomplete_checkpoints(p)
+            if older:
+                log.warning("%s: reading %s; not read: %s", p, latest.name, "; ".join(map(incomplete_line, older)))
             return latest
         raise GenoctxError(
             f"no checkpoint in {p} (expected {p}/{CKPT_DIR}/step_*/, a checkpoint directory or an HF model "

@@ -41,6 +41,8 @@ from .checkpoint import (
     CKPT_DIR,
     FILES_KEY,
     file_digest,
+    incomplete_checkpoints,
+    incomplete_line,
     list_checkpoints,
     read_state,
     step_of,
@@ -278,29 +280,53 @@ def set_aside(ckpt: Path) -> Path:
     return target
 
 
+def incomplete_report(ckpt: Path) -> dict:
+    """The ``verify`` entry of a checkpoint folder without state.json (``incomplete_checkpoints``): as a
+    ``check_checkpoint`` report, ``ok`` False, ``error`` its ``incomplete_line``, ``status`` ``incomplete``, and
+    the files it holds listed as ``unrecorded`` (with their sizes)."""
+    ckpt = Path(ckpt)
+    files = {n: {"bytes": _size(ckpt / n), "expected": None, "actual": None, "status": "unrecorded"}
+             for n in stored_files(ckpt)}  # fmt: skip
+    return {"path": str(ckpt), "step": step_of(ckpt), "recorded": False, "ok": False, "error": incomplete_line(ckpt),
+            "files": files, "bytes_hashed": 0, "seconds": 0.0, "status": "incomplete"}  # fmt: skip
+
+
+def _order(report: dict) -> int:
+    """A report's place in ``verify``'s list: the step of its folder's name (``step_N``), else its recorded step."""
+    step = step_of(Path(report["path"]))
+    return step if step is not None else report["step"] if report["step"] is not None else -1
+
+
 def verify_path(path: str | Path) -> dict:
-    """What ``genoctx verify PATH`` prints: every checkpoint of a run directory (or the one checkpoint) checked.
+    """What ``genoctx verify PATH`` prints: every checkpoint of a run directory (or the one checkpoint) checked, and
+    every checkpoint folder without state.json (``incomplete_checkpoints``: an interrupted copy) reported.
 
     Returns:
-        ``{"path", "ok", "checkpoints": [check_checkpoint reports, oldest first], "seconds", "gb_hashed"}``
-        (``gb_hashed`` in 10^9 bytes; ``ok``: no checkpoint damaged).
+        ``{"path", "ok", "checkpoints": [reports, by step], "seconds", "gb_hashed"}`` (``gb_hashed`` in 10^9 bytes;
+        ``ok``: no checkpoint damaged or incomplete). A report is ``check_checkpoint``'s with ``status`` ``ok`` or
+        ``damaged``, or ``incomplete_report``'s (``status`` ``incomplete``).
 
     Raises:
-        GenoctxError: no such path, or neither a checkpoint (``state.json``) nor a run directory with one.
+        GenoctxError: no such path, or neither a checkpoint (``state.json``, or a ``checkpoints/step_N`` folder
+            without it) nor a run directory with one.
     """
     p = Path(path)
     if not p.exists():
         raise GenoctxError(f"{p}: no such run or checkpoint directory")
     if (p / "state.json").is_file():
-        ckpts = [p]
-    elif p.is_dir() and list_checkpoints(p):
-        ckpts = list_checkpoints(p)
+        ckpts, partial = [p], []
+    elif p.is_dir() and step_of(p) is not None and p.parent.name == CKPT_DIR:
+        ckpts, partial = [], [p]
+    elif p.is_dir() and (list_checkpoints(p) or incomplete_checkpoints(p)):
+        ckpts, partial = list_checkpoints(p), incomplete_checkpoints(p)
     else:
         raise GenoctxError(f"{p}: not a checkpoint (no state.json) nor a run directory with {CKPT_DIR}/step_*/")
     t0 = time.perf_counter()
     reports = [check_checkpoint(c) for c in ckpts]
     for r in reports:
         warn_unrecorded(r)
+        r["status"] = "ok" if r["ok"] else "damaged"
+    reports = sorted(reports + [incomplete_report(c) for c in partial], key=_order)
     return {
         "path": str(p),
         "ok": all(r["ok"] for r in reports),

@@ -197,6 +197,45 @@ def test_a_checkpoint_without_digests_loads_with_one_warning(prepared, run4, tmp
     )
 
 
+def test_a_checkpoint_folder_without_state_json_is_named(prepared, run4, tmp_path, monkeypatch):
+    """``checkpoints/step_N`` without state.json (an interrupted copy): ``verify`` reports it (status incomplete,
+    exit 1); eval and export of the run refuse it when it is the newest, naming the newest complete one, and name an
+    older one in a warning; never read. Paths given relative to the working directory (made absolute first)."""
+    run = _copy(run4, tmp_path)
+    ck4 = run / "checkpoints" / "step_000004"
+    for step in (1, 6):  # copies cut short before their state.json
+        part = run / "checkpoints" / f"step_00000{step}"
+        part.mkdir()
+        shutil.copy(ck4 / "recipe.yaml", part / "recipe.yaml")
+    older, newer = run / "checkpoints" / "step_000001", run / "checkpoints" / "step_000006"
+    monkeypatch.chdir(tmp_path)
+    res = _cli("verify", "run")
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout)
+    assert doc["path"] == str(run) and not doc["ok"]
+    entries = [(c["step"], c["status"], c["ok"]) for c in doc["checkpoints"]]
+    assert entries == [(1, "incomplete", False), (2, "ok", True), (4, "ok", True), (6, "incomplete", False)]
+    assert doc["checkpoints"][3]["path"] == str(newer)
+    assert doc["checkpoints"][3]["files"]["recipe.yaml"]["status"] == "unrecorded"
+    line = f"{newer} is incomplete (no state.json, which a save writes last: an interrupted copy?)"
+    assert f"genoctx: incomplete: {line}" in res.stderr.splitlines()
+    res = _cli("verify", Path("run") / "checkpoints" / "step_000006")
+    assert res.exit_code == 1 and [c["status"] for c in json.loads(res.stdout)["checkpoints"]] == ["incomplete"]
+    for res in (_eval(prepared, "run"), _cli("export", "run", "--out", "hf")):
+        assert res.exit_code == 2 and res.stdout == ""
+        assert _error_line(res) == (f"genoctx: error: {run}: its newest checkpoint {line}; the newest complete "
+                                    f"checkpoint is {ck4}: pass it explicitly to read it")  # fmt: skip
+    assert not (tmp_path / "hf").exists()
+    shutil.rmtree(newer)
+    for res in (_eval(prepared, "run"), _cli("export", "run", "--out", "hf")):
+        assert res.exit_code == 0, res.stderr[-3000:]
+        assert json.loads(res.stdout)["checkpoint"] == str(ck4)
+        warned = [ln for ln in res.stderr.splitlines() if "incomplete" in ln]
+        assert len(warned) == 1 and warned[0].endswith(f"{run}: reading step_000004; not read: {older} is "
+                                                       "incomplete (no state.json, which a save writes last: an "
+                                                       "interrupted copy?)"), warned  # fmt: skip
+
+
 def test_pruning_counts_only_the_checkpoints_up_to_the_one_written(tmp_path):
     """A newer checkpoint left by an earlier attempt (a resume fell back past it) is never one of the kept N, and
     a checkpoint set aside as broken is no checkpoint at all."""
