@@ -2,10 +2,12 @@
 
 A glm5_next checkpoint directory holds ``config.json`` (a ``glm5_next`` VL config with ``text_config``, or a flat
 ``glm5_next_text`` config) and one or many safetensors files (``model.safetensors``, or shards listed by
-``model.safetensors.index.json``). Its tensor names are the published ones (what ``save_pretrained`` of
-transformers 5.23.0 writes), which transformers converts on load (``conversion_mapping.py``, "glm5_next"). The
-same conversions, as one table (``checkpoint_layout``; docs/checkpoints.md prints it), map each checkpoint
-tensor to a genoctx parameter or a slice of one:
+``model.safetensors.index.json``: read through it, each tensor from the shard its ``weight_map`` names, anything
+else ignored with a warning, a tensor missing from its shard or in two shards an error; ``tensor_files``). Its
+tensor names are the published ones (what ``save_pretrained`` of transformers 5.23.0 writes), which transformers
+converts on load (``conversion_mapping.py``, "glm5_next"). The same conversions, as one table
+(``checkpoint_layout``; docs/checkpoints.md prints it), map each checkpoint tensor to a genoctx parameter or a
+slice of one:
 
 ==========================================================  ==============================================
 checkpoint (after ``model.language_model.`` / ``model.``)    genoctx ``HybridLM``

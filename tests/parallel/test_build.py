@@ -249,9 +249,16 @@ def test_uneven_shards_save_reshard_and_load_exactly(tmp_path):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b))
-    save_hf(model, tmp_path / "hf")
+    from safetensors.torch import save_file
+
+    assert save_hf(model, tmp_path / "hf", max_shard_bytes=20_000)["shards"] > 2  # shards and an index
+    # a leftover model.safetensors beside the index, holding one of its tensors with other values: no rank reads it
+    stray = "model.language_model.layers.1.mlp.experts.0.gate_proj.weight"
+    gate = model.layers[1].mlp.experts.gate_up_proj[0, : cfg.moe_intermediate_size]
+    save_file({stray: torch.full_like(gate, 9.0)}, str(tmp_path / "hf" / "model.safetensors"))
     one = save_checkpoint(tmp_path / "one", 1, model, None, None, Recipe(model=cfg, train=TrainConfig()), {})
     want = _one_process_state(load_hf(tmp_path / "hf", dtype=torch.float32))
+    _same(want, _one_process_state(model))
     ranks = _spawn(tmp_path, "uneven", cfg=cfg, hf=str(tmp_path / "hf"), one_ckpt=str(one))
     assert {ranks[r]["local_rows"]["layers.0.self_attn.forget_gate.A_log"] for r in range(4)} == {0, 1}
     assert sorted(ranks[r]["local_rows"]["layers.1.mlp.experts.gate_up_proj"] for r in range(4)) == [1, 1, 2, 2]
