@@ -238,21 +238,24 @@ def _user_errors(fn):
 
 
 def _absolute_paths(fn):
-    """Every path a verb is given (its ``Path`` and ``list[Path]`` parameters) made absolute against this process's
-    working directory before the verb runs: Ray workers start in another directory, so a relative path handed on to
-    them names another file, or none. Symlinks are kept (``Path.absolute``, not ``resolve``). ``--init`` (a path or
-    a Hub repo id) is resolved on the driver by ``genoctx.train.init.resolve_base``."""
+    """Every path a verb is given (its ``Path`` and ``list[Path]`` parameters, and train's ``--init`` when it names
+    an existing file or folder rather than a Hub repo id) made absolute against this process's working directory
+    before the verb runs: Ray workers start in another directory, so a relative path handed on to them names another
+    file, or none; and a run records its ``--init`` for later. Symlinks are kept (``Path.absolute``, not
+    ``resolve``)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        def absolute(v):
+        def absolute(k, v):
             if isinstance(v, Path):
                 return v.absolute()
             if isinstance(v, list | tuple) and v and all(isinstance(x, Path) for x in v):
                 return [x.absolute() for x in v]
+            if k == "init" and isinstance(v, str) and v and Path(v).expanduser().exists():
+                return str(Path(v).expanduser().absolute())
             return v
 
-        return fn(*args, **{k: absolute(v) for k, v in kwargs.items()})
+        return fn(*args, **{k: absolute(k, v) for k, v in kwargs.items()})
 
     return wrapper
 

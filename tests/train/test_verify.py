@@ -199,8 +199,9 @@ def test_a_checkpoint_without_digests_loads_with_one_warning(prepared, run4, tmp
 
 def test_a_checkpoint_folder_without_state_json_is_named(prepared, run4, tmp_path, monkeypatch):
     """``checkpoints/step_N`` without state.json (an interrupted copy): ``verify`` reports it (status incomplete,
-    exit 1); eval and export of the run refuse it when it is the newest, naming the newest complete one, and name an
-    older one in a warning; never read. Paths given relative to the working directory (made absolute first)."""
+    exit 1); eval, export and ``--init`` of the run refuse it when it is the newest, naming the newest complete
+    one; eval and export name an older one in a warning; never read. Paths are given relative to the working
+    directory (the CLI makes them absolute first: the messages name absolute paths)."""
     run = _copy(run4, tmp_path)
     ck4 = run / "checkpoints" / "step_000004"
     for step in (1, 6):  # copies cut short before their state.json
@@ -221,11 +222,14 @@ def test_a_checkpoint_folder_without_state_json_is_named(prepared, run4, tmp_pat
     assert f"genoctx: incomplete: {line}" in res.stderr.splitlines()
     res = _cli("verify", Path("run") / "checkpoints" / "step_000006")
     assert res.exit_code == 1 and [c["status"] for c in json.loads(res.stdout)["checkpoints"]] == ["incomplete"]
-    for res in (_eval(prepared, "run"), _cli("export", "run", "--out", "hf")):
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
+    init = _cli("train", "--data", prepared, "--recipe", tiny, "--set", "model.preset=null", "--out", "init", "--init",
+                "run", "--steps", 0)  # fmt: skip
+    for res in (_eval(prepared, "run"), _cli("export", "run", "--out", "hf"), init):
         assert res.exit_code == 2 and res.stdout == ""
         assert _error_line(res) == (f"genoctx: error: {run}: its newest checkpoint {line}; the newest complete "
                                     f"checkpoint is {ck4}: pass it explicitly to read it")  # fmt: skip
-    assert not (tmp_path / "hf").exists()
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "init").exists()
     shutil.rmtree(newer)
     for res in (_eval(prepared, "run"), _cli("export", "run", "--out", "hf")):
         assert res.exit_code == 0, res.stderr[-3000:]
