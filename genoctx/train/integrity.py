@@ -18,6 +18,11 @@ skips it):
 - ``train --resume``: every file; the newest checkpoint that verifies is resumed from, each newer one skipped with a
   warning and set aside as ``step_N.broken`` (``set_aside``), so that keep-N pruning never counts it.
 
+A checkpoint folder without state.json (``checkpoints/step_N/``: an interrupted copy; a save renames its folder into
+place only after state.json is written) is never read: ``genoctx verify`` reports it (status ``incomplete``, exit
+1), and a reader of a run's newest checkpoint refuses the run when it is newer than the newest complete one, or
+names it in a warning when older (``genoctx.train.checkpoint.resolve_checkpoint``).
+
 A damaged file is one line naming it and what differs (``size``: bytes on disk vs recorded; ``mismatch``: the digest;
 ``missing``). A checkpoint written before digests were recorded loads with one warning ("no digests recorded; not
 verified"). On a mesh (``dims`` distributed) the hashing is spread over the ranks (recorded file ``i``, in name order,
