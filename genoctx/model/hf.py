@@ -270,7 +270,7 @@ def tensor_files(path: str | Path, warn: bool = True) -> dict[str, Path]:
             unmapped[names[0]] = unmapped.get(names[0], 0) + 1
     ignored += [f"{n} tensor{'s' * (n > 1)} of {name} (not in the weight_map)" for name, n in sorted(unmapped.items())]
     if ignored and warn:
-        line = f"ignored, as {index.name} does not list it: {', '.join(ignored)}"
+        line = f"not read, as {index.name} does not place them: {'; '.join(ignored)}"
         if (str(p), line) not in _WARNED:
             _WARNED.add((str(p), line))
             log.warning("%s: %s", p, line)
