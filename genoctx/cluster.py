@@ -250,9 +250,15 @@ _AGREED = "genoctx_agreed_error"  # the key of a worker's return value that carr
 
 def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float) -> Any:
     """``worker_fn(config, session)``; an ``AgreedError`` (a user error raised on every rank at once, so none waits in
-    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print."""
+    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print.
+
+    The body runs inside ``parallel.mesh.leaving_mesh``: on success or error every process group is destroyed and
+    freed before the worker returns, so no gloo thread outlives the interpreter (SIGABRT at exit otherwise)."""
+    from .parallel.mesh import leaving_mesh
+
     try:
-        return worker_fn(config, WorkerSession(gpus_per_worker))
+        with leaving_mesh():
+            return worker_fn(config, WorkerSession(gpus_per_worker))
     except AgreedError as e:
         return {_AGREED: str(e)}
 

@@ -3,8 +3,13 @@ kernels (kernels/) run under the interpreter on CPU tensors. ``import torch`` im
 
 import os
 
-import torch
+# One OpenMP thread per process unless the caller chose: set before torch is imported, so that subprocesses, gloo
+# ranks and Ray workers inherit it. On 2 cores, 2+ ranks each running 2 threads oversubscribe (~3x slower suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -26,7 +26,10 @@ sharded parameters.
 
 from __future__ import annotations
 
+import gc
+import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -92,6 +95,20 @@ class ParallelDims:
         """This rank's place in the mesh, for metrics: ``{"cp_rank", "dp_rank", "ep_rank"}``."""
         return {"cp_rank": self.cp_rank, "dp_rank": self.dp_rank, "ep_rank": self.ep_rank}
 
+    def drop_groups(self) -> None:
+        """Forget every process group and mesh these dims hold (they become None); sizes and ranks are kept.
+
+        A group held here (or by a mesh) stays alive as long as these dims do; ``destroy_parallel`` calls this so
+        that the groups can be freed, and their gloo threads joined, before the interpreter exits.
+        """
+        for name in _GROUP_FIELDS:
+            setattr(self, name, None)
+
+
+_GROUP_FIELDS = ("cp_group", "ep_group", "dp_cp_group", "expert_group", "dense_mesh", "expert_mesh", "mesh",
+                 "expert_dtensor_mesh")  # fmt: skip
+_LIVE: list[ParallelDims] = []  # every ParallelDims init_parallel made in this process, until destroy_parallel
+
 
 def init_parallel(
     cp: int = 1,
@@ -152,7 +169,7 @@ def init_parallel(
     elif ep > 1:
         ep_group, ep_rank = mesh["ep"].get_group(), mesh["ep"].get_local_rank()
         dtensor_mesh = mesh["ep", "expert_shard"] if lay.fsdp else mesh["ep"]
-    return ParallelDims(
+    dims = ParallelDims(
         layout=lay,
         cp_rank=mesh["cp"].get_local_rank(),
         dp_rank=dp_mesh.get_local_rank(),
@@ -167,7 +184,57 @@ def init_parallel(
         mesh=mesh,
         expert_dtensor_mesh=dtensor_mesh,
     )
+    _LIVE.append(dims)
+    return dims
 
 
-def destroy_parallel() -> None:
-    """Nothing to tear down: the mesh's groups live with the default process group (kept for callers' symmetry)."""
+def _clear_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames in ``error``'s traceback and in those of its causes and contexts
+    (``traceback.clear_frames``): a frame that failed holds the model, its meshes and so their process groups."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def destroy_parallel(error: BaseException | None = None) -> None:
+    """Leave the mesh: free every process group this process made, so that none outlives the interpreter.
+
+    Drops the groups of every ``ParallelDims`` ``init_parallel`` returned (``ParallelDims.drop_groups``), clears the
+    finished frames of ``error`` (and of its causes) when one is given, destroys the default process group with every
+    group made from it (``torch.distributed.destroy_process_group``) and runs ``gc.collect()``. Without this, a group
+    held by a reference cycle or a traceback is freed only at interpreter exit, where gloo's threads, stopped in a
+    destructor that may not throw, can end the rank with SIGABRT ("terminate called without an active exception").
+
+    Args:
+        error: the exception the worker is leaving with, if any (it is re-raised by the caller, not here).
+
+    Never raises: a teardown error is turned into a warning, so that it cannot hide ``error``.
+    """
+    for dims in _LIVE:
+        dims.drop_groups()
+    _LIVE.clear()
+    _clear_frames(error)
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # pragma: no cover - teardown after a failed collective
+        warnings.warn(f"destroy_process_group failed while leaving the mesh: {e}", stacklevel=2)
+    gc.collect()
+
+
+@contextmanager
+def leaving_mesh():
+    """Run a worker's body and leave the mesh after it, on success or error (``destroy_parallel``).
+
+    Every process that joins a gloo/NCCL mesh (``cluster._run_on_worker``, the test workers) runs inside this, so
+    that every group's threads are joined before the process exits. An exception is re-raised unchanged.
+    """
+    try:
+        yield
+    except BaseException as e:
+        destroy_parallel(e)
+        raise
+    destroy_parallel()

@@ -35,17 +35,17 @@ def _entry(rank: int, worker_fn, config: dict, world: int, port: int, out: str) 
     import torch.distributed as dist
 
     from genoctx.errors import GenoctxError
+    from genoctx.parallel.mesh import leaving_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        value = worker_fn(config, LocalSession())
+        with leaving_mesh():  # as genoctx.cluster._run_on_worker: every group freed before the process exits
+            value = worker_fn(config, LocalSession())
         if rank == 0:
             torch.save({"value": value}, Path(out) / "value.pt")
     except GenoctxError as e:
         (Path(out) / f"error{rank}.txt").write_text(str(e))
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from genoctx.errors import GenoctxError
 from genoctx.model.model import HybridLM
 from genoctx.parallel.build import Fresh, FromCheckpoint, FromHF, Zeros, build_model
-from genoctx.parallel.mesh import init_parallel
+from genoctx.parallel.mesh import init_parallel, leaving_mesh
 from genoctx.parallel.state import local_targets
 
 # (ep, dp_shard, cp[, ep_folded]); the rest of 4 ranks is dp_replicate. "fsdp4_fep2": EP 2 folded into FSDP 4, each
@@ -179,21 +179,23 @@ def run_bad(args: dict) -> dict:
 def run(rank: int, world: int, init_file: str, out_dir: str, args_path: str, case: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    args = torch.load(args_path, weights_only=False)
-    out = Path(out_dir)
-    if case == "memory":
-        res = run_memory(args)
-    elif case == "fresh":
-        res = run_fresh(args)
-    elif case == "uneven":
-        res = run_uneven(args, out)
-    else:
-        res = run_bad(args)
-    dist.barrier()
-    dist.destroy_process_group()
+    with leaving_mesh():
+        args = torch.load(args_path, weights_only=False)
+        out = Path(out_dir)
+        if case == "memory":
+            res = run_memory(args)
+        elif case == "fresh":
+            res = run_fresh(args)
+        elif case == "uneven":
+            res = run_uneven(args, out)
+        else:
+            res = run_bad(args)
+        dist.barrier()
     torch.save(res, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
     init = tempfile.mktemp(prefix="genoctx-gloo-")
-    mp.spawn(run, args=(int(sys.argv[3]), init, sys.argv[1], sys.argv[2], sys.argv[4]), nprocs=int(sys.argv[3]))
+    # fork, not spawn: the ranks do not import torch and genoctx again
+    args = (int(sys.argv[3]), init, sys.argv[1], sys.argv[2], sys.argv[4])
+    mp.start_processes(run, args=args, nprocs=int(sys.argv[3]), start_method="fork")

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from genoctx.model.config import DSA, KDA, ModelConfig, preset
 from genoctx.model.model import HybridLM
 from genoctx.parallel.context import apply_cp, shard_sequence
-from genoctx.parallel.mesh import destroy_parallel, init_parallel
+from genoctx.parallel.mesh import init_parallel, leaving_mesh
 from genoctx.train.loop import forward_backward
 
 # three layers: KDA, a "full" DSA layer and a "shared" DSA layer that reuses its selection; MLP, MoE, MoE
@@ -84,7 +84,6 @@ def _cp_cases(res: dict, cp: int, layout: str, windows: dict[str, torch.Tensor])
     for h in handles:
         h.remove()
     assert not any("forward" in vars(layer.self_attn) for layer in model.layers)  # the class forward is back
-    destroy_parallel()
 
 
 STREAM_CHUNK = 13  # tokens per chunk of the streamed CP case: no piece length (162, 81) is a multiple of it
@@ -129,30 +128,29 @@ def _stream_case(res: dict, windows: dict[str, torch.Tensor]) -> None:
     finally:
         for cls, f in originals.items():
             cls.forward = f
-    destroy_parallel()
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    w = torch.load(windows_path)
-    res = {}
-    if world == 2:
-        _cp_cases(res, 2, "contiguous", {"cp2": w["dna"], "cp2_n": w["n_start"]})
-        _cp_cases(res, 2, "zigzag", {"cp2z": w["dna"], "cp2z_n": w["n_start"]})
-        _stream_case(res, {"dna": w["dna"], "n_start": w["n_start"]})
-        dims = init_parallel(cp=1)
-        assert (dims.cp, dims.dp) == (1, 2)
-        res["dp2"] = _case(tiny_model(), w["pair"][dims.dp_rank][None], dims)
-        destroy_parallel()
-    else:
-        _cp_cases(res, world, "contiguous", {f"cp{world}": w["short"]})
-        _cp_cases(res, world, "zigzag", {f"cp{world}z": w["short"]})
-    dist.destroy_process_group()
+    with leaving_mesh():
+        w = torch.load(windows_path)
+        res = {}
+        if world == 2:
+            _cp_cases(res, 2, "contiguous", {"cp2": w["dna"], "cp2_n": w["n_start"]})
+            _cp_cases(res, 2, "zigzag", {"cp2z": w["dna"], "cp2z_n": w["n_start"]})
+            _stream_case(res, {"dna": w["dna"], "n_start": w["n_start"]})
+            dims = init_parallel(cp=1)
+            assert (dims.cp, dims.dp) == (1, 2)
+            res["dp2"] = _case(tiny_model(), w["pair"][dims.dp_rank][None], dims)
+        else:
+            _cp_cases(res, world, "contiguous", {f"cp{world}": w["short"]})
+            _cp_cases(res, world, "zigzag", {f"cp{world}z": w["short"]})
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     init = tempfile.mktemp(prefix="genoctx-gloo-")
-    mp.spawn(run, args=(world, init, sys.argv[1], sys.argv[2]), nprocs=world)
+    # fork, not spawn: the ranks do not import torch and genoctx again
+    mp.start_processes(run, args=(world, init, sys.argv[1], sys.argv[2]), nprocs=world, start_method="fork")

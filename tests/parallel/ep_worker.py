@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from genoctx.model.config import ModelConfig, preset
 from genoctx.model.moe import MoE
 from genoctx.parallel.experts import apply_ep, expert_parameters
+from genoctx.parallel.mesh import leaving_mesh
 
 EP = 2
 # name -> (config overrides, router bias, per-rank input shapes [B, T])
@@ -118,13 +119,15 @@ def _memory_case(name: str, rank: int, group) -> dict:
 def run(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=EP)
-    group = dist.new_group(list(range(EP)))
-    res = {name: _equality_case(name, rank, group) for name in CASES}
-    res["memory"] = {name: _memory_case(name, rank, group) for name in MEMORY_CASES}
-    dist.destroy_process_group()
+    with leaving_mesh():
+        group = dist.new_group(list(range(EP)))
+        res = {name: _equality_case(name, rank, group) for name in CASES}
+        res["memory"] = {name: _memory_case(name, rank, group) for name in MEMORY_CASES}
+        del group
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
     init = tempfile.mktemp(prefix="genoctx-gloo-")
-    mp.spawn(run, args=(init, sys.argv[1]), nprocs=EP)
+    # fork, not spawn: the ranks do not import torch and genoctx again
+    mp.start_processes(run, args=(init, sys.argv[1]), nprocs=EP, start_method="fork")

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from genoctx.model.config import ModelConfig, preset
 from genoctx.model.model import HybridLM
+from genoctx.parallel.mesh import leaving_mesh
 from genoctx.recipes import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -250,22 +251,24 @@ def run_reshard(src: str, dst: str, windows: torch.Tensor, out: Path, one_ckpt: 
 def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, cases: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    data = torch.load(windows_path)
-    windows = data["windows"]
-    res = {}
-    for name in cases:
-        if name == "bf16":
-            res[name] = run_bf16(windows)
-        elif name == "reshard":
-            for src, dst in RESHARD:
-                res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
-        else:
-            res[name] = run_case(name, windows, data["hf_dir"])
-    dist.destroy_process_group()
+    with leaving_mesh():
+        data = torch.load(windows_path)
+        windows = data["windows"]
+        res = {}
+        for name in cases:
+            if name == "bf16":
+                res[name] = run_bf16(windows)
+            elif name == "reshard":
+                for src, dst in RESHARD:
+                    res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
+            else:
+                res[name] = run_case(name, windows, data["hf_dir"])
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
     init = tempfile.mktemp(prefix="genoctx-gloo-")
     world = int(sys.argv[3])
-    mp.spawn(run, args=(world, init, sys.argv[1], sys.argv[2], sys.argv[4].split(",")), nprocs=world)
+    # fork, not spawn: the ranks do not import torch and genoctx again
+    args = (world, init, sys.argv[1], sys.argv[2], sys.argv[4].split(","))
+    mp.start_processes(run, args=args, nprocs=world, start_method="fork")

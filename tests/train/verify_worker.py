@@ -94,18 +94,20 @@ def run_resume(out: Path, dims) -> dict:
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str, case: str) -> None:
-    from genoctx.parallel.mesh import init_parallel
+    from genoctx.parallel.mesh import init_parallel, leaving_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    dims = init_parallel(dp_shard=world)
-    out = Path(out_dir)
-    res = run_save(out, dims) if case == "save" else run_resume(out, dims)
-    dist.barrier()
-    dist.destroy_process_group()
+    with leaving_mesh():
+        dims = init_parallel(dp_shard=world)
+        out = Path(out_dir)
+        res = run_save(out, dims) if case == "save" else run_resume(out, dims)
+        dist.barrier()
+        del dims
     torch.save(res, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
     init = tempfile.mktemp(prefix="genoctx-gloo-")
-    mp.spawn(run, args=(2, init, sys.argv[1], sys.argv[2]), nprocs=2)
+    # fork, not spawn: the ranks do not import torch and genoctx again
+    mp.start_processes(run, args=(2, init, sys.argv[1], sys.argv[2]), nprocs=2, start_method="fork")
