@@ -32,13 +32,14 @@ For each simulated rank ``r`` of a layout of ``W`` ranks:
 
    Each component is also broken down by name class (``NAME_CLASSES``, ``name_class``).
 
-Processes: every simulated rank is built in its own fresh Python process (``sys.executable -c``, at most
-``min(cpus, 8)`` at a time, arguments pickled on stdin, the counts as JSON on stdout), which initialises the fake
-default process group, counts and exits. The calling
-process never initialises ``torch.distributed``, so ``dry_run`` works the same whether or not it has a process
-group of its own. One process per rank, not one for all: DTensor's sharding-propagation caches are keyed by mesh
-equality (sizes and names, not the rank), so a second rank built in the same process gets the first rank's mesh
-and coordinates back (and wrong local shapes).
+Processes: every simulated rank is built in its own fresh process, which initialises the fake default process
+group, counts and exits. The ranks are forked (at most ``min(cpus, 8)`` at a time) from one server process per
+``dry_run`` (``sys.executable -c``, arguments pickled on stdin, the counts as JSON on stdout) that imported torch and
+genoctx once, so a rank costs no import (~2.5 s each on a laptop when every rank was its own interpreter). The
+calling process never initialises ``torch.distributed`` nor forks, so ``dry_run`` works the same whether or not it
+has a process group or threads of its own. One process per rank, not one for all: DTensor's sharding-propagation
+caches are keyed by mesh equality (sizes and names, not the rank), so a second rank built in the same process gets
+the first rank's mesh and coordinates back (and wrong local shapes).
 """
 
 from __future__ import annotations
@@ -208,28 +209,77 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
         dist.destroy_process_group()
 
 
-def _child_main() -> None:
-    """A simulated rank's process: a pickled ``_count_rank`` argument tuple on stdin, its dict as JSON on stdout."""
-    import json
-    import pickle
-    import sys
-
+def _rank_process(args: tuple) -> dict:
+    """A simulated rank: ``_count_rank(*args)`` as ``{"ok": counts}``, or ``{"error": one line}``."""
     torch.set_num_threads(1)
-    args = pickle.loads(sys.stdin.buffer.read())
     try:
-        out = {"ok": _count_rank(*args)}
+        return {"ok": _count_rank(*args)}
     except GenoctxError as e:
-        out = {"error": str(e)}
+        return {"error": str(e)}
     except Exception as e:  # noqa: BLE001 -- torch's errors while building: reported by the parent in one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        out = {"error": f"cannot build the model ({type(e).__name__}: {first})"}
-    sys.stdout.write(json.dumps(out) + "\n")
+        return {"error": f"cannot build the model ({type(e).__name__}: {first})"}
+
+
+def _server_main() -> None:
+    """The rank server (``_run``): ``(jobs, workers)`` pickled on stdin, each job a ``_count_rank`` argument tuple;
+    forks one child per job, at most ``workers`` at a time, each writing its ``_rank_process`` dict to a file; prints
+    ``{rank: dict}`` as one JSON line on stdout (a child that died without writing: an ``"error"`` naming how)."""
+    import json
+    import os
+    import pickle
+    import shutil
+    import sys
+    import tempfile
+
+    jobs, workers = pickle.loads(sys.stdin.buffer.read())
+    import torch.distributed.fsdp  # noqa: F401 -- what every rank imports, imported once before the forks
+
+    from ..parallel import build, mesh, state  # noqa: F401
+    from . import loop  # noqa: F401
+
+    tmp = tempfile.mkdtemp(prefix="genoctx-dryrun-")
+    running: dict[int, int] = {}  # pid -> rank
+    results: dict[int, dict] = {}
+    try:
+        todo = list(jobs)
+        while todo or running:
+            while todo and len(running) < workers:
+                args = todo.pop(0)
+                rank, path = args[2], os.path.join(tmp, f"rank{args[2]}.json")
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:  # the rank: count, write, leave without running the server's exit handlers
+                    code = 1
+                    try:
+                        doc = _rank_process(args)
+                        with open(path + ".tmp", "w") as f:
+                            json.dump(doc, f)
+                        os.replace(path + ".tmp", path)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                running[pid] = rank
+            pid, status = os.wait()
+            rank = running.pop(pid)
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[rank] = json.load(f)
+            else:
+                code = os.waitstatus_to_exitcode(status)
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                results[rank] = {"error": f"the rank's process failed ({how})"}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.stdout.write(json.dumps({str(r): doc for r, doc in results.items()}) + "\n")
 
 
 def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload) -> dict:
-    """Every rank in its own fresh Python process (``sys.executable -c``, at most ``min(cpus, 8)`` at a time):
-    DTensor's sharding-propagation caches are keyed by mesh equality, not by rank, so a second rank built in the
-    same process would get the first rank's mesh (and coordinates) back; this process never touches
+    """Every rank in its own fresh process, forked from one server process (``_server_main``) that imported torch and
+    genoctx once: DTensor's sharding-propagation caches are keyed by mesh equality, not by rank, so a second rank
+    built in the same process would get the first rank's mesh (and coordinates) back; this process never touches
     ``torch.distributed``."""
     import json
     import os
@@ -238,39 +288,21 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload)
     import sys
 
     t0 = time.perf_counter()
-    todo = list(ranks)
-    workers = max(1, min(len(todo), os.cpu_count() or 1, 8))
-    running: list[tuple[int, subprocess.Popen]] = []
+    workers = max(1, min(len(ranks), os.cpu_count() or 1, 8))
+    jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload) for r in ranks]
+    code = "from genoctx.train.dryrun import _server_main; _server_main()"
+    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((jobs, workers)), capture_output=True)
+    try:
+        docs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise GenoctxError(f"dry run {layout.describe()}: the dry run's process failed ({tail})") from None
     results: dict[int, dict] = {}
-    code = "from genoctx.train.dryrun import _child_main; _child_main()"
-
-    def finish(r: int, proc: subprocess.Popen) -> None:
-        out, err = proc.communicate()
-        try:
-            doc = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            tail = (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            raise GenoctxError(f"dry run {layout.describe()} rank {r}: the rank's process failed ({tail})") from None
+    for r in ranks:
+        doc = docs.get(str(r), {"error": "the rank's process failed (no result)"})
         if "error" in doc:
             raise GenoctxError(f"dry run {layout.describe()} rank {r}: {doc['error']}")
         results[r] = doc["ok"]
-
-    try:
-        while todo or running:
-            while todo and len(running) < workers:
-                r = todo.pop(0)
-                proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=False)  # fmt: skip
-                proc.stdin.write(pickle.dumps((cfg, layout, r, activation_checkpointing, dtype, optimizer_offload)))
-                proc.stdin.close()
-                running.append((r, proc))
-            r, proc = running.pop(0)
-            proc.stdin = None
-            finish(r, proc)
-    finally:
-        for _, proc in running:
-            proc.kill()
-            proc.wait()
     results = [results[r] for r in ranks]
     return {
         "layout": {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world},
@@ -280,7 +312,7 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload)
         "units": "bytes",
         "ranks": results,
         "seconds": round(time.perf_counter() - t0, 3),
-        "process": "one fresh Python process per simulated rank (torch.distributed fake backend, meta device)",
+        "process": "one fresh process per simulated rank, forked from a preloaded server (fake backend, meta device)",
     }
 
 
