@@ -1,8 +1,9 @@
 """``genoctx train --num-workers N --cp C`` through Ray Train on CPU (gloo): resume and worker-failure restart,
 and the zigzag CP layout (``train.cp_layout=zigzag``).
 
-The Ray tests start Ray (~30 s to 1 minute each on a small CPU); they are marked ``slow`` (deselect with
-``-m "not slow"``).
+The Ray tests share one local Ray per module (``ray_address``: started in this process, each ``genoctx train``
+attaches with ``--address``; a Ray of its own costs every run ~20 s to start and stop on a small CPU); they are
+marked ``slow`` (deselect with ``-m "not slow"``). ``tests/test_cluster.py`` covers the Ray genoctx starts itself.
 """
 
 import json
@@ -16,6 +17,25 @@ from genoctx.recipes import load_recipe
 from genoctx.train.loop import train
 
 SETS = ["train.seq_len=256", "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """The GCS address of a local Ray started here for this module's Ray tests (4 CPUs, no dashboard)."""
+    import tempfile
+
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    ctx = ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp, object_store_memory=256 << 20,
+                   configure_logging=False, logging_config=ray.LoggingConfig(log_level="ERROR"))  # fmt: skip
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        ray.shutdown()
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _cli(*args, env=None):
@@ -79,13 +99,14 @@ def one_process_run(prepared, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, one_process_run, tmp_path):
+def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, one_process_run, tmp_path, ray_address):
     """CP=2 on 2 Ray workers: stop after step 1, resume; during the resumed run worker 1 is killed before
     step 3, Ray restarts the group from checkpoint 2. Every step's loss equals an uninterrupted one-process
     run (CP=2 == CP=1, fp32)."""
     ref = one_process_run
     run = tmp_path / "run"
-    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3"]
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3",
+              "--address", ray_address]  # fmt: skip
     first = _cli(*common, "--stop-after", "1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads(first.stdout)["step"] == 1 and [s for s, _ in _losses(run)] == [1]
@@ -116,12 +137,13 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, on
 
 
 @pytest.mark.slow
-def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path):
+def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path, ray_address):
     """``--set train.cp_layout=zigzag``: rank 0 holds pieces 0 and 3 of the 256-token crop, rank 1 pieces 1
     and 2 (64 tokens each, a multiple of the pool size 4). Losses equal the one-process run; both ranks score
     the same indexer pools."""
     run = tmp_path / "zigzag"
-    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3"]
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3",
+              "--address", ray_address]  # fmt: skip
     r = _cli(*common, "--stop-after", "2", "--set", "train.cp_layout=zigzag")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
@@ -139,13 +161,13 @@ def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_
 
 
 @pytest.mark.slow
-def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_path):
+def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_path, ray_address):
     """``save+driver:4``: rank 0 kills the driver, then itself, while checkpoint 4 is half written (Ray has not
     registered checkpoint 2 either, or has). ``--resume`` loads step 2, the newest complete checkpoint, removes the
     temporary of step 4, runs steps 3..6 only and says ``resumed_from: 2`` truthfully."""
     run = tmp_path / "run"
     common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "6",
-              "--set", "train.checkpoint_every=2"]  # fmt: skip
+              "--set", "train.checkpoint_every=2", "--address", ray_address]  # fmt: skip
     first = _cli(*common, env={"GENOCTX_FAULT_KILL": "save+driver:4"})
     assert first.returncode == -9, first.stderr[-3000:]
     partial = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".step_000004.")]
@@ -161,7 +183,7 @@ def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_pat
 
 
 @pytest.mark.slow
-def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
+def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path, ray_address):
     """``--ep 2`` on 2 Ray workers for 2 steps (a sharded checkpoint: each worker its block of experts), then
     ``--resume --fsdp 2``: the checkpoint is resharded (experts and AdamW moments now FSDP shards) and step 3 runs.
     Two data ranks see what one process with batch 2 sees: every loss equals that run's; the per-rank metrics
@@ -169,7 +191,8 @@ def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
     ref = tmp_path / "ref"
     train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", "train.batch_size=2", *SETS]), ref)
     run = tmp_path / "run"
-    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "3"]
+    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "3",
+              "--address", ray_address]  # fmt: skip
     first = _cli(*common, "--ep", "2", "--stop-after", "2")
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = run / "checkpoints" / "step_000002"
