@@ -497,7 +497,19 @@ def train(
     out: Annotated[Path, typer.Option(help="Run directory: checkpoints/ and metrics.jsonl.")],
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (recipes/*.yaml).")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (overrides train.steps; 0 = save init).")] = None,
-    resume: Annotated[bool, typer.Option(help="Continue from the run's latest checkpoint.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Continue the run in --out from its latest checkpoint (exactly: weights, AdamW, schedule); "
+                     "--out must hold a run."),  # fmt: skip
+    ] = False,
+    allow_batch_change: Annotated[
+        bool,
+        typer.Option(
+            "--allow-batch-change",
+            help="Let --resume change the data-parallel size (--num-workers / --cp) and so the tokens per step "
+            "(refused otherwise); recorded in state.json's batch_changes.",
+        ),
+    ] = False,
     stop_after: Annotated[
         int | None,
         typer.Option(help="End this invocation after step N >= 1 (checkpointed); --resume continues."),
@@ -652,7 +664,8 @@ def train(
                 or ep_folded:  # fmt: skip
             raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker and --placement-timeout "
                                "need --num-workers")  # fmt: skip
-        _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait))
+        _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait,
+                             allow_batch_change=allow_batch_change))  # fmt: skip
         return
     from .cluster import check_local, run_workers
     from .train.distributed import train_distributed
@@ -678,6 +691,7 @@ def train(
             resume=resume,
             stop_after=stop_after,
             wait=wait,
+            allow_batch_change=allow_batch_change,
         )
     )
 

@@ -286,6 +286,28 @@ def validate_checkpoint(ckpt: Path) -> dict:
     return state
 
 
+def restore_schedule(scheduler, state: dict | None) -> None:
+    """Restore the learning-rate schedule of a resumed run: ``scheduler.load_state_dict(state)`` (its step count
+    ``last_epoch`` and its ``_last_lr``), then every optimizer param group's ``lr`` set to the rate the schedule gives
+    at that step (``scheduler.get_last_lr()``, per group), as the uninterrupted run's optimizer holds it.
+
+    ``LambdaLR.load_state_dict`` alone restores the schedule's counters, not the optimizer's current ``lr``: a
+    one-process checkpoint brought it back through ``optimizer.load_state_dict`` (param groups), but a DCP checkpoint
+    holds only the optimizer's tensors, so a resumed distributed run trained its first step at the rate the fresh
+    scheduler had set. Every load path calls this (``load_training_state``, ``load_full_optimizer``,
+    ``genoctx.train.sharded.load_sharded`` and ``load_any``).
+
+    Args:
+        scheduler: a ``torch.optim.lr_scheduler`` (``build_optimizer``'s ``LambdaLR``), or None (nothing done).
+        state: its ``state_dict()`` as saved, or None (a checkpoint saved without one: nothing done).
+    """
+    if scheduler is None or state is None:
+        return
+    scheduler.load_state_dict(state)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+
+
 # DCP checkpoints of a distributed run (written by genoctx.train.sharded), read here in one process
 def _load_scheduler(ckpt: Path, scheduler) -> None:
     path = Path(ckpt) / "scheduler.json"
@@ -293,8 +315,7 @@ def _load_scheduler(ckpt: Path, scheduler) -> None:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise GenoctxError(f"{path}: not readable JSON ({_first_line(e)})") from None
-    if scheduler is not None and doc is not None:
-        scheduler.load_state_dict(doc)
+    restore_schedule(scheduler, doc)
 
 
 def checkpoint_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -500,8 +521,7 @@ def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> di
     try:
         if optimizer is not None and opt["optimizer"] is not None:
             optimizer.load_state_dict(opt["optimizer"])
-        if scheduler is not None and opt["scheduler"] is not None:
-            scheduler.load_state_dict(opt["scheduler"])
+        restore_schedule(scheduler, opt["scheduler"])
     except (KeyError, TypeError, ValueError) as e:
         raise GenoctxError(f"{ckpt / 'optimizer.pt'}: does not fit this model's optimizer ({_first_line(e)})") from None
     return state

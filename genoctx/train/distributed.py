@@ -288,7 +288,7 @@ def _resume(
         if source == "ray":
             with session.checkpoint_dir() as d:  # the one _choose_checkpoint read on rank 0
                 load(d)
-            loaded = out / "checkpoints" / f"step_{step:06d}"
+                loaded = Path(d)  # Ray's copy (named in the log and the start event: what was read)
         else:
             if not Path(path).is_dir():
                 raise GenoctxError(
@@ -300,7 +300,8 @@ def _resume(
     attempt = [0]
     if rank == 0:
         if loaded is not None:
-            log.info("resuming from %s (step %d)", loaded, start)
+            what = "Ray's copy of the checkpoint, " if picked[1] == "ray" else ""
+            log.info("resuming from %s%s (step %d)", what, loaded, start)
         attempt = [begin_attempt(out, start, loaded, invocation, workers=world)]
     dist.broadcast_object_list(attempt, src=0)
     return start, loaded, attempt[0]
@@ -372,6 +373,7 @@ def train_distributed(
     stop_after: int | None = None,
     max_failures: int = 2,
     wait: bool = False,
+    allow_batch_change: bool = False,
 ) -> dict:
     """Train with ``num_workers`` Ray workers on the mesh ``dp_replicate x ep x dp_shard x cp``
     (``genoctx.parallel.layout``; ``dp_shard`` = ``fsdp``, ``dp_replicate`` = ``num_workers / (ep fsdp cp)``).
@@ -398,6 +400,8 @@ def train_distributed(
         stop_after: end this invocation after that step (checkpointed); ``resume`` continues.
         max_failures: worker-group restarts (from the last checkpoint) before giving up.
         wait: when another process writes ``out`` (``genoctx.lock.output_lock``), wait for it instead of failing.
+        allow_batch_change: let a ``resume`` change the data-parallel size, and so the tokens per step
+            (``genoctx.train.loop.check_global_batch``; recorded in state.json's ``batch_changes``).
 
     Returns:
         The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA pools
@@ -412,7 +416,7 @@ def train_distributed(
     from ..lock import output_lock
     from ..parallel.layout import Layout, cp_pieces, uneven_seq_chunk_round
     from .init import resolve_init, vocab_head
-    from .loop import _check_manifest, check_seq_len
+    from .loop import _check_manifest, check_run_to_resume, check_seq_len
     from .metrics import check_loggers
 
     check_loggers(recipe.train.loggers)  # a logger's missing package: before Ray starts (rank 0 imports it)
@@ -422,6 +426,8 @@ def train_distributed(
         raise GenoctxError(str(e)) from None
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
     _check_manifest(data_dir)
+    if resume:
+        check_run_to_resume(out)
     # resolved once here (a Hub download; a resume at the run's recorded commit); the workers read the local path
     recipe, base = resolve_init(recipe, out if resume else None)
     vocab_head(recipe, base)  # a bad tokenizer: an error before --out is touched
@@ -453,31 +459,38 @@ def train_distributed(
     _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,
-                       stop_after, max_failures, placement_timeout)  # fmt: skip
+                       stop_after, max_failures, placement_timeout, allow_batch_change, L)  # fmt: skip
 
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
-            max_failures, placement_timeout=None):  # fmt: skip
+            max_failures, placement_timeout=None, allow_batch_change=False, seq_len=None):  # fmt: skip
     from .checkpoint import latest_checkpoint, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
     from .init import describe, vocab_head
-    from .loop import check_resume
+    from .loop import carry_batch_changes, check_global_batch, check_resume, record_event, warn_newer_incomplete
 
     latest = latest_checkpoint(out)
     if latest is not None and not resume:
         raise GenoctxError(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
-    state = None
+    state = change = None
     if resume and latest is not None:
         latest = _readable_checkpoint(out, recipe.train.verify_checkpoints)
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
         check_resume(recipe, latest, state, base)
+        per_rank = recipe.train.batch_size * (seq_len or recipe.train.seq_len or 0)
+        change = check_global_batch(latest, state, layout.dp, per_rank, allow_batch_change)
+    if resume:
+        warn_newer_incomplete(out, latest)
     extra = describe(base, vocab_head(recipe, base, state))
     if state is not None and state.get("init") and base is None:
         extra["init"] = state["init"]
+    carry_batch_changes(extra, state, change)
     out.mkdir(parents=True, exist_ok=True)
+    if change is not None:
+        record_event(out, {"event": "batch_change", **change})
     fault = os.environ.get(FAULT_ENV)  # genoctx.train.faults: kill a worker (or a save) once, for restart tests
     parse_fault(fault)
     invocation = uuid.uuid4().hex[:12]

@@ -346,6 +346,73 @@ def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = No
                         key, old, new)  # fmt: skip
 
 
+def check_run_to_resume(out: Path) -> None:
+    """A ``--resume`` must name a run: ``out`` exists and holds ``checkpoints/`` or ``events.jsonl`` (a run killed
+    before its first checkpoint still resumes, from step 0). A typo in ``--out`` must not start a new run silently.
+
+    Raises:
+        GenoctxError: one line naming ``--out`` and the path.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        raise GenoctxError(f"--resume: --out {out} does not exist: check the path, or drop --resume to start a new run")
+    if not (out / "checkpoints").is_dir() and not (out / EVENTS).is_file():
+        raise GenoctxError(f"--resume: --out {out} holds no run (no checkpoints/, no {EVENTS}): check the path, or "
+                           "drop --resume to start a new run there")  # fmt: skip
+
+
+def check_global_batch(ckpt: Path, state: dict, dp: int, tokens_per_rank: int, allow: bool) -> dict | None:
+    """Refuse a ``--resume`` that changes the global batch: tokens per optimizer step = data-parallel ranks
+    (``dp_replicate x ep x dp_shard``, the ``dp`` in the checkpoint's state.json; 1 for a one-process run) x
+    ``train.batch_size`` x window tokens (``tokens_per_rank``; batch and window are kept by ``check_resume``). A
+    different ``dp`` changes the step's batch, the data each step reads and so the run.
+
+    Args:
+        ckpt: the checkpoint resumed from (named in the message); ``state``: its state.json.
+        dp: the data-parallel size of this invocation; ``tokens_per_rank``: batch x window tokens per data rank.
+        allow: ``--allow-batch-change``: accept it (logged, and returned to be recorded).
+
+    Returns:
+        None when the batch is the run's; else (``allow``) the change to record in state.json's ``batch_changes``:
+        ``{"step", "from_tokens", "to_tokens", "from_dp", "to_dp"}`` (tokens per optimizer step).
+
+    Raises:
+        GenoctxError: the batch changes and ``allow`` is False: one line with both sizes and what to pass.
+    """
+    old_dp = int(state.get("dp", 1))
+    if old_dp == dp:
+        return None
+    old, new = old_dp * tokens_per_rank, dp * tokens_per_rank
+    change = {"step": int(state["step"]), "from_tokens": old, "to_tokens": new, "from_dp": old_dp, "to_dp": dp}
+    if not allow:
+        where = Path(ckpt) / "state.json"
+        raise GenoctxError(
+            f"--resume: the run trained {old} tokens per step ({old_dp} data-parallel rank(s), {where}) but this "
+            f"invocation would train {new} ({dp}): resume with --num-workers / --cp = {old_dp}, or pass "
+            "--allow-batch-change"
+        )
+    log.warning("--resume --allow-batch-change: %d -> %d tokens per step from step %d (data-parallel ranks %d -> %d)",
+                old, new, change["step"], old_dp, dp)  # fmt: skip
+    return change
+
+
+def carry_batch_changes(extra: dict, state: dict | None, change: dict | None) -> None:
+    """Put the run's ``batch_changes`` (state.json: the ones ``state`` recorded, plus ``change``) into ``extra``, the
+    fields every later checkpoint's state.json carries."""
+    changes = list((state or {}).get("batch_changes") or []) + ([change] if change else [])
+    if changes:
+        extra["batch_changes"] = changes
+
+
+def warn_newer_incomplete(out: Path, chosen: Path | None) -> None:
+    """Warn (one line each) about checkpoint folders of ``out`` newer than ``chosen`` that have no state.json
+    (``genoctx.train.checkpoint.newer_incomplete``): a resume does not read them."""
+    from .checkpoint import incomplete_line, newer_incomplete
+
+    for p in newer_incomplete(out, chosen):
+        log.warning("%s; --resume loads %s", incomplete_line(p), chosen if chosen is not None else "nothing (step 0)")
+
+
 def check_seq_len(cfg: TrainConfig, window: int, data_dir: Path) -> None:
     """Raises: GenoctxError when ``train.seq_len`` (a crop, in tokens) is longer than the data's windows."""
     if cfg.seq_len is not None and cfg.seq_len > window:
@@ -413,13 +480,16 @@ def _resume_choice(out: Path, verify: bool) -> Path:
         GenoctxError: no checkpoint of the run verifies (the newest one's problem named).
     """
     if not verify:
-        return latest_checkpoint(out)
+        chosen = latest_checkpoint(out)
+        warn_newer_incomplete(out, chosen)
+        return chosen
     chosen, skipped = resume_choice(out)
     if chosen is None:
         raise GenoctxError(f"--resume: no checkpoint of {out} verifies; the newest: {skipped[0][1]}; --no-verify loads "
                            "it anyway, or start a new --out")  # fmt: skip
     for ck, why in skipped:
         log.warning(skip_line(str(ck), why, set_aside(ck)))
+    warn_newer_incomplete(out, chosen)
     return chosen
 
 
@@ -431,6 +501,7 @@ def train(
     device: str = "cpu",
     stop_after: int | None = None,
     wait: bool = False,
+    allow_batch_change: bool = False,
 ) -> dict:
     """Post-train ``recipe.model`` on the train split of ``data_dir`` into the run folder ``out``, its one writer:
     ``genoctx.lock.output_lock`` is held for the whole run (another writer is refused naming this PID, or waits
@@ -443,12 +514,15 @@ def train(
 
     manifest = _check_manifest(Path(data_dir))
     check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
+    if resume:
+        check_run_to_resume(Path(out))
     check_loggers(recipe.train.loggers)  # a logger's missing package: an error before --out is touched
     # a bad base or tokenizer: an error before --out is touched; a resumed Hub base at the run's recorded commit
     recipe, base = resolve_init(recipe, Path(out) if resume else None)
     vocab_head(recipe, base)
     with output_lock(out, wait=wait, what="train"):
-        return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base)
+        return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base,
+                              allow_batch_change=allow_batch_change)  # fmt: skip
 
 
 def train_unlocked(
@@ -459,6 +533,7 @@ def train_unlocked(
     device: str = "cpu",
     stop_after: int | None = None,
     base: dict | None = None,
+    allow_batch_change: bool = False,
 ) -> dict:
     """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``
     (metrics.jsonl, and ``recipe.train.loggers``' TensorBoard/MLflow files: ``genoctx.train.metrics``). On a terminal
@@ -466,7 +541,10 @@ def train_unlocked(
 
     ``recipe.train.steps == 0`` writes the untrained (initialised) model as checkpoint ``step_000000``.
     ``stop_after`` ends this invocation after that step (with a checkpoint), as a scheduler time limit would;
-    the learning-rate schedule still spans ``recipe.train.steps``, so ``resume`` continues the same run.
+    the learning-rate schedule still spans ``recipe.train.steps``, so ``resume`` continues the same run: the model,
+    AdamW moments, the schedule's step and the optimizer's current learning rate (``restore_schedule``) are the
+    uninterrupted run's. A resume of a run trained on more data-parallel ranks changes the global batch and is
+    refused unless ``allow_batch_change`` (``check_global_batch``; recorded in state.json's ``batch_changes``).
     ``recipe.init`` (or ``base``, its record as ``genoctx.train.init.resolve_init`` returns it, with ``recipe``
     already resolved) starts from a pretrained base: its weights, and for a text vocabulary its token map and the
     ``recipe.loss`` head (``genoctx.model.vocab``), all recorded in each checkpoint's state.json.
@@ -499,9 +577,12 @@ def train_unlocked(
             f"{out} already holds checkpoints (latest {latest.name}); pass --resume to continue or choose a new --out"
         )
     resuming = resume and latest is not None
+    change = None
     if resuming:
         latest = _resume_choice(out, cfg.verify_checkpoints)  # the newest that verifies
         check_resume(recipe, latest, read_state(latest), base)
+        per_rank = cfg.batch_size * (cfg.seq_len or ds.window)
+        change = check_global_batch(latest, read_state(latest), 1, per_rank, allow_batch_change)
     elif base is not None and base.get("kind") == "genoctx" and cfg.verify_checkpoints:
         refuse_unverified(Path(base["path"]), base["source"], run_of(base["source"]), "--init", "start from it")
     from ..parallel.build import Fresh, Zeros, build_model
@@ -519,6 +600,7 @@ def train_unlocked(
     extra = describe(base, head)
     if resuming and state.get("init") and base is None:
         extra["init"] = state["init"]  # keep the record of where the run started
+    carry_batch_changes(extra, state, change)
     if head is not None:
         log.info("token map %s (window start %r), loss over the %s vocabulary", head.token_map.ids[:5],
                  head.token_map.window_start_token, head.vocab)  # fmt: skip
@@ -526,6 +608,8 @@ def train_unlocked(
         log.info("--resume: %s holds no complete checkpoint yet; starting at step 0", out)
     out.mkdir(parents=True, exist_ok=True)
     attempt = begin_attempt(out, start, loaded, invocation=uuid.uuid4().hex[:12])
+    if change is not None:
+        record_event(out, {"event": "batch_change", **change})
 
     autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
     params = model.num_parameters()

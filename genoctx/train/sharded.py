@@ -56,6 +56,7 @@ from .checkpoint import (
     prune_checkpoints,
     read_full_tensors,
     read_optimizer,
+    restore_schedule,
 )
 
 FORMAT = "dcp"
@@ -200,8 +201,7 @@ def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
     full, sched = _optimizer_by_name(ckpt, model, optimizer)
     fill_from_full({k: v for k, v in canonical_state(model, optimizer, dims).items() if k.startswith("optim.")},
                    full, Path(ckpt) / "optimizer.pt")  # fmt: skip
-    if scheduler is not None and sched is not None:
-        scheduler.load_state_dict(sched)
+    restore_schedule(scheduler, sched)
 
 
 def lazy_state(ckpt: Path, cfg):

@@ -8,6 +8,7 @@ failing rank's message, as ``run_workers`` does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -17,12 +18,20 @@ import torch
 
 
 class LocalSession:
-    """The part of ``genoctx.cluster.WorkerSession`` the eval worker uses: the CPU device."""
+    """``genoctx.cluster.WorkerSession`` without Ray: the CPU device; no Ray checkpoint to restore and nothing
+    reported (a training run then resumes from its own ``RUN/checkpoints``)."""
 
     gpus_per_worker = 0
 
     def device(self):
         return torch.device("cpu")
+
+    def report(self, metrics: dict, checkpoint_dir=None) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def checkpoint_dir(self):
+        yield None
 
 
 def _free_port() -> int:
