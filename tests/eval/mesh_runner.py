@@ -57,10 +57,26 @@ def _entry(rank: int, worker_fn, config: dict, world: int, port: int, out: str) 
         (Path(out) / f"error{rank}.txt").write_text(str(e))
 
 
+PRELOAD = ["torch", "torch.distributed.checkpoint", "genoctx.parallel.build", "genoctx.train.distributed",
+           "genoctx.eval.distributed", "mesh_runner"]  # fmt: skip
+
+
+def _forkserver() -> str:
+    """``"forkserver"`` with ``PRELOAD`` imported once by the server: every rank of every ``spawn_workers`` call is a
+    fork of it (no torch import per rank, ~2-3 s each before; a fresh process all the same). The server keeps the
+    environment and working directory of its start: the workers get absolute paths and no environment of a test."""
+    import multiprocessing.forkserver as fs
+
+    if fs._forkserver._forkserver_pid is None:
+        fs.set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
 def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",
                   gpus_per_worker: float = 0, address=None, max_failures: int = 0, keep_checkpoints: int = 0,
                   what: str = "distributed run", placement_timeout=None):  # fmt: skip
-    """``run_workers`` on ``num_workers`` spawned gloo processes (CPU only; the Ray-only arguments are ignored)."""
+    """``run_workers`` on ``num_workers`` gloo processes forked from a preloaded server (``_forkserver``; CPU only;
+    the Ray-only arguments are ignored)."""
     import torch.multiprocessing as mp
 
     from genoctx.cluster import WorkerRun
@@ -69,7 +85,8 @@ def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, ru
     out = Path(storage_path) / run_name
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    mp.spawn(_entry, args=(worker_fn, config, num_workers, _free_port(), str(out)), nprocs=num_workers, join=True)
+    args = (worker_fn, config, num_workers, _free_port(), str(out))
+    mp.start_processes(_entry, args=args, nprocs=num_workers, join=True, start_method=_forkserver())
     seconds = time.perf_counter() - t0
     errors = sorted(out.glob("error*.txt"))
     if errors:
