@@ -1,24 +1,18 @@
 """The command line as a user (or a shell pipeline) sees it: JSON on stdout, logs on stderr, exit codes."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 REALDNA = REPO / "data" / "hg38"
 
 
 def genoctx(*args, check=True):
-    r = subprocess.run(
-        [sys.executable, "-m", "genoctx", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    r = run_genoctx(*args, cwd=REPO, timeout=600)
     if check and r.returncode != 0:
         raise AssertionError(f"genoctx {args} exited {r.returncode}: {r.stderr[-2000:]}")
     return r

@@ -16,6 +16,7 @@ import tempfile
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.cluster import _workers_per_node, check_local, gpus_needed
 from genoctx.errors import GenoctxError
@@ -25,8 +26,7 @@ NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the local case is
 
 
 def _genoctx(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "genoctx", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)  # fmt: skip
+    return run_genoctx(*args, env={**os.environ, **(env or {})}, timeout=300)
 
 
 def _train(prepared, out, *args, env=None):

@@ -4,12 +4,11 @@ meta device. Its counts are the ground truth the planner's static terms (genoctx
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx import plan as P
 from genoctx.model.config import preset
@@ -23,8 +22,7 @@ GIB = 2**30
 
 
 def genoctx(*args):
-    return subprocess.run([sys.executable, "-m", "genoctx", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, timeout=600)  # fmt: skip
+    return run_genoctx(*args, cwd=REPO, timeout=600)
 
 
 def _shapes(cfg):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.errors import GenoctxError
 from genoctx.eval.distributed import MeshEval, round_robin
@@ -233,10 +234,7 @@ def test_a_run_whose_newest_checkpoint_does_not_verify_is_refused_on_the_mesh(da
 
 
 def _cli(*args, cwd=None):
-    import subprocess
-
-    cmd = [sys.executable, "-m", "genoctx", "eval", "--by-position", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd or HERE.parents[1], timeout=600)
+    return run_genoctx("eval", "--by-position", *args, cwd=cwd or HERE.parents[1], timeout=600)
 
 
 @pytest.mark.parametrize(

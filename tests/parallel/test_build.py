@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.errors import GenoctxError
 from genoctx.model.config import DSA, KDA, preset
@@ -303,10 +304,8 @@ def test_train_on_a_mesh_refuses_a_misshapen_base_before_any_worker(prepared, tm
     _misshapen_export(tmp_path, cfg, "model.language_model.layers.2.mlp.experts.7.up_proj.weight", (slice(0, -1),))
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "genoctx", "train", "--data", str(prepared), "--recipe", str(recipe),
-                        "--out", str(out), "--init", str(tmp_path / "hf"), "--num-workers", "2", "--fsdp", "2",
-                        "--steps", "1", "--set", "model.preset=null"], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+    r = run_genoctx("train", "--data", prepared, "--recipe", recipe, "--out", out, "--init", tmp_path / "hf",
+                    "--num-workers", "2", "--fsdp", "2", "--steps", "1", "--set", "model.preset=null", timeout=300)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "layers.2.mlp.experts.7.up_proj.weight" in lines[0] and "model.safetensors" in lines[0]

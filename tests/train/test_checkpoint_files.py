@@ -6,11 +6,10 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 from safetensors.torch import load_file
 
 from genoctx.errors import GenoctxError
@@ -53,8 +52,7 @@ def test_tied_embeddings_save_resume_and_stay_tied(prepared, tmp_path):
 
 
 def _genoctx(*args):
-    return subprocess.run([sys.executable, "-m", "genoctx", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    return run_genoctx(*args, timeout=300)
 
 
 @pytest.fixture(scope="module")

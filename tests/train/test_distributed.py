@@ -1,20 +1,28 @@
-"""``genoctx train --num-workers N --cp C`` through Ray Train on CPU (gloo): resume and worker-failure restart,
-and the zigzag CP layout (``train.cp_layout=zigzag``).
+"""``genoctx train --num-workers N``: the distributed driver on CPU (gloo): resume, worker-failure restart, a killed
+driver, the zigzag CP layout and EP -> FSDP resharding on resume.
 
-The Ray tests share one local Ray per module (``ray_address``: started in this process, each ``genoctx train``
-attaches with ``--address``; a Ray of its own costs every run ~20 s to start and stop on a small CPU); they are
-marked ``slow`` (deselect with ``-m "not slow"``). ``tests/test_cluster.py`` covers the Ray genoctx starts itself.
+The layouts' own checks (CP zigzag, EP then FSDP resharding) run on gloo processes without Ray
+(``mesh_runner.spawn_workers``); what only Ray does (restarting the group after a worker died, its copy of the
+checkpoints, a killed driver) runs through the CLI on Ray. The Ray tests share one local Ray per module
+(``ray_address``: started in this process, each ``genoctx train`` attaches with ``--address``; a Ray of its own
+costs every run ~20 s to start and stop on a small CPU); they are marked ``slow`` (deselect with
+``-m "not slow"``). ``tests/test_cluster.py`` covers the Ray genoctx starts itself.
 """
 
 import json
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.recipes import load_recipe
+from genoctx.train.distributed import train_distributed
 from genoctx.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+from mesh_runner import spawn_workers  # noqa: E402  (kept on sys.path: the forked ranks import it too)
 
 SETS = ["train.seq_len=256", "train.checkpoint_every=1", "train.keep_checkpoints=0", "train.warmup_steps=1"]
 
@@ -43,7 +51,7 @@ def _cli(*args, env=None):
     for s in SETS:
         cmd += ["--set", s]
     cmd += args  # later --set overrides win
-    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=400)
+    return run_genoctx(*cmd[3:], env={**os.environ, **(env or {})}, timeout=400)
 
 
 def _pools_scored(a: int, b: int) -> int:
@@ -136,17 +144,14 @@ def test_ray_cp2_resume_and_killed_worker_restart_match_one_process(prepared, on
     assert summary["rank_imbalance"]["dsa_keys_scored_max_over_mean"] == pytest.approx(2 * k1 / (k0 + k1))
 
 
-@pytest.mark.slow
-def test_ray_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path, ray_address):
-    """``--set train.cp_layout=zigzag``: rank 0 holds pieces 0 and 3 of the 256-token crop, rank 1 pieces 1
-    and 2 (64 tokens each, a multiple of the pool size 4). Losses equal the one-process run; both ranks score
-    the same indexer pools."""
+def test_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_process_run, tmp_path):
+    """``train.cp_layout=zigzag`` on 2 ranks (gloo processes, ``mesh_runner.spawn_workers``: the driver
+    ``train_distributed`` unchanged, no Ray): rank 0 holds pieces 0 and 3 of the 256-token crop, rank 1 pieces 1
+    and 2 (64 tokens each, a multiple of the pool size 4). Losses equal the one-process run; both ranks score the
+    same indexer pools."""
     run = tmp_path / "zigzag"
-    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--cp", "2", "--steps", "3",
-              "--address", ray_address]  # fmt: skip
-    r = _cli(*common, "--stop-after", "2", "--set", "train.cp_layout=zigzag")
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
+    recipe = load_recipe("recipes/tiny.yaml", [*SETS, "train.steps=3", "train.cp=2", "train.cp_layout=zigzag"])
+    summary = train_distributed(prepared, recipe, run, run_workers=spawn_workers, num_workers=2, cp=2, stop_after=2)
     assert summary["step"] == 2 and summary["workers"] == 2
     got, want = _losses(run), _losses(one_process_run)[:2]
     assert [s for s, _ in got] == [1, 2]
@@ -182,19 +187,21 @@ def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_pat
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
-@pytest.mark.slow
-def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path, ray_address):
-    """``--ep 2`` on 2 Ray workers for 2 steps (a sharded checkpoint: each worker its block of experts), then
-    ``--resume --fsdp 2``: the checkpoint is resharded (experts and AdamW moments now FSDP shards) and step 3 runs.
-    Two data ranks see what one process with batch 2 sees: every loss equals that run's; the per-rank metrics
-    carry the EP received rows."""
+def test_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
+    """EP=2 on 2 ranks (gloo processes, ``mesh_runner.spawn_workers``, no Ray) for 2 steps (a sharded checkpoint:
+    each rank its block of experts), then a resume at FSDP=2: the checkpoint is resharded (experts and AdamW moments
+    now FSDP shards) and step 3 runs. Two data ranks see what one process with batch 2 sees: every loss equals that
+    run's; the per-rank metrics carry the EP received rows."""
     ref = tmp_path / "ref"
     train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=3", "train.batch_size=2", *SETS]), ref)
     run = tmp_path / "run"
-    common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "3",
-              "--address", ray_address]  # fmt: skip
-    first = _cli(*common, "--ep", "2", "--stop-after", "2")
-    assert first.returncode == 0, first.stderr[-3000:]
+
+    def mesh(**kw):
+        recipe = load_recipe("recipes/tiny.yaml", [*SETS, "train.steps=3", *(f"train.{k}={v}" for k, v in kw.items()
+                                                                               if k in ("ep", "fsdp"))])  # fmt: skip
+        return train_distributed(prepared, recipe, run, run_workers=spawn_workers, num_workers=2, **kw)
+
+    mesh(ep=2, stop_after=2)
     ckpt = run / "checkpoints" / "step_000002"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["format"] == "dcp"
@@ -203,9 +210,7 @@ def test_ray_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path, ra
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["ep_rank"] for r in rows[0]["ranks"]] == [0, 1]
     assert all(r["ep_received_rows"] > 0 for row in rows for r in row["ranks"])
-    second = _cli(*common, "--fsdp", "2", "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
-    summary = json.loads(second.stdout)
+    summary = mesh(fsdp=2, resume=True)
     assert summary["resumed_from"] == 2 and summary["step"] == 3
     got, want = _losses(run), _losses(ref)
     assert [s for s, _ in got] == [1, 2, 3]

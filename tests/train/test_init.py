@@ -4,12 +4,12 @@ nucleotide rows; the Hub path through a pre-populated HF cache, offline."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.data.dataset import WindowDataset, scored_mask
 from genoctx.data.tokenizer import BOS
@@ -154,8 +154,7 @@ def _hub_cache(
 def _cli(args, env):
     import os
 
-    return subprocess.run([sys.executable, "-m", "genoctx", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)  # fmt: skip
+    return run_genoctx(*args, env={**os.environ, **env}, timeout=300)
 
 
 def test_init_from_a_hub_repo_id_offline(prepared, base, tmp_path):

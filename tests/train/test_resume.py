@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 import genoctx.train.loop as loop
 from genoctx.errors import GenoctxError
@@ -46,7 +47,10 @@ def counted(monkeypatch):
 def _cli(*args, env=None, **kw):
     cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml", "--set", "train.seq_len=256",
            "--set", "train.warmup_steps=1", "--set", "train.keep_checkpoints=0", *args]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300, **kw)
+    if kw:  # a caller that needs a real subprocess (its own process group, a pipe it reads while running)
+        return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=300,
+                              **kw)  # fmt: skip
+    return run_genoctx(*cmd[3:], env={**os.environ, **(env or {})}, timeout=300)
 
 
 @pytest.fixture(scope="module")
