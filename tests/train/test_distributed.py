@@ -15,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
 from genoctx.recipes import load_recipe
+from genoctx.train.checkpoint import read_full_tensors
 from genoctx.train.distributed import train_distributed
 from genoctx.train.loop import train
 
@@ -169,7 +171,9 @@ def test_cp2_zigzag_matches_one_process_and_balances_dsa_keys(prepared, one_proc
 def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_path, ray_address):
     """``save+driver:4``: rank 0 kills the driver, then itself, while checkpoint 4 is half written (Ray has not
     registered checkpoint 2 either, or has). ``--resume`` loads step 2, the newest complete checkpoint, removes the
-    temporary of step 4, runs steps 3..6 only and says ``resumed_from: 2`` truthfully."""
+    temporary of step 4, runs steps 3..6 only and says ``resumed_from: 2`` truthfully. Every step's learning rate
+    (the schedule decays through steps 3..6) and loss, and the final weights, are those of the same run uninterrupted
+    (2 gloo ranks without Ray, ``spawn_workers``): the DCP checkpoint restored the optimizer's current rate."""
     run = tmp_path / "run"
     common = ["--data", str(prepared), "--out", str(run), "--num-workers", "2", "--steps", "6",
               "--set", "train.checkpoint_every=2", "--address", ray_address]  # fmt: skip
@@ -185,6 +189,17 @@ def test_ray_driver_and_rank0_killed_during_a_save_then_resume(prepared, tmp_pat
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["attempt"]) for m in rows] == [(1, 1), (2, 1), (3, 2), (4, 2), (5, 2), (6, 2)]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    full = tmp_path / "full"
+    recipe = load_recipe("recipes/tiny.yaml", [*SETS, "train.steps=6", "train.checkpoint_every=2"])
+    train_distributed(prepared, recipe, full, run_workers=spawn_workers, num_workers=2)
+    want = [json.loads(ln) for ln in (full / "metrics.jsonl").read_text().splitlines()]
+    assert len({m["lr"] for m in want[2:]}) == 4  # a wrong rate at any resumed step shows
+    assert [m["lr"] for m in rows] == pytest.approx([m["lr"] for m in want], rel=1e-9)
+    assert [m["loss"] for m in rows] == pytest.approx([m["loss"] for m in want], rel=1e-6)
+    got, ref = (read_full_tensors(r / "checkpoints" / "step_000006") for r in (run, full))
+    assert got.keys() == ref.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_ep2_then_resume_at_fsdp2_matches_one_process(prepared, tmp_path):
