@@ -129,8 +129,8 @@ def _read(server: subprocess.Popen, deadline: float | None):
     return pickle.loads(server.stdout.read(struct.unpack("!I", head)[0]))
 
 
-def run_genoctx(*args, env: dict | None = None, cwd=None, timeout: float | None = 300, input: str | None = None,
-                **_ignored) -> subprocess.CompletedProcess:  # fmt: skip
+def run_genoctx(*args, env: dict | None = None, cwd=None, timeout: float | None = 300,
+                input: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """``subprocess.run([sys.executable, "-m", "genoctx", *args], capture_output=True, text=True, ...)``, the process
     forked from the session's server (module docstring).
 

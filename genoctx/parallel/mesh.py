@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import traceback
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -107,7 +108,9 @@ class ParallelDims:
 
 _GROUP_FIELDS = ("cp_group", "ep_group", "dp_cp_group", "expert_group", "dense_mesh", "expert_mesh", "mesh",
                  "expert_dtensor_mesh")  # fmt: skip
-_LIVE: list[ParallelDims] = []  # every ParallelDims init_parallel made in this process, until destroy_parallel
+# every ParallelDims init_parallel made in this process, until destroy_parallel: weak, so that tracking them never
+# keeps a group alive longer than its users do
+_LIVE: list[weakref.ref[ParallelDims]] = []
 
 
 def init_parallel(
@@ -184,7 +187,7 @@ def init_parallel(
         mesh=mesh,
         expert_dtensor_mesh=dtensor_mesh,
     )
-    _LIVE.append(dims)
+    _LIVE.append(weakref.ref(dims))
     return dims
 
 
@@ -213,8 +216,9 @@ def destroy_parallel(error: BaseException | None = None) -> None:
 
     Never raises: a teardown error is turned into a warning, so that it cannot hide ``error``.
     """
-    for dims in _LIVE:
-        dims.drop_groups()
+    for ref in _LIVE:
+        if (dims := ref()) is not None:
+            dims.drop_groups()
     _LIVE.clear()
     _clear_frames(error)
     try:

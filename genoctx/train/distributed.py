@@ -463,7 +463,7 @@ def train_distributed(
 
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
-            max_failures, placement_timeout=None, allow_batch_change=False, seq_len=None):  # fmt: skip
+            max_failures, placement_timeout, allow_batch_change, seq_len):  # fmt: skip
     from .checkpoint import latest_checkpoint, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
@@ -480,7 +480,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         latest = _readable_checkpoint(out, recipe.train.verify_checkpoints)
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
         check_resume(recipe, latest, state, base)
-        per_rank = recipe.train.batch_size * (seq_len or recipe.train.seq_len or 0)
+        per_rank = recipe.train.batch_size * seq_len  # tokens per data rank per step (seq_len: the crop or window)
         change = check_global_batch(latest, state, layout.dp, per_rank, allow_batch_change)
     if resume:
         warn_newer_incomplete(out, latest)

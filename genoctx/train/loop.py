@@ -44,6 +44,7 @@ from ..parallel.mesh import ParallelDims
 from ..progress import bar
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
+    CKPT_DIR,
     latest_checkpoint,
     load_training_state,
     read_state,
@@ -356,7 +357,7 @@ def check_run_to_resume(out: Path) -> None:
     out = Path(out)
     if not out.is_dir():
         raise GenoctxError(f"--resume: --out {out} does not exist: check the path, or drop --resume to start a new run")
-    if not (out / "checkpoints").is_dir() and not (out / EVENTS).is_file():
+    if not (out / CKPT_DIR).is_dir() and not (out / EVENTS).is_file():
         raise GenoctxError(f"--resume: --out {out} holds no run (no checkpoints/, no {EVENTS}): check the path, or "
                            "drop --resume to start a new run there")  # fmt: skip
 
@@ -580,9 +581,10 @@ def train_unlocked(
     change = None
     if resuming:
         latest = _resume_choice(out, cfg.verify_checkpoints)  # the newest that verifies
-        check_resume(recipe, latest, read_state(latest), base)
+        saved = read_state(latest)
+        check_resume(recipe, latest, saved, base)
         per_rank = cfg.batch_size * (cfg.seq_len or ds.window)
-        change = check_global_batch(latest, read_state(latest), 1, per_rank, allow_batch_change)
+        change = check_global_batch(latest, saved, 1, per_rank, allow_batch_change)
     elif base is not None and base.get("kind") == "genoctx" and cfg.verify_checkpoints:
         refuse_unverified(Path(base["path"]), base["source"], run_of(base["source"]), "--init", "start from it")
     from ..parallel.build import Fresh, Zeros, build_model

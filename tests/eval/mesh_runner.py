@@ -65,10 +65,9 @@ def _forkserver() -> str:
     """``"forkserver"`` with ``PRELOAD`` imported once by the server: every rank of every ``spawn_workers`` call is a
     fork of it (no torch import per rank, ~2-3 s each before; a fresh process all the same). The server keeps the
     environment and working directory of its start: the workers get absolute paths and no environment of a test."""
-    import multiprocessing.forkserver as fs
+    import multiprocessing
 
-    if fs._forkserver._forkserver_pid is None:
-        fs.set_forkserver_preload(PRELOAD)
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call); later ones keep it
     return "forkserver"
 
 

@@ -49,11 +49,9 @@ def ray_address(tmp_path_factory):
 
 
 def _cli(*args, env=None):
-    cmd = [sys.executable, "-m", "genoctx", "train", "--recipe", "recipes/tiny.yaml"]
-    for s in SETS:
-        cmd += ["--set", s]
-    cmd += args  # later --set overrides win
-    return run_genoctx(*cmd[3:], env={**os.environ, **(env or {})}, timeout=400)
+    sets = [x for s in SETS for x in ("--set", s)]  # later --set overrides win
+    return run_genoctx("train", "--recipe", "recipes/tiny.yaml", *sets, *args, env={**os.environ, **(env or {})},
+                       timeout=400)  # fmt: skip
 
 
 def _pools_scored(a: int, b: int) -> int:
