@@ -105,7 +105,7 @@ def _indexer_topk_kernel(
     tie,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     KP: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, EMPTY: tl.constexpr,
-    MERGE_SORT: tl.constexpr,
+    MERGE_SORT: tl.constexpr, D_CHUNKS: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -119,22 +119,36 @@ def _indexer_topk_kernel(
     h2 = (r % BLOCK_H).to(tl.int64)
     ok2 = (t2 < T) & (h2 < H)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
-    d_ok = d < D
     q_off = b * sq_b + t2 * sq_t + h2 * sq_h
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :] * sq_d, mask=ok2[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(DOT_DTYPE)
+    if D_CHUNKS == 1:  # the whole query tile stays in registers across key blocks
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :] * sq_d, mask=ok2[:, None] & (d < D)[None, :], other=0.0)
+        q = q.to(DOT_DTYPE)
     w = tl.load(w_ptr + b * sw_b + t2 * sw_t + h2 * sw_h, mask=ok2, other=0.0).to(tl.float32)
     run = tl.full([BLOCK_M, KP], EMPTY, tl.int64)  # running top-KP keys per row, sorted descending
     n_blk = tl.cdiv(n_vis, BLOCK_N)
     for i in range(0, n_blk):
         c0 = (n_blk - 1 - i) * BLOCK_N  # newest block first
         cols = c0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        kb = tl.load(
-            k_ptr + b * sk_b + cols[:, None] * sk_n + d[None, :] * sk_d,
-            mask=(cols < n_vis)[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
-        s2 = tl.dot(q, tl.trans(kb), input_precision=PREC)  # [BM * BH, BN] fp32
+        if D_CHUNKS == 1:
+            kb = tl.load(
+                k_ptr + b * sk_b + cols[:, None] * sk_n + d[None, :] * sk_d,
+                mask=(cols < n_vis)[:, None] & (d < D)[None, :],
+                other=0.0,
+            ).to(DOT_DTYPE)
+            s2 = tl.dot(q, tl.trans(kb), input_precision=PREC)  # [BM * BH, BN] fp32
+        else:  # channels in chunks: fp32 tiles of the full width do not fit in registers (bench/kernel_compile.py)
+            s2 = tl.zeros([BLOCK_M * BLOCK_H, BLOCK_N], tl.float32)
+            for c in range(0, D_CHUNKS):
+                dc = c * BLOCK_D + d
+                dc_ok = dc < D
+                qc = tl.load(q_ptr + q_off[:, None] + dc[None, :] * sq_d, mask=ok2[:, None] & dc_ok[None, :],
+                             other=0.0).to(DOT_DTYPE)  # fmt: skip
+                kc = tl.load(
+                    k_ptr + b * sk_b + cols[:, None] * sk_n + dc[None, :] * sk_d,
+                    mask=(cols < n_vis)[:, None] & dc_ok[None, :],
+                    other=0.0,
+                ).to(DOT_DTYPE)
+                s2 = tl.dot(qc, tl.trans(kc), s2, input_precision=PREC)
         s2 = tl.maximum(s2, 0.0) * w[:, None]
         s = tl.sum(tl.reshape(s2, [BLOCK_M, BLOCK_H, BLOCK_N]), axis=1)  # [BM, BN] summed over heads
         v = s + cols.to(tl.float32)[None, :] * tie
@@ -152,22 +166,34 @@ def _indexer_topk_kernel(
 MERGE_SORT: bool | None = None  # None: bitonic merge on a GPU, rank merge under the interpreter (``_merge``)
 
 
-def _blocks(H: int, D: int, K: int) -> dict:
-    """Block sizes: ``tl.dot`` needs every dimension >= 16; the interpreter gets small blocks (several per test)."""
+def _blocks(H: int, D: int, K: int, dot_bytes: int = 2) -> dict:
+    """Block sizes and warps of one launch (``dot_bytes``: 4 for an fp32 dot, 2 for fp16/bf16).
+
+    ``tl.dot`` needs every dimension >= 16; the interpreter gets small blocks (several per test). On a GPU the
+    choice is the one ``bench/kernel_compile.py`` shows compiling without spills on sm_90 and sm_100 at
+    GLM-5.3-Flash's indexer (32 heads x 128, top-128 pools): ``BM H = 32`` query rows per program (64 spill on
+    sm_100), 16-bit dots over the whole channel width in one ``[BM H, D] x [D, BN]`` product, fp32 (``ieee``, no
+    tensor cores) dots over channels in chunks of 32 (full-width fp32 tiles spill kilobytes).
+    """
     interp = _interpreting()
     merge_sort = (not interp) if MERGE_SORT is None else MERGE_SORT
     BH = triton.next_power_of_2(H)
     BD = max(16, triton.next_power_of_2(D))
     KP = triton.next_power_of_2(K)
-    if interp:
+    if interp:  # fp32 channels in chunks of 16 here, so that tests with d_I > 16 run the chunked loop
         BM, BN, warps = max(2, 16 // BH), max(16, KP), 1
+        if dot_bytes > 2:
+            BD = 16
     else:
-        BM = max(1, min(16, 128 // BH), 16 // BH)
+        BM = max(1, 32 // BH)  # 32 query rows (queries x heads) in one program's dot
         BN = max(64, KP)
-        warps = 8 if BM * BH * BN >= 128 * 128 else 4
+        warps = 8
+        if dot_bytes > 2:
+            BD = min(BD, 32)
     if not merge_sort:
         KP = BN  # the rank merge joins two lists of one width
-    return dict(BLOCK_M=BM, BLOCK_H=BH, BLOCK_D=BD, BLOCK_N=BN, KP=KP, MERGE_SORT=merge_sort, num_warps=warps)
+    return dict(BLOCK_M=BM, BLOCK_H=BH, BLOCK_D=BD, BLOCK_N=BN, KP=KP, MERGE_SORT=merge_sort, num_warps=warps,
+                num_stages=2, D_CHUNKS=triton.cdiv(D, BD))
 
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -240,7 +266,7 @@ def indexer_topk(
         dot_dtype = torch.promote_types(index_q.dtype, index_k.dtype)
     if dot_dtype not in _TL:
         raise ValueError(f"indexer_topk (Triton): dot_dtype must be fp32, fp16 or bf16, got {dot_dtype}")
-    cfg = _blocks(H, D, K)
+    cfg = _blocks(H, D, K, torch.empty((), dtype=dot_dtype).element_size())
     vis_dev = visible.to(device=index_q.device)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B)
     _indexer_topk_kernel[grid](
@@ -250,7 +276,8 @@ def indexer_topk(
         TIE_BREAK,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"],
         KP=cfg["KP"], DOT_DTYPE=_TL[dot_dtype], PREC="ieee" if dot_dtype == torch.float32 else None,
-        EMPTY=_EMPTY, MERGE_SORT=cfg["MERGE_SORT"], num_warps=cfg["num_warps"],
+        EMPTY=_EMPTY, MERGE_SORT=cfg["MERGE_SORT"], D_CHUNKS=cfg["D_CHUNKS"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
 

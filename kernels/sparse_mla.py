@@ -205,8 +205,8 @@ def _bwd_dkv_kernel(
     cdt = q_ptr.dtype.element_ty
     kvb = kvb.to(cdt)
     acc = tl.zeros([BLOCK_P, BLOCK_R], tl.float32)
-    e0 = tl.load(off_ptr + b * NP + pool)
-    e1 = tl.load(off_ptr + b * NP + pool + 1)
+    e0 = tl.load(off_ptr + (b * NP + pool))
+    e1 = tl.load(off_ptr + (b * NP + pool + 1))  # one i64 offset (the test reads the IR)
     for e in range(e0, e1):  # the queries that selected this pool, in a fixed order
         code = tl.load(ent_ptr + e).to(tl.int64)
         t = tl.where(code < 0, -code - 1, code)  # -(t + 1): the pool is t's incomplete tail
@@ -236,15 +236,21 @@ def _configs(pairs) -> list:
     return [triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bh, bn, w, st in pairs]
 
 
-# CUDA: a few configurations, tried once per (H, R, Kp, kpool) by triton.autotune (configs that do not fit the SM's
-# registers or shared memory are skipped by the autotuner). The interpreter runs the single _INTERPRET one.
-_FWD_CONFIGS = _configs([(16, 32, 4, 2), (32, 32, 8, 2), (64, 32, 8, 1), (32, 64, 8, 1), (64, 64, 8, 1)])
-_BWD_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 8, 1), (32, 32, 8, 1), (64, 16, 8, 1)])
-_DKV_CONFIGS = [triton.Config({"BLOCK_H": bh}, num_warps=w) for bh, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
+# CUDA: a few configurations, tried once per (H, R, Kp, kpool) by triton.autotune. Each one listed compiles for sm_90
+# and sm_100 at GLM-5.3-Flash's shapes (64 heads, latent 512, 128 pools of 16; bf16) without spilling unless its
+# comment says otherwise (bench/kernel_compile.py; README "Kernels on H100/H200 and B200"). Removed because they
+# spill on both targets: BLOCK_H=64 in every kernel (a [64, 512] fp32 accumulator per program), BLOCK_N=32 with the
+# atomic dKV (a second [BLOCK_N, 512] fp32 tile), num_stages > 1 in the dKV kernel. The interpreter runs the single
+# _INTERPRET one.
+_FWD_CONFIGS = _configs([(16, 32, 4, 2), (32, 32, 8, 2), (32, 64, 8, 1)])
+_BWD_CONFIGS = _configs([(32, 16, 8, 1), (16, 16, 4, 1)])  # atomic dKV; 16x16: fits sm_90, spills 48 B on sm_100
+_BWD_DQ_CONFIGS = _configs([(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 8, 1), (32, 32, 8, 1)])  # deterministic: dQ
+_DKV_CONFIGS = [triton.Config({"BLOCK_H": bh}, num_warps=w, num_stages=1) for bh, w in ((16, 4), (16, 8), (32, 8))]
 _KEY = ["H", "R", "KSLOTS", "kpool"]
 _INTERPRET = dict(BLOCK_H=16, BLOCK_N=16)
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY)(_fwd_kernel)
 _bwd_tuned = triton.autotune(_BWD_CONFIGS, key=_KEY, reset_to_zero=["dkv_ptr"])(_bwd_kernel)
+_bwd_dq_tuned = triton.autotune(_BWD_DQ_CONFIGS, key=_KEY)(_bwd_kernel)
 _dkv_tuned = triton.autotune(_DKV_CONFIGS, key=["H", "R", "kpool"])(_bwd_dkv_kernel)
 
 
@@ -376,7 +382,8 @@ def sparse_mla_bwd(
     dkv32 = None if deterministic else torch.zeros(B, N, R, dtype=torch.float32, device=q.device)
     dkv_arg = dkv32 if dkv32 is not None else dq  # unused pointer when deterministic
     _launch(
-        _bwd_kernel, _bwd_tuned, lambda meta: (T, B, triton.cdiv(H, meta["BLOCK_H"])),
+        _bwd_kernel, _bwd_dq_tuned if deterministic else _bwd_tuned,
+        lambda meta: (T, B, triton.cdiv(H, meta["BLOCK_H"])),
         q, kv, pools, pos, do, lse, delta, dq, dkv_arg,
         H, R, pools.shape[-1], kpool, _width(pools, kpool, tail), float(scale),
         *q.stride(), *kv.stride(), *pools.stride(), *do.stride(), *lse.stride(), *dq.stride(),

@@ -37,6 +37,7 @@ CASES = {  # B, S (cached positions), T (queries), kpool, topk (pools), H_I, d_I
     "tokens-cache": (2, 11, 19, 1, 9, 2, 8),  # pools of one token, queries after a cache
     "many-blocks": (1, 70, 13, 1, 40, 4, 16),  # several key blocks merged into a running top-64
     "few-pools": (2, 3, 20, 4, 16, 2, 16),  # every query sees fewer pools than top-k
+    "channel-chunks": (1, 6, 14, 2, 5, 2, 40),  # fp32: d_I in 3 chunks of 16 (the last one masked)
 }
 
 
