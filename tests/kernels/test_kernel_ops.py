@@ -103,6 +103,29 @@ def test_fake_kernels_check_shapes_and_dtypes():
         torch.ops.genoctx.sparse_mla_fwd(x["q"], x["kv"][..., :3], pools, x["pos"], KPOOL, True, SCALE)
 
 
+def test_backward_is_deterministic_when_torch_says_so(monkeypatch, device):
+    """The autograd formula reads ``torch.are_deterministic_algorithms_enabled()`` as the backward runs: the atomic
+    backward by default, the atomic-free one under ``torch.use_deterministic_algorithms(True)``; same gradients to
+    fp32 rounding."""
+    x = _inputs(device)
+    pools = torch.tensor([1, 0, -1], dtype=torch.int32, device=device).expand(B, T, 3)  # tokens 0..3 and the tail
+    sel = dsa.DSASelection(pools, x["pos"], KPOOL, True)
+    seen, real = [], ksm.sparse_mla_bwd
+    monkeypatch.setattr(ksm, "sparse_mla_bwd", lambda *a: seen.append(a[-1]) or real(*a))
+    grads = []
+    for det in (False, True):
+        q, kv = x["q"].clone().requires_grad_(), x["kv"].clone().requires_grad_()
+        o = ksm.sparse_mla(q, kv, sel, SCALE)
+        torch.use_deterministic_algorithms(det)
+        try:
+            grads.append(torch.autograd.grad(o.sum(), (q, kv)))
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert seen == [False, True]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _step(q, kv, iq, iw, pk, vis, pos):
     """One DSA attention step as the layer makes it: the indexer's pools, then sparse MLA over pools + tail."""
     pools = kit.indexer_topk(iq, iw, pk, vis, K, index_dtype=torch.int32)
