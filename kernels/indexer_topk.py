@@ -199,7 +199,7 @@ def _blocks(H: int, D: int, K: int, dot_bytes: int = 2) -> dict:
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def indexer_topk(
+def indexer_topk_launch(
     index_q: torch.Tensor,
     index_w: torch.Tensor,
     index_k: torch.Tensor,
@@ -282,4 +282,75 @@ def indexer_topk(
     return out
 
 
-__all__ = ["SENTINEL", "TIE_BREAK", "indexer_topk"]
+# ---------------------------------------------------------------- the PyTorch op: genoctx::indexer_topk
+#
+# ``indexer_topk_launch`` above (checks, then one launch) is the op's kernel on every real device: CPU under the
+# interpreter, CUDA compiled. The fake kernel gives the output's shape and dtype without data, so FakeTensorMode, the
+# meta device and torch.compile (AOTAutograd) trace through the op; the result is integer (no autograd formula).
+# ``torch.library.custom_op`` rather than ``triton_op``: a triton_op's body is traced by make_fx (its fake kernel and
+# its decomposition under AOTAutograd), which needs ``wrap_triton`` launches that the interpreter does not provide
+# (an interpreted kernel reads the data pointers of fake tensors) and a body free of data-dependent checks.
+
+
+@torch.library.custom_op("genoctx::indexer_topk", mutates_args=())
+def _indexer_topk_op(
+    index_q: torch.Tensor,
+    index_w: torch.Tensor,
+    index_k: torch.Tensor,
+    visible: torch.Tensor,
+    topk: int,
+    index_dtype: torch.dtype,
+    dot_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    return indexer_topk_launch(index_q, index_w, index_k, visible, topk, None, index_dtype, dot_dtype=dot_dtype)
+
+
+@_indexer_topk_op.register_fake
+def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype):
+    """The checks of ``indexer_topk_launch`` that need no data (not ``visible``'s values), then the empty result."""
+    if index_q.dim() != 4 or index_w.shape != index_q.shape[:3] or index_k.dim() != 3:
+        raise ValueError(
+            f"indexer_topk: bad shapes q {tuple(index_q.shape)}, w {tuple(index_w.shape)}, k {tuple(index_k.shape)}"
+        )
+    B, T, _, D = index_q.shape
+    if index_k.shape[0] != B or index_k.shape[2] != D:
+        raise ValueError(f"indexer_topk: keys {tuple(index_k.shape)} do not fit queries {tuple(index_q.shape)}")
+    if visible.shape != (T,) or visible.dtype.is_floating_point:
+        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {index_k.shape[1]}]")
+    if index_dtype not in (torch.long, torch.int32):
+        raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
+    for name, x in (("index_q", index_q), ("index_w", index_w), ("index_k", index_k)):
+        if x.dtype not in _TL:
+            raise ValueError(f"indexer_topk (Triton): {name} must be fp32, fp16 or bf16, got {x.dtype}")
+    return index_q.new_empty((B, T, torch.sym_min(topk, index_k.shape[1])), dtype=index_dtype)
+
+
+def indexer_topk(
+    index_q: torch.Tensor,
+    index_w: torch.Tensor,
+    index_k: torch.Tensor,
+    visible: torch.Tensor,
+    topk: int,
+    tile_tokens: int | None = None,
+    index_dtype: torch.dtype = torch.long,
+    prune: bool = True,
+    *,
+    dot_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Top-k keys (pools) per query by the lightning indexer: the op ``torch.ops.genoctx.indexer_topk``.
+
+    Same call and result as ``genoctx.model.dsa.indexer_topk`` (module docstring: what "same" means). On CPU and
+    CUDA tensors the op runs ``indexer_topk_launch`` (the Triton kernel; arguments, errors and result documented
+    there); on fake or meta tensors it returns an empty ``[B, T, min(topk, N)]`` tensor of ``index_dtype`` after the
+    checks that need no data, so ``torch.compile(fullgraph=True)`` and meta-device runs trace through it.
+    ``tile_tokens`` and ``prune`` are accepted for the reference's signature. Not differentiable (integer output).
+
+    Raises:
+        ValueError: ``topk < 1`` or ``tile_tokens < 1``, and the errors of ``indexer_topk_launch``.
+    """
+    if topk < 1 or (tile_tokens is not None and tile_tokens < 1):
+        raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
+    return torch.ops.genoctx.indexer_topk(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype)
+
+
+__all__ = ["SENTINEL", "TIE_BREAK", "indexer_topk", "indexer_topk_launch"]

@@ -404,44 +404,108 @@ def sparse_mla_bwd(
     return dq, dkv
 
 
-class SparseMLA(torch.autograd.Function):
-    """``genoctx.model.dsa._SparseMLA`` on Triton kernels: same ``apply(q, kv, pools, pos, kpool, tail, scale,
-    tile_tokens)``, same output. Saves q, kv, the selection, o and lse; backward is deterministic when
-    ``torch.are_deterministic_algorithms_enabled()``."""
+# ---------------------------------------------------------------- the PyTorch ops: genoctx::sparse_mla_fwd / _bwd
+#
+# ``sparse_mla_fwd`` and ``sparse_mla_bwd`` above (checks, then the launches) are the ops' kernels on every real
+# device: CPU under the interpreter, CUDA compiled. The fake kernels give the outputs' shapes and dtypes without data,
+# so FakeTensorMode, the meta device and torch.compile (AOTAutograd, forward and backward) trace through the ops; the
+# forward op's autograd formula calls the backward op. ``torch.library.custom_op`` rather than ``triton_op``: a
+# triton_op's body is traced by make_fx (its fake kernel and its decomposition under AOTAutograd), which needs
+# ``wrap_triton`` launches that the interpreter does not provide (an interpreted kernel reads the data pointers of
+# fake tensors) and a body free of data-dependent shapes (the deterministic backward's inverse index).
 
-    @staticmethod
-    def forward(ctx, q, kv, pools, pos, kpool, tail, scale, tile_tokens=ATTN_TILE_TOKENS):
-        o, lse = sparse_mla_fwd(q, kv, pools, pos, kpool, tail, scale)
-        ctx.save_for_backward(q, kv, pools, pos, o, lse)
-        ctx.args = (kpool, tail, scale)
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        q, kv, pools, pos, o, lse = ctx.saved_tensors
-        kpool, tail, scale = ctx.args
-        det = torch.are_deterministic_algorithms_enabled()
-        dq, dkv = sparse_mla_bwd(q, kv, pools, pos, kpool, tail, scale, o, lse, do, deterministic=det)
-        return dq, dkv, None, None, None, None, None, None
+@torch.library.custom_op("genoctx::sparse_mla_fwd", mutates_args=())
+def _sparse_mla_fwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    pools: torch.Tensor,
+    pos: torch.Tensor,
+    kpool: int,
+    tail: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_fwd(q, kv, pools, pos, kpool, tail, scale)
+
+
+@_sparse_mla_fwd_op.register_fake
+def _sparse_mla_fwd_fake(q, kv, pools, pos, kpool, tail, scale):
+    _check(q, kv, pools, pos, kpool)
+    B, T, H, _ = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return o, q.new_empty((B, T, H), dtype=torch.float32)
+
+
+@torch.library.custom_op("genoctx::sparse_mla_bwd", mutates_args=())
+def _sparse_mla_bwd_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    pools: torch.Tensor,
+    pos: torch.Tensor,
+    kpool: int,
+    tail: bool,
+    scale: float,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_bwd(q, kv, pools, pos, kpool, tail, scale, o, lse, do, deterministic)
+
+
+@_sparse_mla_bwd_op.register_fake
+def _sparse_mla_bwd_fake(q, kv, pools, pos, kpool, tail, scale, o, lse, do, deterministic):
+    _check(q, kv, pools, pos, kpool)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(kv, memory_format=torch.contiguous_format))  # fmt: skip
+
+
+def _sparse_mla_setup_context(ctx, inputs, output) -> None:
+    q, kv, pools, pos, kpool, tail, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, kv, pools, pos, o, lse)
+    ctx.args = (kpool, tail, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _sparse_mla_backward(ctx, do, _dlse):
+    """Gradients of q and kv (lse is not differentiable); deterministic when
+    ``torch.are_deterministic_algorithms_enabled()`` as the backward runs (under torch.compile: as it is traced)."""
+    q, kv, pools, pos, o, lse = ctx.saved_tensors
+    kpool, tail, scale = ctx.args
+    det = torch.are_deterministic_algorithms_enabled()
+    dq, dkv = torch.ops.genoctx.sparse_mla_bwd(q, kv, pools, pos, kpool, tail, scale, o, lse, do, det)
+    return dq, dkv, None, None, None, None, None
+
+
+_sparse_mla_fwd_op.register_autograd(_sparse_mla_backward, setup_context=_sparse_mla_setup_context)
 
 
 def sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, sel, scale: float, tile_tokens: int = ATTN_TILE_TOKENS
 ) -> torch.Tensor:
-    """Drop-in for ``genoctx.model.dsa.sparse_mla`` (same arguments, same result up to rounding).
+    """Drop-in for ``genoctx.model.dsa.sparse_mla`` (same arguments, same result up to rounding), through the op
+    ``torch.ops.genoctx.sparse_mla_fwd`` (its autograd formula: ``torch.ops.genoctx.sparse_mla_bwd``).
 
     Args:
         q: ``[B, T, H, R]`` queries in the latent (``q W_UK``).
         kv: ``[B, N, R]`` latents of all positions (cache first).
-        sel: a ``DSASelection`` (``pools``, ``pos``, ``kpool``, ``tail``), token indices < N.
+        sel: a ``DSASelection`` (``pools``, ``pos``, ``kpool``, ``tail``), token indices < N; unpacked here, the ops
+            take tensors and numbers only.
         scale: logit scale.
         tile_tokens: accepted for the reference's signature (unused).
 
     Returns:
-        ``o [B, T, H, R]`` in q's dtype; differentiable w.r.t. q and kv.
+        ``o [B, T, H, R]`` (contiguous) in q's dtype; differentiable w.r.t. q and kv, the backward deterministic
+        when ``torch.are_deterministic_algorithms_enabled()``. On fake or meta tensors: the empty result, after the
+        shape and dtype checks.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (``_check``).
     """
     _check(q, kv, sel.pools, sel.pos, sel.kpool)
-    return SparseMLA.apply(q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, float(scale), int(tile_tokens))
+    o, _ = torch.ops.genoctx.sparse_mla_fwd(q, kv, sel.pools, sel.pos, sel.kpool, bool(sel.tail), float(scale))
+    return o
 
 
-__all__ = ["SparseMLA", "sparse_mla", "sparse_mla_bwd", "sparse_mla_fwd"]
+__all__ = ["sparse_mla", "sparse_mla_bwd", "sparse_mla_fwd"]

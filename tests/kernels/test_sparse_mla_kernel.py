@@ -57,9 +57,9 @@ def _close(got, want, dtype, what):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_backward_match_torch_path(case, dtype, device):
-    """``SparseMLA.apply`` with ``_SparseMLA.apply``'s arguments: o, lse, dq and dkv (cached latents included) equal
-    the PyTorch path within fixed tolerances, with the atomic backward and (fp32) the deterministic one; queries with
-    nothing selected get exactly 0 and so do latents nobody selected."""
+    """``sparse_mla`` (the op ``genoctx::sparse_mla_fwd`` and its autograd formula): o, lse, dq and dkv (cached
+    latents included) equal the PyTorch path within fixed tolerances, with the atomic backward and (fp32) the
+    deterministic one; queries with nothing selected get exactly 0 and so do latents nobody selected."""
     B, S, T, H, R, kpool, tail, topk = CASES[case]
     sel = _selection(B, S, T, kpool, tail, topk, device)
     q = torch.randn(B, T, H, R, device=device).to(dtype).requires_grad_()
@@ -68,7 +68,7 @@ def test_forward_backward_match_torch_path(case, dtype, device):
     scale = R**-0.5
     o_ref, lse_ref, dq_ref, dkv_ref = _reference(q, kv, sel, scale, do)
 
-    o = ksm.SparseMLA.apply(q, kv, sel.pools, sel.pos, kpool, tail, scale, 1 << 16)
+    o = ksm.sparse_mla(q, kv, sel, scale)
     dq, dkv = torch.autograd.grad(o, (q, kv), do)
     assert o.dtype == dq.dtype == dkv.dtype == dtype
     o2, lse = ksm.sparse_mla_fwd(q.detach(), kv.detach(), sel.pools, sel.pos, kpool, tail, scale)
