@@ -12,11 +12,12 @@ spills, fits), then one summary line per target: for each kernel, how many confi
 fla picks its configuration lists at import from the device it sees (shared memory, Hopper or Blackwell); the
 worker answers those questions as the target GPU would (``_emulate``: triton's active driver and
 ``torch.cuda.get_device_capability``/``get_device_name``, in this bench process only), so the lists are the ones
-fla would use on that GPU.
+fla would use on that GPU. (It found that fla's kernels refuse fp32 q, k with bf16 v, what genoctx passed under
+bf16 autocast until ``genoctx.model.kda.fla_core_inputs``; ``--fla-raw-dtypes`` shows that refusal.)
 
 Dtypes are those of a bf16-autocast training step: MLA query/latent bf16; indexer queries bf16, weights fp32, pooled
 keys fp32 (an fp32 LayerNorm), so the default indexer dot runs in fp32 (``dot=fp32``) and the ``dot=bf16``
-variant is listed too; KDA q, k, g, beta and the state fp32, v bf16.
+variant is listed too; KDA q, k, v bf16 (``fla_core_inputs``), g, beta and the state fp32.
 
     .venv/bin/python bench/kernel_compile.py                        # both targets, genoctx + fla, 1M tokens
     .venv/bin/python bench/kernel_compile.py --targets sm_90 --only genoctx
@@ -119,13 +120,14 @@ def _genoctx_launches(tokens: int) -> list[tuple[str, str, object]]:
     return out
 
 
-def _fla_launches(tokens: int) -> list[tuple[str, str, object]]:
-    """``(op, dtypes, Launch)`` for fla's ``chunk_kda`` forward and backward as ``genoctx.model.kda`` calls it."""
+def _fla_launches(tokens: int, raw_dtypes: bool = False) -> list[tuple[str, str, object]]:
+    """``(op, dtypes, Launch)`` for fla's ``chunk_kda`` forward and backward as ``genoctx.model.kda`` calls it
+    (``raw_dtypes``: with ``project``'s dtypes as they were before ``fla_core_inputs``, fp32 q, k and bf16 v)."""
     import torch
     from fla.ops.kda import chunk_kda
 
     from genoctx.model.config import PRESETS
-    from genoctx.model.kda import FLA_SAFE_GATE_RANGE
+    from genoctx.model.kda import FLA_SAFE_GATE_RANGE, fla_core_inputs
     from kernels.aot import captured_launches
 
     cfg = PRESETS["glm-5.3-flash"]
@@ -137,15 +139,17 @@ def _fla_launches(tokens: int) -> list[tuple[str, str, object]]:
     q, k, g, v = t(B, T, H, K), t(B, T, H, K), t(B, T, H, K), t(B, T, H, K, dtype=torch.bfloat16)
     beta, s0 = t(B, T, H), t(B, H, K, K)
     safe = FLA_SAFE_GATE_RANGE[0] <= cfg.linear_lower_bound < FLA_SAFE_GATE_RANGE[1]
+    if not raw_dtypes:  # what KimiDeltaAttention hands fla (project's fp32 q, k and bf16 v, made one dtype)
+        q, k, v = fla_core_inputs(q, k, v)
     with captured_launches() as fwd:
         o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, safe_gate=safe)
     with captured_launches() as bwd:
         (o.float().sum() + s.sum()).backward()
-    label = "q k g beta state fp32, v bf16"
+    label = ", ".join(f"{n} {str(x.dtype)[6:]}" for n, x in (("q", q), ("k", k), ("v", v))) + "; g beta state fp32"
     return [("kda fla fwd", label, x) for x in fwd] + [("kda fla bwd", label, x) for x in bwd]
 
 
-def _worker(target: str, tokens: int, only: str) -> None:
+def _worker(target: str, tokens: int, only: str, raw_dtypes: bool = False) -> None:
     sys.path.insert(0, str(ROOT))
     if only in ("all", "fla"):
         _emulate(target)
@@ -155,7 +159,7 @@ def _worker(target: str, tokens: int, only: str) -> None:
     if only in ("all", "genoctx"):
         launches += [("genoctx", *x) for x in _genoctx_launches(tokens)]
     if only in ("all", "fla"):
-        launches += [("fla", *x) for x in _fla_launches(tokens)]
+        launches += [("fla", *x) for x in _fla_launches(tokens, raw_dtypes)]
     summary: dict = {}
     for source, op, dtypes, launch in launches:
         key = f"{op}: {launch.name}"
@@ -179,15 +183,17 @@ def main() -> None:
     ap.add_argument("--targets", default="sm_90,sm_100", help="comma-separated: sm_90 (H100/H200), sm_100 (B200)")
     ap.add_argument("--only", choices=("all", "genoctx", "fla"), default="all")
     ap.add_argument("--tokens", type=int, default=1 << 20, help="sequence length of the shapes (tokens)")
+    ap.add_argument("--fla-raw-dtypes", action="store_true", help="fla with fp32 q, k and bf16 v (does not compile)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        _worker(a.worker, a.tokens, a.only)
+        _worker(a.worker, a.tokens, a.only, a.fla_raw_dtypes)
         return
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
     rc = 0
     for target in a.targets.split(","):  # one process per target: fla's import-time choices differ by GPU
         cmd = [sys.executable, __file__, "--worker", target, "--only", a.only, "--tokens", str(a.tokens)]
+        cmd += ["--fla-raw-dtypes"] if a.fla_raw_dtypes else []
         rc = max(rc, subprocess.run(cmd, env=env, cwd=ROOT).returncode)
     sys.exit(rc)
 

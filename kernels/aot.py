@@ -151,7 +151,8 @@ def compile_one(launch: Launch, target: str, config: dict) -> tuple[dict, object
         with _patched(), contextlib.redirect_stdout(log):
             kernel = launch.fn.run(*launch.args, grid=None, warmup=True, **kw)
     except Exception as e:  # the compiler's refusal is the result, reported in one line
-        msg = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [""]
+        msg = lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"  # Triton: "at L:C:", source, the reason
         row["error"] = f"{type(e).__name__}: {msg}"[:300]
         return row, None
     finally:

@@ -370,6 +370,15 @@ def fla_gate_kwargs(gate: ForgetGate, raw: Tensor | None = None) -> dict:
             "lower_bound": lb, **out}  # fmt: skip
 
 
+def fla_core_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v ``[B, T, H, K]`` in one dtype for fla-core's ``chunk_kda``: v's (the compute dtype, bf16 under
+    autocast; an fp32 run stays fp32). ``project`` returns q, k in fp32 (their L2 norm is an fp32 island) and v in
+    the compute dtype; fla's kernels multiply q/k tiles with v tiles in ``tl.dot``, which needs one dtype on both
+    sides: fp32 q, k with bf16 v does not compile on sm_90 or sm_100 (``bench/kernel_compile.py``: "Both operands
+    must be same dtype"). g, beta and the state stay fp32."""
+    return q.to(v.dtype), k.to(v.dtype), v
+
+
 class GatedRMSNorm(nn.Module):
     """``RMSNorm(o) * weight * sigmoid(gate)`` over the last dim, strictly in fp32 (``Glm5NextTextRMSNormGated``).
 
@@ -502,6 +511,7 @@ class KimiDeltaAttention(nn.Module):
                 from fla.ops.kda import chunk_kda as fla_chunk_kda
             except ImportError as err:
                 raise GenoctxError("use_fla=True needs fla-core (pip install 'genoctx[gpu]')") from err
+            q, k, v = fla_core_inputs(q, k, v)
             o, state = fla_chunk_kda(
                 q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                 **fla_gate_kwargs(self.forget_gate),

@@ -117,3 +117,17 @@ def test_fla_chunk_kda_on_cuda(fused_gate):
     o_f, s_f = fla_chunk_kda(q.cuda(), k.cuda(), v.cuda(), beta=beta.cuda(), output_final_state=True, **kw)
     torch.testing.assert_close(o_f.cpu(), o, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(s_f.cpu(), s, rtol=2e-3, atol=2e-3)
+
+
+def test_fla_core_inputs_one_dtype():
+    """fla's kernels need q, k and v in one dtype (``tl.dot`` of q/k with v tiles): project's fp32 q, k and the
+    compute dtype's v (bf16 under autocast) go to fla as v's dtype; an fp32 run is unchanged."""
+    from genoctx.model.kda import fla_core_inputs
+
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
+    v = torch.randn(1, 5, 2, 8).bfloat16()
+    q2, k2, v2 = fla_core_inputs(q, k, v)
+    assert (q2.dtype, k2.dtype, v2.dtype) == (torch.bfloat16,) * 3 and v2 is v
+    assert torch.equal(q2, q.bfloat16()) and torch.equal(k2, k.bfloat16())
+    q3, k3, v3 = fla_core_inputs(q, k, v.float())
+    assert q3 is q and k3 is k and v3.dtype == torch.float32
