@@ -36,6 +36,7 @@ from .init import init_weights, seed_from_generator
 from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
 from .norms import RMSNorm
+from .precision import island
 
 # Parameter/buffer name suffixes kept in fp32 whatever the model dtype (transformers glm5_next
 # ``_keep_in_fp32_modules_strict``).
@@ -346,5 +347,6 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tens
 
     logits [B, T, V] fp32, targets [B, T] int64, scored [B, T] bool -> [B, T] fp32.
     """
+    island("loss.logits", logits)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    return ce.view_as(targets) * scored.to(ce.dtype)
+    return island("loss.tokens", ce.view_as(targets) * scored.to(ce.dtype))
