@@ -80,7 +80,8 @@ class DSACache:
 
     Attributes:
         latent: ``[B, S, kv_lora_rank]`` normalised MLA latents (keys and values of every head).
-        pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools, or None (shared layer).
+        pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools (fp32, fp64 for an fp64
+            model), or None (shared layer).
         tail_k: ``[B, S % index_kpool, d_I]`` indexer keys of the incomplete last pool's tokens, or None.
         tail_gate: ``[B, S % index_kpool, d_I]`` their compress-gate logits, or None.
         window: ``[B, >= S + T, kv_lora_rank]`` the latents of the whole window, already computed (the chunked
@@ -639,14 +640,15 @@ class Indexer(nn.Module):
 
     def keys(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Token keys ``LayerNorm(wk x)`` and compress-gate logits ``x gate^T``: x ``[B, T, D]`` -> two
-        ``[B, T, d_I]``, the keys in fp32 (fp64 for fp64 input; the LayerNorm is an fp32 island, as CUDA autocast
-        runs it, and CPU autocast would not), the gate logits in x's compute dtype."""
+        ``[B, T, d_I]`` in x's compute dtype. The LayerNorm is an fp32 island (fp64 for fp64 input), autocast off,
+        its output cast back as ``RMSNorm``'s is (CUDA autocast would return fp32 keys, CPU autocast would
+        normalise in bf16)."""
         k = self.wk(x)
         ln = self.k_norm
         with torch.autocast(device_type=x.device.type, enabled=False):
             ct = _acc_dtype(k.dtype)
-            k = F.layer_norm(k.to(ct), ln.normalized_shape, ln.weight.to(ct), ln.bias.to(ct), ln.eps)
-        return island("norm.indexer_k", k), F.linear(x, self.index_kpool_compress_gate)
+            kn = F.layer_norm(k.to(ct), ln.normalized_shape, ln.weight.to(ct), ln.bias.to(ct), ln.eps)
+        return island("norm.indexer_k", kn).to(k.dtype), F.linear(x, self.index_kpool_compress_gate)
 
     def queries(self, x: Tensor, q_resid: Tensor) -> tuple[Tensor, Tensor]:
         """Queries ``wq_b(q_resid)`` ``[B, T, H_I, d_I]`` and head weights ``weights_proj(x) H_I^-1/2 d_I^-1/2``
@@ -657,14 +659,15 @@ class Indexer(nn.Module):
         return q, w
 
     def pool(self, k: Tensor, gate: Tensor) -> Tensor:
-        """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``,
-        ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, the softmax in fp32 (fp64 for fp64 keys)."""
+        """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``
+        fp32 (fp64 for fp64 keys), ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, softmax and sum in fp32: the
+        pooled keys are kept for every later chunk, whose indexer-KL gradients they sum (``genoctx.train.chunked``)."""
         B, n, dI = k.shape
         P = n // self.kpool
         ct = _acc_dtype(k.dtype)  # fp32 (fp64 for an fp64 model)
         with torch.autocast(device_type=k.device.type, enabled=False):
             logits = gate.view(B, P, self.kpool, dI).to(ct) + self.index_kpool_compress_ape.to(ct)
-            prob = torch.softmax(logits, dim=2).to(k.dtype)
+            prob = torch.softmax(logits, dim=2)  # [B, P, kpool, d_I] fp32, times k promotes: no fp32 copy of k kept
             return island("dsa.indexer.pool", (prob * k.view(B, P, self.kpool, dI)).sum(2))
 
     def extend(self, cache: DSACache | None, k: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
