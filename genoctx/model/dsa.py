@@ -202,7 +202,7 @@ def _index_scores_block(qi: Tensor, wi: Tensor, ki: Tensor) -> Tensor:
     kt = ki.transpose(1, 2)  # [B, d_I, C]
     for j in range(qi.shape[2]):
         if torch.is_grad_enabled():
-            s = torch.relu(torch.bmm(qi[:, :, j], kt)) * wi[:, :, j, None]
+            s = torch.relu(island("dsa.indexer.scores", torch.bmm(qi[:, :, j], kt))) * wi[:, :, j, None]
             acc = s if acc is None else acc + s
         elif acc is None:
             acc = torch.bmm(qi[:, :, j], kt).relu_().mul_(wi[:, :, j, None])
@@ -550,7 +550,7 @@ class _IndexerKLSparse(torch.autograd.Function):
             it = st.tokens()
             tv = it >= 0
             ks = _gather_rows(kv, it.clamp_min(0)).to(_acc_dtype(q.dtype))
-            sa = torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(ks.dtype), ks).mul_(scale)
+            sa = island("dsa.indexer.kl", torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(ks.dtype), ks)).mul_(scale)
             del ks
             sa.masked_fill_(~tv[:, :, None, :], float("-inf"))
             pt = torch.nan_to_num(torch.softmax(sa, dim=-1)).sum(2)  # [B, r, K_tok]
@@ -602,7 +602,7 @@ def _kl_warmup_tile_fp32(q, kv, pos, iq, iw, pk, kpool, scale):
     vis_pool = torch.arange(P, device=dev)[None, :] < ((pos + 1) // kpool)[:, None]  # [R, P]
     with torch.no_grad():
         kd = kv[:, :n].to(_acc_dtype(q.dtype))
-        s = torch.einsum("brhd,bnd->brhn", q.to(kd.dtype), kd) * scale
+        s = island("dsa.indexer.kl", torch.einsum("brhd,bnd->brhn", q.to(kd.dtype), kd)) * scale  # the target's
         causal = torch.arange(n, device=dev)[None, :] <= pos[:, None]  # [R, n]
         s.masked_fill_(~causal[None, :, None, :], float("-inf"))
         p = _pool_target(torch.softmax(s, dim=-1).sum(2), P, kpool).to(dt)  # [B, R, P]
