@@ -18,7 +18,8 @@ Design choices (read top to bottom, nanoGPT style):
   forward (``aux_loss()``); what each layer ran (KDA core, DSA path) is recorded in ``layer_stats()``.
 - fp32 islands (the reference's ``_keep_in_fp32_modules_strict``): ``FP32_PARAMETERS`` stay fp32 when the
   model is cast to a half type (``cast_model``; fp64 for an fp64 model); their computations run in fp32 under bf16
-  autocast.
+  autocast. ``genoctx.model.precision.ISLANDS`` names every fp32 computation (these and the norms, router, softmax
+  statistics, indexer scores, loss) and can record the dtype each one ran in during a step.
 """
 
 from __future__ import annotations
