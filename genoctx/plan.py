@@ -328,15 +328,16 @@ def _fla_backward(cfg: ModelConfig, s: _Sizes) -> float:
 def _dsa(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
     """A DSA mixer with its input norm: ``norm(D) + norm(Q) + norm(R) + a Hm (dq + 2R + dv)`` (the query copy of
     the absorbed product, the latent queries, the output latents' copy, ``o_proj``'s input) ``+ f Hm`` (softmax
-    log-sum-exp). A "full" layer adds its indexer: ``a (2 dI + 2) + f dI + c_a dI`` (key LayerNorm, pooling
-    softmax) ``+ f (HI dI + HI + dI / kp)`` (the KL gradients, computed in forward) ``+ 4 topk / kp`` (int32 pool
-    indices) ``+ 8`` (int64 query positions)."""
+    log-sum-exp). A "full" layer adds its indexer: ``f (2 dI + 2) + a dI`` (the key LayerNorm in fp32: its input's
+    copy, mean and rstd; the pooling softmax; the keys the pooling saves) ``+ f (HI dI + HI + dI / kp)``
+    (the KL gradients, computed in forward) ``+ 4 topk / kp`` (int32 pool indices) ``+ 8`` (int64 query
+    positions)."""
     D, Q, R = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
     Hm, dq, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
     out = _norm(s, D) + _norm(s, Q) + _norm(s, R) + s.a * Hm * (dq + 2 * R + dv) + s.f * Hm
     if full:
         dI, HI, kp = cfg.index_head_dim, cfg.index_n_heads, cfg.index_kpool
-        out += s.a * (2 * dI + 2) + s.f * dI + s.ca * dI + 4 * cfg.index_topk / kp + 8
+        out += s.f * (2 * dI + 2) + s.a * dI + 4 * cfg.index_topk / kp + 8
         if cfg.indexer_stage != "off":
             out += s.f * (HI * dI + HI + dI / kp)
     return out
@@ -355,12 +356,12 @@ def _dsa_gather_width(cfg: ModelConfig, full: bool) -> int:
 def _dsa_cp_saved(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
     """Per token of the window, what a DSA layer keeps under CP on the rank with the last piece:
     ``a W`` (the gathered window, ``W = R + 2 dI`` on a full layer, ``R`` on a shared one) ``+ a R`` (earlier
-    latents concatenated with the piece's) ``+ full (dI (f + c_a) + f dI / kp)`` (pooling of the earlier keys, KL
+    latents concatenated with the piece's) ``+ full (f dI + f dI / kp)`` (the pooling softmax of the earlier keys, KL
     gradient of every visible pool)."""
     dI, kp = cfg.index_head_dim, cfg.index_kpool
     out = s.a * _dsa_gather_width(cfg, full) + s.a * cfg.kv_lora_rank
     if full:
-        out += dI * (s.f + s.ca) + s.f * dI / kp
+        out += s.f * dI + s.f * dI / kp
     return out
 
 
@@ -477,9 +478,10 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
     """Bytes per token of the window that ``train.seq_chunk_tokens`` keeps across chunk boundaries (grows with L).
 
     Per DSA layer, the normalised latents ``R = kv_lora_rank`` of every token and, on a "full" layer, the pooled
-    indexer keys ``d_I / kpool``, ``a`` bytes each, three times (kept, the gradient into the outgoing cache, the
-    incoming gradient; four for the pooled keys, whose outgoing cache is a copy); per KDA layer, one recurrent
-    state ``H K V`` fp32 and conv tail ``(w - 1) 3 H K a`` per chunk boundary, i.e. divided by ``chunk_tokens``.
+    indexer keys ``d_I / kpool`` (fp32: their cross-chunk gradient sums are an fp32 island), the latents ``a`` bytes
+    each, three times (kept, the gradient into the outgoing cache, the incoming gradient; four for the pooled keys,
+    whose outgoing cache is a copy); per KDA layer, one recurrent state ``H K V`` fp32 and conv tail
+    ``(w - 1) 3 H K a`` per chunk boundary, i.e. divided by ``chunk_tokens``.
     ``rows``: sequences per rank (batch size).
 
     Args:
@@ -496,7 +498,7 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
         if kind == DSA:
             per += _LATENT_COPIES * a * cfg.kv_lora_rank
             if cfg.indexer_types[i] == "full":
-                per += _POOL_COPIES * a * cfg.index_head_dim / cfg.index_kpool
+                per += _POOL_COPIES * F32 * cfg.index_head_dim / cfg.index_kpool
         else:
             H, K = cfg.linear_num_heads, cfg.linear_head_dim
             per += (4 * H * K * K + (cfg.linear_conv_kernel_dim - 1) * 3 * H * K * a) / chunk_tokens
@@ -730,9 +732,9 @@ def plan_memory(
             if cp > 1:
                 w_fwd["cp_gather"] = windows * gather_len * 2 * _dsa_gather_width(cfg, full) * a
             # DSACache: the latents (saved anyway without AC; under CP the concatenation with the earlier ones), the
-            # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys
+            # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys (fp32)
             dI, R = cfg.index_head_dim, cfg.kv_lora_rank
-            cache = N * a * (R * recompute + full * dI * (1 + recompute + 1 / cfg.index_kpool))
+            cache = N * (a * (R * recompute + full * dI * (1 + recompute)) + full * f * dI / cfg.index_kpool)
         if cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context); chunked, the round's cache,
             # views of the kept boundary state (DSA latents: join_latents) and small copies (KDA state and tail)
             cache = 0.0
@@ -1022,15 +1024,15 @@ def _dsa_eval(cfg: ModelConfig, s: _Sizes, full: bool, T: int, S: int) -> dict:
 def _eval_cache(cfg: ModelConfig, s: _Sizes, i: int, positions: int, tokens: int) -> float:
     """Bytes of the cache layer ``i`` returns after ``positions`` positions, the last call over ``tokens`` of them.
     KDA: ``f H K V`` (the state) ``+ a (w) 3 HK`` (the conv tail, ``w = linear_conv_kernel_dim - 1``). DSA: ``a R``
-    per position (latents) and on a full layer ``f dI / kp`` (pooled keys, fp32: they pool the LayerNorm's keys) plus
-    ``dI (f + a)`` per token of the last call (the incomplete pool's keys and gates are views of that call's)."""
+    per position (latents) and on a full layer ``f dI / kp`` (pooled keys, fp32) plus ``2 a dI`` per token of the
+    last call (the incomplete pool's keys and gates are views of that call's)."""
     if cfg.layer_types[i] == KDA:
         H, K = cfg.linear_num_heads, cfg.linear_head_dim
         return s.f * H * K * K + s.a * (cfg.linear_conv_kernel_dim - 1) * 3 * H * K
     out = s.a * cfg.kv_lora_rank * positions
     if cfg.indexer_types[i] == "full":
         dI = cfg.index_head_dim
-        out += s.f * dI * (positions // cfg.index_kpool) + tokens * dI * (s.f + s.a)
+        out += s.f * dI * (positions // cfg.index_kpool) + tokens * dI * 2 * s.a
     return out
 
 

@@ -61,6 +61,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .norms import RMSNorm
+from .precision import island
 
 SENTINEL = -1  # index slot with no pool / token
 # Indexer scores tie often (ReLU makes many exactly 0). torch.topk breaks ties in an unspecified order, which
@@ -79,7 +80,8 @@ class DSACache:
 
     Attributes:
         latent: ``[B, S, kv_lora_rank]`` normalised MLA latents (keys and values of every head).
-        pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools, or None (shared layer).
+        pool_k: ``[B, S // index_kpool, d_I]`` pooled indexer keys of the complete pools (fp32, fp64 for an fp64
+            model), or None (shared layer).
         tail_k: ``[B, S % index_kpool, d_I]`` indexer keys of the incomplete last pool's tokens, or None.
         tail_gate: ``[B, S % index_kpool, d_I]`` their compress-gate logits, or None.
         window: ``[B, >= S + T, kv_lora_rank]`` the latents of the whole window, already computed (the chunked
@@ -200,7 +202,7 @@ def _index_scores_block(qi: Tensor, wi: Tensor, ki: Tensor) -> Tensor:
     kt = ki.transpose(1, 2)  # [B, d_I, C]
     for j in range(qi.shape[2]):
         if torch.is_grad_enabled():
-            s = torch.relu(torch.bmm(qi[:, :, j], kt)) * wi[:, :, j, None]
+            s = torch.relu(island("dsa.indexer.scores", torch.bmm(qi[:, :, j], kt))) * wi[:, :, j, None]
             acc = s if acc is None else acc + s
         elif acc is None:
             acc = torch.bmm(qi[:, :, j], kt).relu_().mul_(wi[:, :, j, None])
@@ -333,7 +335,7 @@ def indexer_topk(
                 starts = list(range(0, n_vis, C))
                 for c0 in reversed(starts) if prune else starts:
                     c1 = min(n_vis, c0 + C)
-                    s = _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf)  # [Rt, c1 - c0], no tie-break yet
+                    s = island("dsa.indexer.scores", _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf))  # no tie yet
                     if c1 > vis[r0]:  # the block reaches past some row's visible keys: causal mask
                         s.masked_fill_(cols_all[c0:c1][None, :] >= lim[:, None], float("-inf"))
                     thr = best_v.amin(-1, keepdim=True)  # [Rt, 1] k-th best so far (-inf: fewer than K)
@@ -419,7 +421,7 @@ def _kl_rows(p: Tensor, logits: Tensor, valid: Tensor) -> Tensor:
     """Sum over rows of ``KL(p || softmax(logits))`` restricted to ``valid``; ``p`` is 0 where invalid."""
     # a row with no valid entry gets finite logits (then weight 0): no NaN in forward or backward
     logits = logits.masked_fill(~valid, float("-inf")).masked_fill(~valid.any(-1, keepdim=True), 0.0)
-    logq = torch.log_softmax(logits, dim=-1)
+    logq = island("dsa.indexer.kl", torch.log_softmax(logits, dim=-1))
     logq = logq.masked_fill(~valid, 0.0)
     return (torch.xlogy(p, p) - p * logq).sum()
 
@@ -444,7 +446,7 @@ class _SparseMLA(torch.autograd.Function):
             ks = _gather_rows(kv, it.clamp_min(0)).to(dt)  # [B, r, K, R]
             s = torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(dt), ks).mul_(scale)
             s.masked_fill_(~valid[:, :, None, :], float("-inf"))
-            m = torch.logsumexp(s, dim=-1)  # [B, r, H]; -inf for a row with nothing selected
+            m = island("dsa.attn.lse", torch.logsumexp(s, dim=-1))  # [B, r, H]; -inf for a row with nothing selected
             m = m.masked_fill(torch.isneginf(m), 0.0)  # such a row gets p = 0: zero output (SDPA's convention)
             p = s.sub_(m[..., None]).exp_()
             o[:, r0:r1] = torch.einsum("brhk,brkd->brhd", p, ks).to(q.dtype)
@@ -462,7 +464,7 @@ class _SparseMLA(torch.autograd.Function):
         B, T, H, R = q.shape
         dt = _acc_dtype(q.dtype)
         dq = torch.empty_like(q)
-        dkv = torch.zeros(kv.shape, dtype=dt, device=kv.device)
+        dkv = island("dsa.attn.dkv", torch.zeros(kv.shape, dtype=dt, device=kv.device))
         for r0 in range(0, T, rows):
             r1 = min(T, r0 + rows)
             it = sel.rows(r0, r1).tokens()
@@ -548,7 +550,7 @@ class _IndexerKLSparse(torch.autograd.Function):
             it = st.tokens()
             tv = it >= 0
             ks = _gather_rows(kv, it.clamp_min(0)).to(_acc_dtype(q.dtype))
-            sa = torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(ks.dtype), ks).mul_(scale)
+            sa = island("dsa.indexer.kl", torch.einsum("brhd,brkd->brhk", q[:, r0:r1].to(ks.dtype), ks)).mul_(scale)
             del ks
             sa.masked_fill_(~tv[:, :, None, :], float("-inf"))
             pt = torch.nan_to_num(torch.softmax(sa, dim=-1)).sum(2)  # [B, r, K_tok]
@@ -565,7 +567,7 @@ class _IndexerKLSparse(torch.autograd.Function):
             a = torch.einsum("brjd,brkd->brjk", qi, pks)  # [B, r, H_I, Kp]
             rl = torch.relu(a)
             logits = (rl * wi[..., None]).sum(2).masked_fill_(~valid, float("-inf"))
-            logq = torch.log_softmax(logits, dim=-1).masked_fill_(~valid, 0.0)
+            logq = island("dsa.indexer.kl", torch.log_softmax(logits, dim=-1)).masked_fill_(~valid, 0.0)
             total += (torch.xlogy(pt, pt) - pt * logq).sum()
             g = (logq.exp_() - pt).masked_fill_(~valid, 0.0)  # dKL/dlogits
             diw[:, r0:r1] = torch.einsum("brk,brjk->brj", g, rl)
@@ -585,7 +587,13 @@ class _IndexerKLSparse(torch.autograd.Function):
 
 def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale):
     """Indexer KL of one query tile, warm-up stage: target = dense attention (heads summed) over all visible
-    tokens, summed per visible complete pool and renormalised; model = softmax over those pools."""
+    tokens, summed per visible complete pool and renormalised; model = softmax over those pools. Computed in at
+    least fp32 with autocast off (its products would otherwise run in bf16 under autocast)."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        return _kl_warmup_tile_fp32(q, kv, pos, iq, iw, pk, kpool, scale)
+
+
+def _kl_warmup_tile_fp32(q, kv, pos, iq, iw, pk, kpool, scale):
     B, R, H, _ = q.shape
     n = int(pos[-1]) + 1  # tokens visible to the tile's last row
     P = n // kpool
@@ -594,7 +602,7 @@ def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale):
     vis_pool = torch.arange(P, device=dev)[None, :] < ((pos + 1) // kpool)[:, None]  # [R, P]
     with torch.no_grad():
         kd = kv[:, :n].to(_acc_dtype(q.dtype))
-        s = torch.einsum("brhd,bnd->brhn", q.to(kd.dtype), kd) * scale
+        s = island("dsa.indexer.kl", torch.einsum("brhd,bnd->brhn", q.to(kd.dtype), kd)) * scale  # the target's
         causal = torch.arange(n, device=dev)[None, :] <= pos[:, None]  # [R, n]
         s.masked_fill_(~causal[None, :, None, :], float("-inf"))
         p = _pool_target(torch.softmax(s, dim=-1).sum(2), P, kpool).to(dt)  # [B, R, P]
@@ -632,8 +640,15 @@ class Indexer(nn.Module):
 
     def keys(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Token keys ``LayerNorm(wk x)`` and compress-gate logits ``x gate^T``: x ``[B, T, D]`` -> two
-        ``[B, T, d_I]``."""
-        return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
+        ``[B, T, d_I]`` in x's compute dtype. The LayerNorm is an fp32 island (fp64 for fp64 input), autocast off,
+        its output cast back as ``RMSNorm``'s is (CUDA autocast would return fp32 keys, CPU autocast would
+        normalise in bf16)."""
+        k = self.wk(x)
+        ln = self.k_norm
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            ct = _acc_dtype(k.dtype)
+            kn = F.layer_norm(k.to(ct), ln.normalized_shape, ln.weight.to(ct), ln.bias.to(ct), ln.eps)
+        return island("norm.indexer_k", kn).to(k.dtype), F.linear(x, self.index_kpool_compress_gate)
 
     def queries(self, x: Tensor, q_resid: Tensor) -> tuple[Tensor, Tensor]:
         """Queries ``wq_b(q_resid)`` ``[B, T, H_I, d_I]`` and head weights ``weights_proj(x) H_I^-1/2 d_I^-1/2``
@@ -644,14 +659,16 @@ class Indexer(nn.Module):
         return q, w
 
     def pool(self, k: Tensor, gate: Tensor) -> Tensor:
-        """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``,
-        ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, the softmax in fp32 (fp64 for fp64 keys)."""
+        """Pool keys of complete pools (``get_pooled_states``): ``k, gate [B, P kpool, d_I]`` -> ``[B, P, d_I]``
+        fp32 (fp64 for fp64 keys), ``sum_i softmax_i(gate_i + ape_i) k_i`` per channel, softmax and sum in fp32: the
+        pooled keys are kept for every later chunk, whose indexer-KL gradients they sum (``genoctx.train.chunked``)."""
         B, n, dI = k.shape
         P = n // self.kpool
         ct = _acc_dtype(k.dtype)  # fp32 (fp64 for an fp64 model)
-        logits = gate.view(B, P, self.kpool, dI).to(ct) + self.index_kpool_compress_ape.to(ct)
-        prob = torch.softmax(logits, dim=2).to(k.dtype)
-        return (prob * k.view(B, P, self.kpool, dI)).sum(2)
+        with torch.autocast(device_type=k.device.type, enabled=False):
+            logits = gate.view(B, P, self.kpool, dI).to(ct) + self.index_kpool_compress_ape.to(ct)
+            prob = torch.softmax(logits, dim=2)  # [B, P, kpool, d_I] fp32, times k promotes: no fp32 copy of k kept
+            return island("dsa.indexer.pool", (prob * k.view(B, P, self.kpool, dI)).sum(2))
 
     def extend(self, cache: DSACache | None, k: Tensor, gate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pooled keys of every complete pool up to the end of this chunk, and the new incomplete tail.

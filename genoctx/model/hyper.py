@@ -32,6 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .precision import island
+
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation of a positive ``[..., n, n]`` matrix, as ``Glm5NextTextHyperConnection``.
@@ -124,6 +126,8 @@ class HyperConnection(nn.Module):
                 comb = checkpoint(_comb, logits, self.sinkhorn_iters, self.hc_eps, use_reentrant=False)
             else:
                 comb = _comb(logits, self.sinkhorn_iters, self.hc_eps)
+        for c in (pre, post, comb):
+            island("mhc.coeffs", c)
         return pre, post, comb
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from genoctx.errors import GenoctxError
 from genoctx.model.config import ModelConfig
+from genoctx.model.precision import island
 
 _SUB_CHUNK = 8  # tokens per sub-chunk for the pairwise (masked) decay differences (8 is fastest on CPU)
 
@@ -272,6 +273,7 @@ def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
         v_new = U_n - WS
         outs.append(QS + A_n @ v_new)
         S = decay_n * S + k_n.transpose(-1, -2) @ v_new
+    island("kda.state", S)
     o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.to(out_dtype), S
 
@@ -337,8 +339,8 @@ class ForgetGate(nn.Module):
             f = (f.to(ct) + self.dt_bias.to(ct)).view(B, T, self.n_heads, self.head_dim)
             rate = self.A_log.to(ct).exp().view(1, 1, self.n_heads, 1)
             if self.lower_bound is not None:
-                return self.lower_bound * torch.sigmoid(rate * f)
-            return -rate * F.softplus(f, threshold=20.0)
+                return island("kda.gate", self.lower_bound * torch.sigmoid(rate * f))
+            return island("kda.gate", -rate * F.softplus(f, threshold=20.0))
 
 
 FLA_SAFE_GATE_RANGE = (-5.0, 0.0)  # fla chunk_kda's safe_gate needs lower_bound in [-5, 0)
@@ -394,7 +396,7 @@ class GatedRMSNorm(nn.Module):
         with torch.autocast(device_type=o.device.type, enabled=False):
             ct = torch.float64 if o.dtype == torch.float64 else torch.float32
             o = o.to(ct)
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(ct)
+            o = island("norm.gated", o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)) * self.weight.to(ct)
             return o * torch.sigmoid(gate.to(ct))
 
 
@@ -479,13 +481,15 @@ class KimiDeltaAttention(nn.Module):
         w = self.conv1d.weight
         with torch.autocast(device_type=x.device.type, enabled=False):  # the conv is an fp32 island
             wt = torch.promote_types(w.dtype, xs.dtype)
-            y = F.silu(F.conv1d(xs.transpose(1, 2).to(wt), w.to(wt), groups=3 * hk)).transpose(1, 2).to(qkv.dtype)
+            y = island("kda.conv", F.silu(F.conv1d(xs.transpose(1, 2).to(wt), w.to(wt), groups=3 * hk)))
+            y = y.transpose(1, 2).to(qkv.dtype)
         q, k, v = (t.reshape(B, T, H, Dh) for t in y.split(hk, dim=-1))
         g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x))
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        b = self.b_proj(x)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # the sigmoid of the logits, not of bf16
             ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-            q, k, beta = l2norm(q.to(ct)), l2norm(k.to(ct)), beta.to(ct)
+            q, k, beta = l2norm(q.to(ct)), l2norm(k.to(ct)), torch.sigmoid(b.to(ct))
+        island("kda.qk", q), island("kda.qk", k), island("kda.beta", beta)
         return q, k, v, g, beta, new_conv_state
 
     def output(self, o: Tensor, x: Tensor) -> Tensor:

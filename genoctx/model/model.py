@@ -18,7 +18,8 @@ Design choices (read top to bottom, nanoGPT style):
   forward (``aux_loss()``); what each layer ran (KDA core, DSA path) is recorded in ``layer_stats()``.
 - fp32 islands (the reference's ``_keep_in_fp32_modules_strict``): ``FP32_PARAMETERS`` stay fp32 when the
   model is cast to a half type (``cast_model``; fp64 for an fp64 model); their computations run in fp32 under bf16
-  autocast.
+  autocast. ``genoctx.model.precision.ISLANDS`` names every fp32 computation (these and the norms, router, softmax
+  statistics, indexer scores, loss) and can record the dtype each one ran in during a step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .init import init_weights, seed_from_generator
 from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
 from .norms import RMSNorm
+from .precision import island
 
 # Parameter/buffer name suffixes kept in fp32 whatever the model dtype (transformers glm5_next
 # ``_keep_in_fp32_modules_strict``).
@@ -346,5 +348,6 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tens
 
     logits [B, T, V] fp32, targets [B, T] int64, scored [B, T] bool -> [B, T] fp32.
     """
+    island("loss.logits", logits)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-    return ce.view_as(targets) * scored.to(ce.dtype)
+    return island("loss.tokens", ce.view_as(targets) * scored.to(ce.dtype))

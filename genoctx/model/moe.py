@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .precision import island
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -96,22 +97,27 @@ class TopkRouter(nn.Module):
         """
         with torch.autocast(device_type=x.device.type, enabled=False):
             rdt = torch.promote_types(x.dtype, torch.float32)
-            scores = torch.sigmoid(F.linear(x.to(rdt), self.weight.to(rdt)))  # [N, E]
-            with torch.no_grad():
-                choice = scores + self.e_score_correction_bias.to(rdt)
-                if self.n_group > 1:
-                    N, E, G = choice.shape[0], self.n_experts, self.n_group
-                    grouped = choice.view(N, G, E // G)
-                    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
-                    keep = torch.zeros_like(group_scores, dtype=torch.bool)
-                    keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
-                    choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
-                experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+            scores = island("moe.router.scores", torch.sigmoid(F.linear(x.to(rdt), self.weight.to(rdt))))  # [N, E]
+            experts = self.select(scores)
             weights = scores.gather(-1, experts)
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            weights = weights * self.routed_scaling_factor
+            weights = island("moe.router.weights", weights * self.routed_scaling_factor)
         return experts, weights, scores
+
+    @torch.no_grad()
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """The experts of each token: scores [N, E] (fp32 affinities) -> [N, k] int64, the top ``k`` of
+        ``scores + e_score_correction_bias`` among the experts of the ``topk_group`` best groups (no grad)."""
+        choice = scores + self.e_score_correction_bias.to(scores.dtype)
+        if self.n_group > 1:
+            N, E, G = choice.shape[0], self.n_experts, self.n_group
+            grouped = choice.view(N, G, E // G)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+        return island("moe.router.topk", choice).topk(self.top_k, dim=-1, sorted=False).indices
 
 
 def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
@@ -148,7 +154,7 @@ class Experts(nn.Module):
                 continue
             outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit))
         ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
-        weighted = ys * weights.reshape(-1)[order].unsqueeze(-1)
+        weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         out = weighted.new_zeros(N, self.hidden_size).index_add_(0, token_of, weighted)
         return out.to(ys.dtype)
 

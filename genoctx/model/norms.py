@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .precision import island
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim (Zhang & Sennrich, 2019) as ``Glm5NextTextRMSNorm``: normalised in at least
@@ -20,5 +22,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        y = island("norm.rms", xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return self.weight * y

@@ -54,6 +54,7 @@ from ..model.config import DSA
 from ..model.dsa import DSACache
 from ..model.model import HybridLM, ModelCache
 from ..model.moe import MoE
+from ..model.precision import island
 
 
 def chunk_bounds(length: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -112,6 +113,21 @@ def _leaves(cache: ModelCache | None) -> tuple[ModelCache | None, list[Tensor]]:
         return None, []
     leaves = cache.map_tensors(lambda t: t.detach().requires_grad_(True))
     return leaves, leaves.tensors()
+
+
+# the cache fields whose gradient, handed back from chunk to chunk, sums the contributions of every later chunk: the
+# KDA state (through the decays) and the DSA latents and pooled keys (``cat(incoming, own)``). fp32 islands
+# (``genoctx.model.precision``): a bf16 sum would round once per chunk. The conv tail and the incomplete pool's keys
+# and gates feed the next chunk only (one rounding, as any activation's gradient).
+_SUMMED_GRADS = ("KDACache.state", "DSACache.latent", "DSACache.pool_k")
+
+
+def _cache_fields(cache: ModelCache | None) -> list[str]:
+    """``"<cache type>.<field>"`` of each tensor of ``cache.tensors()``, in that order (empty for None)."""
+    if cache is None:
+        return []
+    return [f"{type(c).__name__}.{k}" for c in cache.layers if c is not None for k, v in vars(c).items()
+            if torch.is_tensor(v) and v.is_floating_point() and k not in getattr(c, "views", ())]  # fmt: skip
 
 
 def _moes(model: HybridLM) -> list[MoE]:
@@ -268,7 +284,7 @@ def chunked_forward_backward(
             s, e = bounds[c]
             cache_in, leaves = _leaves(boundaries.cache_in(c))
             losses, cache_out = run(c, cache_in)
-            part = losses.sum()
+            part = island("loss.chunk_sum", losses.sum())
             objective = part / denom
             aux = model.aux_loss()
             if aux is not None:
@@ -286,7 +302,10 @@ def chunked_forward_backward(
             with carry():  # a layer recomputed in backward (activation checkpointing) carries as its forward did
                 torch.autograd.backward(outs, grads)
             grads_out = [x.grad for x in leaves]
-            loss_sum += part.detach().double()
+            for name, g in zip(_cache_fields(cache_in), grads_out, strict=True):
+                if name in _SUMMED_GRADS and g is not None:
+                    island(f"chunked.grad.{name}", g)
+            island("loss.window_sum", loss_sum.add_(part.detach().double()))
             for name, m in model.named_modules():
                 st = m.__dict__.get("stats")
                 if isinstance(st, dict):

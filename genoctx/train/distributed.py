@@ -107,7 +107,15 @@ def _train_worker(config: dict, session) -> None:
     from ..recipes import recipe_from_dict
     from .faults import DRIVER_ENV, ENV, maybe_kill
     from .init import base_source
-    from .loop import build_optimizer, end_attempt, log_step, sample_batch, save_run_checkpoint, train_step
+    from .loop import (
+        build_optimizer,
+        end_attempt,
+        log_step,
+        sample_batch,
+        save_run_checkpoint,
+        train_autocast,
+        train_step,
+    )
     from .metrics import MetricsLog
     from .sharded import save_sharded
 
@@ -144,7 +152,7 @@ def _train_worker(config: dict, session) -> None:
     start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"], dims,
                                      session=session)  # fmt: skip
     ds = WindowDataset(data_dir, "train")
-    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    autocast = train_autocast(cfg.dtype, dev)
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
     steps_run, status = 0, "failed"
     try:

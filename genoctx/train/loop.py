@@ -38,6 +38,7 @@ from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
 from ..model.model import HybridLM, shift_inputs, token_losses
+from ..model.precision import island
 from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
 from ..parallel.fsdp import clip_grad_norm, reduce_gradients
 from ..parallel.mesh import ParallelDims
@@ -168,6 +169,14 @@ def sample_batch(
     return torch.stack(rows), {"epoch": k_next // n, "position": k_next % n, "num_windows": n}
 
 
+def train_autocast(dtype: str, device: torch.device | str):
+    """The context every training forward runs in: ``torch.autocast(device, bfloat16)`` for ``train.dtype: bf16``
+    (parameters, gradients and optimizer state stay fp32; the fp32 islands of ``genoctx.model.precision`` turn
+    autocast off for themselves), a no-op context for ``fp32``. A fresh, reusable context manager."""
+    dev = torch.device(device)
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+
+
 def forward_backward(
     model: HybridLM,
     tokens: torch.Tensor,
@@ -217,7 +226,7 @@ def forward_backward(
         return loss_sum, count, float(aux) if aux is not None else 0.0
     if dims is None or not dims.is_distributed:
         losses = _token_losses(model, inputs, tokens, scored, autocast, head)
-        loss_sum = losses.sum()
+        loss_sum = island("loss.sum", losses.sum())
         count = scored.sum()
         loss = loss_sum / count.clamp(min=1)
         aux = model.aux_loss()
@@ -239,7 +248,7 @@ def forward_backward(
             cp=dims if dims.cp > 1 else None,
         )  # fmt: skip
     else:
-        loss_sum = _token_losses(model, inputs, tokens, scored, autocast, head).sum()
+        loss_sum = island("loss.sum", _token_losses(model, inputs, tokens, scored, autocast, head).sum())
         aux = model.aux_loss()
         aux_share = aux * share if aux is not None else None  # this rank's part of the global mean
         total = loss_sum / count_g.clamp(min=1)
@@ -613,7 +622,7 @@ def train_unlocked(
     if change is not None:
         record_event(out, {"event": "batch_change", **change})
 
-    autocast = torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if cfg.dtype == "bf16" else nullcontext()
+    autocast = train_autocast(cfg.dtype, dev)
     params = model.num_parameters()
     log.info(
         "model: %d parameters (%d active per token); %d train windows of %d tokens; steps %d..%d",
