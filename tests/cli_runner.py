@@ -7,6 +7,7 @@ the request's working directory, environment, argv and stdin/stdout/stderr files
 its exit code, or ``-signal`` when it was killed, is the return code; its pid is its own (a driver that a fault
 kills, ``GENOCTX_FAULT_KILL=save+driver:N``, ends with -9 as a real one). Nothing of genoctx runs in the server, so
 each child starts with no logging handlers, no Ray and no process group; what the server imported is only torch,
+``torch._dynamo`` (which torch imports lazily the first time a verb builds a model: ~1.2 s of every such child),
 typer and ``genoctx.cli`` (none reads the environment a test changes at import time).
 """
 
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER = r"""
 import io, os, pickle, runpy, struct, sys, traceback
 import torch  # what every verb imports: once, here
+import torch._dynamo  # imported by torch when a verb first builds a model (nn.init): ~1.2 s a child otherwise
 import genoctx.cli  # noqa: F401
 
 inp, out = sys.stdin.buffer, sys.stdout.buffer

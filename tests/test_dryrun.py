@@ -14,11 +14,19 @@ from genoctx import plan as P
 from genoctx.model.config import preset
 from genoctx.model.model import HybridLM
 from genoctx.parallel.layout import Layout
-from genoctx.train.dryrun import dry_run, name_class
+from genoctx.train.dryrun import dry_run, name_class, reuse_server
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = preset("cpu-small")  # KDA, DSA, dense MLP and MoE layers; 1.2M parameters
 GIB = 2**30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_server():
+    """The module's ``dry_run`` calls ask one rank server (``reuse_server``): its imports paid once, each rank still a
+    fresh fork of it."""
+    with reuse_server():
+        yield
 
 
 def genoctx(*args):

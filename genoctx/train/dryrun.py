@@ -34,16 +34,17 @@ For each simulated rank ``r`` of a layout of ``W`` ranks:
 
 Processes: every simulated rank is built in its own fresh process, which initialises the fake default process
 group, counts and exits. The ranks are forked (at most ``min(cpus, 8)`` at a time) from one server process per
-``dry_run`` (``sys.executable -c``, arguments pickled on stdin, the counts as JSON on stdout) that imported torch and
-genoctx once, so a rank costs no import (~2.5 s each on a laptop when every rank was its own interpreter). The
-calling process never initialises ``torch.distributed`` nor forks, so ``dry_run`` works the same whether or not it
-has a process group or threads of its own. One process per rank, not one for all: DTensor's sharding-propagation
-caches are keyed by mesh equality (sizes and names, not the rank), so a second rank built in the same process gets
-the first rank's mesh and coordinates back (and wrong local shapes).
+``dry_run`` (``sys.executable -c``, arguments pickled on stdin, the counts as JSON on stdout; or one for many calls
+within ``reuse_server``) that imported torch and genoctx once, so a rank costs no import (~2.5 s each on a laptop when
+every rank was its own interpreter). The calling process never initialises ``torch.distributed`` nor forks, so
+``dry_run`` works the same whether or not it has a process group or threads of its own. One process per rank, not
+one for all: DTensor's sharding-propagation caches are keyed by mesh equality (sizes and names, not the rank), so a
+second rank built in the same process gets the first rank's mesh and coordinates back (and wrong local shapes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -221,22 +222,15 @@ def _rank_process(args: tuple) -> dict:
         return {"error": f"cannot build the model ({type(e).__name__}: {first})"}
 
 
-def _server_main() -> None:
-    """The rank server (``_run``): ``(jobs, workers)`` pickled on stdin, each job a ``_count_rank`` argument tuple;
-    forks one child per job, at most ``workers`` at a time, each writing its ``_rank_process`` dict to a file; prints
-    ``{rank: dict}`` as one JSON line on stdout (a child that died without writing: an ``"error"`` naming how)."""
+def _fork_ranks(jobs: list[tuple], workers: int) -> dict[int, dict]:
+    """Fork one child per job (a ``_count_rank`` argument tuple), at most ``workers`` at a time, each writing its
+    ``_rank_process`` dict to a file; ``{rank: dict}`` (a child that died without writing: an ``"error"`` naming
+    how). A child's fd 1 is its fd 2: nothing a rank prints reaches the server's answers on stdout."""
     import json
     import os
-    import pickle
     import shutil
     import sys
     import tempfile
-
-    jobs, workers = pickle.loads(sys.stdin.buffer.read())
-    import torch.distributed.fsdp  # noqa: F401 -- what every rank imports, imported once before the forks
-
-    from ..parallel import build, mesh, state  # noqa: F401
-    from . import loop  # noqa: F401
 
     tmp = tempfile.mkdtemp(prefix="genoctx-dryrun-")
     running: dict[int, int] = {}  # pid -> rank
@@ -253,6 +247,7 @@ def _server_main() -> None:
                 if pid == 0:  # the rank: count, write, leave without running the server's exit handlers
                     code = 1
                     try:
+                        os.dup2(2, 1)
                         doc = _rank_process(args)
                         with open(path + ".tmp", "w") as f:
                             json.dump(doc, f)
@@ -273,29 +268,135 @@ def _server_main() -> None:
                 results[rank] = {"error": f"the rank's process failed ({how})"}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    sys.stdout.write(json.dumps({str(r): doc for r, doc in results.items()}) + "\n")
+    return results
+
+
+def _server_main() -> None:
+    """The rank server (``_run``): requests on stdin, each a 4-byte big-endian length and the pickled ``(jobs,
+    workers)`` (``_fork_ranks``); for each, ``{rank: dict}`` as one JSON line on stdout; ends at end of input. It
+    imports once what every rank needs (torch.distributed's FSDP, genoctx's build, and ``torch._dynamo``, which
+    torch imports on a rank's first meta-device ``normal_``: ~1.2 s a rank otherwise) and never initialises a
+    process group or builds a model itself, so every rank, of the first request or a later one, is a fork of the
+    same state."""
+    import json
+    import pickle
+    import struct
+    import sys
+
+    import torch._dynamo  # noqa: F401 -- see the docstring
+    import torch.distributed.fsdp  # noqa: F401 -- what every rank imports, imported once before the forks
+
+    from ..parallel import build, mesh, state  # noqa: F401
+    from . import loop  # noqa: F401
+
+    inp = sys.stdin.buffer
+    while len(head := inp.read(4)) == 4:
+        jobs, workers = pickle.loads(inp.read(struct.unpack("!I", head)[0]))
+        results = _fork_ranks(jobs, workers)
+        sys.stdout.write(json.dumps({str(r): doc for r, doc in results.items()}) + "\n")
+        sys.stdout.flush()
+
+
+_SERVER_CODE = "from genoctx.train.dryrun import _server_main; _server_main()"
+
+
+class _Server:
+    """A rank server (``_server_main``) kept for several ``dry_run`` calls (``reuse_server``); its stderr goes to a
+    temporary file, read back when it fails."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        import tempfile
+
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER_CODE], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err)  # fmt: skip
+
+    def ask(self, request: bytes) -> tuple[str, str]:
+        """(stdout line, "") for one request (``_run``); ("", its stderr) when the server died (it is then closed)."""
+        import struct
+
+        try:
+            self.proc.stdin.write(struct.pack("!I", len(request)) + request)
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline().decode()
+        except OSError:  # a broken pipe: the server is gone
+            line = ""
+        if line:
+            return line, ""
+        self.close()
+        self.err.seek(0)
+        err = self.err.read().decode(errors="replace") or f"exit code {self.proc.returncode}"
+        self.err.close()
+        return "", err
+
+    def close(self) -> None:
+        """End the server (end of its input; killed if it has not exited within 60 s)."""
+        import subprocess
+
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+_kept: list[_Server | None] = []  # the stack of reuse_server blocks: None until a dry run starts the block's server
+
+
+@contextlib.contextmanager
+def reuse_server():
+    """Within the block, every ``dry_run`` of this process asks one rank server, started by the first of them and
+    stopped when the block ends, instead of starting one per call (~3 s of imports each on a small CPU). Each
+    simulated rank is still a fresh fork of the server's imported state (``_server_main``), so the counts are the
+    same; only the server's environment and working directory are those of the first call. For callers that dry
+    run many layouts in one process (the tests)."""
+    _kept.append(None)
+    try:
+        yield
+    finally:
+        server = _kept.pop()
+        if server is not None:
+            server.close()
+            server.err.close()
 
 
 def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload) -> dict:
-    """Every rank in its own fresh process, forked from one server process (``_server_main``) that imported torch and
-    genoctx once: DTensor's sharding-propagation caches are keyed by mesh equality, not by rank, so a second rank
-    built in the same process would get the first rank's mesh (and coordinates) back; this process never touches
-    ``torch.distributed``."""
+    """Every rank in its own fresh process, forked from a server process (``_server_main``) that imported torch and
+    genoctx once (one per call, or the one of ``reuse_server``): DTensor's sharding-propagation caches are keyed by
+    mesh equality, not by rank, so a second rank built in the same process would get the first rank's mesh (and
+    coordinates) back; this process never touches ``torch.distributed``."""
     import json
     import os
     import pickle
+    import struct
     import subprocess
     import sys
 
     t0 = time.perf_counter()
     workers = max(1, min(len(ranks), os.cpu_count() or 1, 8))
     jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload) for r in ranks]
-    code = "from genoctx.train.dryrun import _server_main; _server_main()"
-    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((jobs, workers)), capture_output=True)
+    request = pickle.dumps((jobs, workers))
+    if _kept:
+        if _kept[-1] is None:
+            _kept[-1] = _Server()
+        out, err = _kept[-1].ask(request)
+        if not out:
+            _kept[-1] = None  # the next call starts another
+    else:
+        proc = subprocess.run([sys.executable, "-c", _SERVER_CODE], input=struct.pack("!I", len(request)) + request,
+                              capture_output=True)  # fmt: skip
+        out, err = proc.stdout.decode(), proc.stderr.decode(errors="replace") or f"exit code {proc.returncode}"
     try:
-        docs = json.loads(proc.stdout.decode().strip().splitlines()[-1])
+        docs = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        tail = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        tail = (err.strip().splitlines() or ["no output"])[-1]
         raise GenoctxError(f"dry run {layout.describe()}: the dry run's process failed ({tail})") from None
     results: dict[int, dict] = {}
     for r in ranks:
@@ -373,4 +474,4 @@ def dry_run(
         raise GenoctxError(f"dry run {layout.describe()}: cannot build the model ({type(e).__name__}: {first})") from e
 
 
-__all__ = ["NAME_CLASSES", "dry_run", "name_class"]
+__all__ = ["NAME_CLASSES", "dry_run", "name_class", "reuse_server"]

@@ -57,8 +57,9 @@ def _entry(rank: int, worker_fn, config: dict, world: int, port: int, out: str) 
         (Path(out) / f"error{rank}.txt").write_text(str(e))
 
 
-PRELOAD = ["torch", "torch.distributed.checkpoint", "genoctx.parallel.build", "genoctx.train.distributed",
-           "genoctx.eval.distributed", "mesh_runner"]  # fmt: skip
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "genoctx.parallel.build",
+           "genoctx.train.distributed", "genoctx.eval.distributed", "mesh_runner"]  # fmt: skip
+# torch._dynamo: torch imports it when a rank first builds a model (nn.init), ~1.2 s of every rank otherwise
 
 
 def _forkserver() -> str:
