@@ -3,7 +3,8 @@
 ``spawn_workers`` has ``run_workers``' signature and result (``WorkerRun``: seconds, rank 0's return value), so the
 driver code under test (``genoctx.eval.distributed.score_on_mesh``) runs unchanged; only Ray's start-up (~30 s per
 run on this machine) is left out. A ``GenoctxError`` raised on the workers is raised again here with the first
-failing rank's message, as ``run_workers`` does.
+failing rank's message, as ``run_workers`` does. ``fork_ranks`` runs the rank function of a worker script
+(``tests/parallel/*_worker.py``, ``tests/train/verify_worker.py``) on ranks forked from the same server.
 """
 
 from __future__ import annotations
@@ -70,6 +71,31 @@ def _forkserver() -> str:
 
     multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call); later ones keep it
     return "forkserver"
+
+
+def fork_ranks(fn, args: tuple, nprocs: int, timeout: float = 600) -> None:
+    """``fn(rank, *args)`` for rank 0..nprocs-1, each in a fresh process forked from the preloaded server
+    (``_forkserver``): what a worker script's ``mp.start_processes(fn, args, nprocs, start_method="fork")`` runs
+    after importing torch and genoctx itself, without that interpreter's start and imports (~3 s on a small CPU) and
+    a ``torch._dynamo`` import in every rank. ``fn`` is pickled by name: its module must be importable from
+    ``sys.path`` as it is now (each rank gets this process's ``sys.path``); the ranks get the environment and working
+    directory of the server's start (pass absolute paths).
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed (its traceback).
+        TimeoutError: not done within ``timeout`` seconds (every rank is killed first).
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=_forkserver())
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            for proc in ctx.processes:
+                proc.join()
+            raise TimeoutError(f"{fn.__module__}.{fn.__name__} on {nprocs} ranks: not done within {timeout} s")
 
 
 def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",

@@ -16,8 +16,8 @@ export of the one-process model there).
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +31,10 @@ from genoctx.model.init import BLOCK_ELEMENTS, Init, draw_slice, init_spec, whol
 from genoctx.model.model import HybridLM
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import build_worker  # noqa: E402
 from cp_worker import THREE_LAYERS  # noqa: E402
-
-WORKER = Path(__file__).with_name("build_worker.py")
+from mesh_runner import fork_ranks  # noqa: E402
 
 
 def _three(**overrides):
@@ -43,8 +44,9 @@ def _three(**overrides):
 
 def _spawn(tmp: Path, case: str, world: int = 4, **args) -> list[dict]:
     torch.save(args, tmp / "args.pt")
-    subprocess.run([sys.executable, str(WORKER), str(tmp), str(tmp / "args.pt"), str(world), case], check=True,
-                   timeout=600)  # fmt: skip
+    # build_worker.py's ranks, forked from the preloaded server (as ``python build_worker.py TMP ARGS WORLD CASE``)
+    init = tempfile.mktemp(prefix="genoctx-gloo-")
+    fork_ranks(build_worker.run, (world, init, str(tmp), str(tmp / "args.pt"), case), world)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -1,8 +1,9 @@
 """Context and data parallelism on gloo with 2 and 4 processes equal one process (DESIGN.md correctness rules).
 
-Two subprocess runs (two and four spawned gloo ranks) compute every distributed case: CP=2 in the contiguous
-and zigzag layouts, DP=2, and CP=4 in both layouts (the KDA fold over 4 and 8 pieces). The tests compare them
-with the single-process loop (``forward_backward`` with no parallel dims), forward and backward.
+Two runs of ``cp_worker.py``'s ranks (two and four gloo processes, ``mesh_runner.fork_ranks``) compute every
+distributed case: CP=2 in the contiguous and zigzag layouts, DP=2, and CP=4 in both layouts (the KDA fold over 4 and
+8 pieces). The tests compare them with the single-process loop (``forward_backward`` with no parallel dims), forward
+and backward.
 
 The model (``cp_worker.cp_config``) has a full DSA layer followed by a shared one (which reuses the full layer's
 selection across the pieces), pools of ``KPOOL`` = 4 tokens with the tail on, and top-16 tokens out of windows of
@@ -10,8 +11,8 @@ selection across the pieces), pools of ``KPOOL`` = 4 tokens with the tail on, an
 size, so pools straddle the pieces.
 """
 
-import subprocess
 import sys
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,7 +26,10 @@ from genoctx.parallel.context import cat_selections, cp_pieces, shard_sequence
 from genoctx.train.loop import forward_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import cp_worker  # noqa: E402
 from cp_worker import cp_config, tiny_model  # noqa: E402
+from mesh_runner import fork_ranks  # noqa: E402
 
 L = 324  # window tokens: CP=2 pieces of 162 (contiguous) or 81 (zigzag); top-16 tokens of up to 324
 L4 = 264  # CP=4 window: pieces of 66 (contiguous) or 33 (zigzag) tokens
@@ -93,9 +97,9 @@ def reference(windows):
 
 def _spawn(windows, out: Path, world: int) -> list[dict]:
     torch.save(windows, out / "windows.pt")
-    worker = Path(__file__).with_name("cp_worker.py")
-    cmd = [sys.executable, str(worker), str(out), str(out / "windows.pt"), str(world)]
-    subprocess.run(cmd, check=True, timeout=300)
+    # cp_worker.py's ranks, forked from the preloaded server (as ``python cp_worker.py OUT WINDOWS WORLD``)
+    init = tempfile.mktemp(prefix="genoctx-gloo-")
+    fork_ranks(cp_worker.run, (world, init, str(out), str(out / "windows.pt")), world, timeout=300)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 

@@ -2,14 +2,15 @@
 
 The round schedule and the per-expert split of a round are pure functions, tested on random count matrices. One
 process runs ``apply_ep`` with a single rank (the rounds and the autograd Function without communication) against
-the class ``MoE`` in fp64. One subprocess run (``ep_worker.py``, two spawned gloo ranks) computes every EP=2 case:
-random routing with unequal token counts, every row forced onto rank 0's experts in many rounds, a rank with no
-token, and the peak memory of one forward + backward with balanced and forced routing, with and without rounds.
+the class ``MoE`` in fp64. One run of ``ep_worker.py``'s ranks (two gloo processes, ``mesh_runner.fork_ranks``)
+computes every EP=2 case: random routing with unequal token counts, every row forced onto rank 0's experts in many
+rounds, a rank with no token, and the peak memory of one forward + backward with balanced and forced routing, with
+and without rounds.
 """
 
 import copy
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ from genoctx.parallel.experts import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import ep_worker  # noqa: E402
 from ep_worker import CASES, EP, MEM_TOKENS, MEMORY_CASES, ep_moe, ep_tokens  # noqa: E402
+from mesh_runner import fork_ranks  # noqa: E402
 
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -196,8 +200,8 @@ def test_apply_ep_rejects_bad_layouts():
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ep")
-    worker = Path(__file__).with_name("ep_worker.py")
-    subprocess.run([sys.executable, str(worker), str(out)], check=True, timeout=300)
+    # ep_worker.py's ranks, forked from the preloaded server (as ``python ep_worker.py OUT``)
+    fork_ranks(ep_worker.run, (tempfile.mktemp(prefix="genoctx-gloo-"), str(out)), EP, timeout=300)
     return [torch.load(out / f"rank{r}.pt") for r in range(EP)]
 
 

@@ -1,19 +1,19 @@
 """The 4-D mesh (dp_replicate x ep x dp_shard x cp) trains exactly as one process (issue 13).
 
-Two subprocess runs (two and four spawned gloo ranks) train two AdamW steps in each layout: FSDP=2, EP=2 and DP=2
-on two ranks; EP=2 x CP=2, FSDP=2 x CP=2, DP=2 x EP=2, FSDP=2 x EP=2 and HSDP (2 replicas x FSDP=2) on four; folded
-EP (the EP group drawn from dp_shard x cp, issue 23): CP=2 and FSDP=2 with EP=2 on two ranks, FSDP=2 x CP=2 with
-EP=4 on four, each with and without activation checkpointing. One
-process trains the same model on all the data ranks' windows batched. Every layout must give its loss (1e-5
-relative) and every gradient (1e-4) at both steps, so the first optimizer step (sharded AdamW state, the global
-gradient norm used for clipping, the router-bias update from all-reduced loads) is checked by the second step.
+Two runs of ``mesh_worker.py``'s ranks (two and four gloo processes, ``mesh_runner.fork_ranks``) train two AdamW
+steps in each layout: FSDP=2, EP=2 and DP=2 on two ranks; EP=2 x CP=2, FSDP=2 x CP=2, DP=2 x EP=2, FSDP=2 x EP=2 and
+HSDP (2 replicas x FSDP=2) on four; folded EP (the EP group drawn from dp_shard x cp, issue 23): CP=2 and FSDP=2
+with EP=2 on two ranks, FSDP=2 x CP=2 with EP=4 on four, each with and without activation checkpointing. One process
+trains the same model on all the data ranks' windows batched. Every layout must give its loss (1e-5 relative) and
+every gradient (1e-4) at both steps, so the first optimizer step (sharded AdamW state, the global gradient norm used
+for clipping, the router-bias update from all-reduced loads) is checked by the second step.
 
 The model (``mesh_worker.mesh_config``): KDA, a full DSA layer and a shared one, a dense MLP and two MoE layers of 8
 routed experts (top-2) with re-drawn router biases and mHC bases; the windows are real hg38 (chrM).
 """
 
-import subprocess
 import sys
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -26,6 +26,9 @@ from genoctx.parallel.layout import Layout
 from genoctx.train.loop import build_optimizer, train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import mesh_worker  # noqa: E402
+from mesh_runner import fork_ranks  # noqa: E402
 from mesh_worker import CASES, CHUNK, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
@@ -78,9 +81,9 @@ def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[di
 
     save_hf(mesh_model(), out / "hf")  # every layout loads its own slices of it (genoctx.parallel.build)
     torch.save({"windows": windows, "hf_dir": str(out / "hf"), **extra}, out / "windows.pt")
-    worker = Path(__file__).with_name("mesh_worker.py")
-    subprocess.run([sys.executable, str(worker), str(out), str(out / "windows.pt"), str(world), ",".join(cases)],
-                   check=True, timeout=600)  # fmt: skip
+    # mesh_worker.py's ranks, forked from the preloaded server (as ``python mesh_worker.py OUT WINDOWS WORLD CASES``)
+    init = tempfile.mktemp(prefix="genoctx-gloo-")
+    fork_ranks(mesh_worker.run, (world, init, str(out), str(out / "windows.pt"), cases), world)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 

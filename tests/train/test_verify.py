@@ -9,8 +9,8 @@ exit codes and the one stderr line are what a user sees. The multi-rank case (2 
 
 import json
 import shutil
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,10 @@ from genoctx.train.checkpoint import list_checkpoints, prune_checkpoints
 from genoctx.train.loop import read_events, train
 
 SETS = ["train.seq_len=256", "train.checkpoint_every=2", "train.warmup_steps=1", "train.keep_checkpoints=0"]
-WORKER = Path(__file__).with_name("verify_worker.py")
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+import verify_worker  # noqa: E402
+from mesh_runner import fork_ranks  # noqa: E402
 
 
 def _cli(*args):
@@ -253,7 +256,8 @@ def test_pruning_counts_only_the_checkpoints_up_to_the_one_written(tmp_path):
 
 
 def _spawn(tmp: Path, case: str) -> list[dict]:
-    subprocess.run([sys.executable, str(WORKER), str(tmp), case], check=True, timeout=600)
+    # verify_worker.py's ranks, forked from the preloaded server (as ``python verify_worker.py TMP CASE``)
+    fork_ranks(verify_worker.run, (2, tempfile.mktemp(prefix="genoctx-gloo-"), str(tmp), case), 2)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
