@@ -83,6 +83,9 @@ class TrainConfig:
     # (genoctx.train.chunked): memory bounded by the chunk plus the boundary state; null = one pass
     seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
+    # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
+    # CPU); off by default until measured on a GPU (bench/compile_speed.py); not with cp > 1 or ep > 1
+    compile: bool = False
     # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
     loggers: list[str] = field(default_factory=list)
 
@@ -104,6 +107,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not ((lo is None or v >= lo) and (hi is None or v < hi)):
                 _bad(f"train.{name}", f"must be {what}", v)
+        if self.compile and (self.cp > 1 or self.ep > 1):  # their mixers' / MoEs' forwards are replaced: untested
+            raise RecipeValueError("train.compile", f"train.compile is not supported with train.cp={self.cp}, "
+                                   f"train.ep={self.ep} yet: set train.compile=false or use cp = ep = 1")  # fmt: skip
 
 
 # (field, lowest allowed, first value not allowed, in words); None = unbounded

@@ -62,6 +62,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .norms import RMSNorm
 from .precision import island
+from .stats import host_number
 
 SENTINEL = -1  # index slot with no pool / token
 # Indexer scores tie often (ReLU makes many exactly 0). torch.topk breaks ties in an unspecified order, which
@@ -382,6 +383,17 @@ def indexer_topk(
                 best_i = best_i.gather(-1, j)
                 out[b, r0:r1] = best_i.masked_fill(torch.isneginf(best_v), SENTINEL).to(index_dtype)
     return out
+
+
+def _visible_pool_pairs(S: int, T: int, kpool: int) -> int:
+    """(query, complete pool) pairs visible to the queries at positions ``S .. S + T - 1``:
+    ``sum_p (p + 1) // kpool``, in closed form (Python ints: no tensor, no host sync)."""
+
+    def upto(n: int) -> int:  # sum_{m=1..n} m // kpool
+        q, r = divmod(n, kpool)
+        return kpool * q * (q - 1) // 2 + q * (r + 1)
+
+    return upto(S + T) - upto(S)
 
 
 def _no_autocast(fn):
@@ -782,13 +794,14 @@ class DeepSeekSparseAttention(nn.Module):
             iq, iw = self.indexer.queries(xd, q_resid.detach())
         kp = self.kpool
         n_vis_pools = (pos + 1) // kp
-        scored = B * int(n_vis_pools.sum()) if self.indexer is not None else 0
+        scored = B * _visible_pool_pairs(S, T, kp) if self.indexer is not None else 0
         sel = None
         need_sel = self.mode == "sparse" or (self.stage == "sparse" and torch.is_grad_enabled())
         use_triton = self.kernels == "triton" and all(
             _kernel_device(t) and t.dtype in _KERNEL_DTYPES for t in (q_abs, latent, iq, iw, pool_k) if t is not None
         )
-        topk_fn, attn_fn = indexer_topk, sparse_mla
+        # compiled (train.compile): the top-k as one opaque op (it steers its tiles from the host: no graph break)
+        topk_fn, attn_fn = (indexer_topk_op if torch.compiler.is_compiling() else indexer_topk), sparse_mla
         if use_triton:  # imported here: a CPU install needs no working Triton
             from kernels.indexer_topk import indexer_topk as topk_fn
             from kernels.sparse_mla import sparse_mla as attn_fn
@@ -810,9 +823,10 @@ class DeepSeekSparseAttention(nn.Module):
         if self.mode == "sparse":
             o_lat = attn_fn(q_abs, latent, sel, self.scale, self.attn_tile_tokens)
             ran_triton = use_triton
-            attended = int((sel.pools >= 0).sum()) * kp
+            attended = (sel.pools >= 0).sum() * kp
             if sel.tail:
-                attended += B * int(((sel.pos + 1) % kp).sum())
+                attended = attended + B * ((sel.pos + 1) % kp).sum()
+            attended = host_number(attended, int)  # a tensor while compiling: no host sync in the graph
             stats = {"path": "sparse", "keys_scored": scored, "keys_attended": attended}
         else:
             o_lat = self._dense(q_abs, latent, S)
@@ -823,7 +837,7 @@ class DeepSeekSparseAttention(nn.Module):
         stats["indexer_loss"] = None
         if self.indexer is not None and self.stage != "off" and torch.is_grad_enabled():
             loss = self._indexer_loss(q_abs.detach(), latent.detach(), sel, pos, iq, iw, pool_k)
-            stats["indexer_loss"] = float(loss.detach())
+            stats["indexer_loss"] = host_number(loss.detach(), float)
             self.aux_loss = loss * self.loss_coef
         self.stats = stats
         o = torch.einsum("bthr,hvr->bthv", o_lat.to(q_abs.dtype), W_UV)
@@ -877,3 +891,26 @@ class DeepSeekSparseAttention(nn.Module):
                 )  # fmt: skip
                 total = part if total is None else total + part
         return total / (B * T)
+
+
+@torch.library.custom_op("genoctx::indexer_topk", mutates_args=())
+def indexer_topk_op(
+    index_q: Tensor,
+    index_w: Tensor,
+    index_k: Tensor,
+    visible: Tensor,
+    topk: int,
+    tile_tokens: int,
+    index_dtype: torch.dtype = torch.long,
+    prune: bool = True,
+) -> Tensor:
+    """``indexer_topk`` as one ``torch.library`` op (``genoctx::indexer_topk``), so that ``torch.compile`` calls it
+    without tracing its host-driven tiles (``visible.tolist()``, pruning thresholds, ragged candidates): the compiled
+    DSA layer has no graph break there. Same arguments and result; no gradient (integer output)."""
+    return indexer_topk(index_q, index_w, index_k, visible, topk, tile_tokens, index_dtype, prune)
+
+
+@indexer_topk_op.register_fake
+def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, tile_tokens, index_dtype=torch.long, prune=True):
+    B, T = index_q.shape[:2]
+    return index_q.new_empty(B, T, min(topk, index_k.shape[1]), dtype=index_dtype)

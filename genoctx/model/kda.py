@@ -141,7 +141,9 @@ def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list
 
     Returns a list of ``[..., C, C]`` tensors in b's dtype.
     """
-    return list(_CausalDecayScores.apply(b, G, *rows))
+    # a row that is b itself goes in as a view of it (autograd sums both gradients into b, as for the same tensor
+    # twice): torch.compile cannot trace one tensor passed to two inputs of an autograd.Function
+    return list(_CausalDecayScores.apply(b, G, *(a.view_as(a) if a is b else a for a in rows)))
 
 
 def chunk_kda(

@@ -38,6 +38,7 @@ from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
 from .norms import RMSNorm
 from .precision import island
+from .stats import as_number
 
 # Parameter/buffer name suffixes kept in fp32 whatever the model dtype (transformers glm5_next
 # ``_keep_in_fp32_modules_strict``).
@@ -234,10 +235,10 @@ class HybridLM(nn.Module):
         for i, layer in enumerate(self.layers):
             s = {"layer": i, "mixer": "dsa" if layer.layer_type == DSA else "kda"}
             for k, v in (getattr(layer.self_attn, "stats", None) or {}).items():
-                s[k] = v
+                s[k] = as_number(v)  # a 0-dim tensor under torch.compile (genoctx.model.stats)
             fs = getattr(layer.mlp, "stats", None)
             if fs:
-                s["moe_load_max_over_mean"] = fs.get("load_max_over_mean")
+                s["moe_load_max_over_mean"] = as_number(fs.get("load_max_over_mean"))
                 tpe = fs.get("tokens_per_expert")
                 s["moe_tokens_per_expert"] = tpe.tolist() if torch.is_tensor(tpe) else tpe
                 s.update({k: v for k, v in fs.items() if k.startswith("ep_")})  # expert-parallel dispatch, if any

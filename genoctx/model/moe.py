@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .precision import island
+from .stats import host_number
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -217,7 +218,8 @@ class MoE(nn.Module):
         """
         experts, weights, scores = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        flat = experts.reshape(-1)  # counted into [E] (bincount's length would depend on the data under compile)
+        counts = flat.new_zeros(self.n_experts).index_add_(0, flat, torch.ones_like(flat))
         sel = psum = None
         if self.aux_coef > 0:
             picked = F.one_hot(experts.reshape(-1), self.n_experts).to(scores.dtype)  # [N*k, E]
@@ -266,9 +268,10 @@ class MoE(nn.Module):
         if self.training:
             self.load_counts += tokens_per_expert
         mean = tokens_per_expert.float().mean()
+        ratio = torch.where(mean > 0, tokens_per_expert.max() / mean, 0.0)  # no branch on a tensor (compile)
         self.stats = {
             "tokens_per_expert": tokens_per_expert.detach(),
-            "load_max_over_mean": float(tokens_per_expert.max() / mean) if mean > 0 else 0.0,
+            "load_max_over_mean": host_number(ratio, float),
         }
         self.aux_loss = self.last_selection = None
         if self.aux_coef > 0 and sels:

@@ -5,8 +5,8 @@ process or a Ray worker) builds its model with ``build_model``, torchtitan's ord
 
 1. ``HybridLM(cfg)`` on the meta device (no memory, any size; the init seed is drawn from torch's generator as
    one process draws it: ``genoctx.model.init``);
-2. ``apply_parallel`` (expert parallel, context parallel, activation checkpointing, FSDP2, in that order): the
-   parameters become this rank's pieces, still on meta;
+2. ``apply_parallel`` (expert parallel, context parallel, ``torch.compile`` per layer, activation checkpointing,
+   FSDP2, in that order): the parameters become this rank's pieces, still on meta;
 3. ``to_empty(device)``: only this rank's pieces are allocated (FSDP2 shards, its block of routed experts; the
    unsharded dense parameters of a layout without FSDP);
 4. fill this rank's pieces (``genoctx.parallel.state.local_targets`` names each piece's place in the one-device
@@ -204,6 +204,7 @@ def build_model(
     offload_optimizer: bool = False,
     materialize: bool = True,
     cp_chunk_tokens: int | None = None,
+    compile: bool = False,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -219,6 +220,8 @@ def build_model(
         materialize: False stops after step 2 (the model stays on meta): the dry run counts its pieces.
         cp_chunk_tokens: under CP, stream each piece through a mixing layer in chunks of this many tokens
             (``apply_parallel``; forward-only evaluation).
+        compile: ``torch.compile`` each decoder layer's forward (``genoctx.parallel.compile.apply_compile``,
+            ``train.compile``; training passes it, evaluation does not).
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -239,11 +242,16 @@ def build_model(
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
                                  param_dtype=param_dtype, offload_optimizer=offload_optimizer,
-                                 cp_chunk_tokens=cp_chunk_tokens)  # fmt: skip
-    elif activation_checkpointing:
-        from .fsdp import apply_ac
+                                 cp_chunk_tokens=cp_chunk_tokens, compile=compile)  # fmt: skip
+    else:
+        if compile:
+            from .compile import apply_compile
 
-        apply_ac(model)
+            apply_compile(model)
+        if activation_checkpointing:
+            from .fsdp import apply_ac
+
+            apply_ac(model)
     model.parallel_handles = handles
     if not materialize:
         model.build_info = {"source": "meta", "path": None, "skipped": None}

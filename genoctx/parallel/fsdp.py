@@ -4,8 +4,11 @@
 
 1. expert parallel (``genoctx.parallel.experts.apply_ep``): every MoE keeps its rank's block of routed experts;
 2. context parallel (``genoctx.parallel.context.apply_cp``): the mixing layers take their pieces' caches;
-3. activation checkpointing (``apply_ac``, optional): each decoder layer recomputed in backward;
-4. FSDP2 (``apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): ``fully_shard`` per decoder layer, then the root.
+3. ``torch.compile`` of each decoder layer's forward (``genoctx.parallel.compile.apply_compile``, optional,
+   ``train.compile``; not with EP or CP yet);
+4. activation checkpointing (``apply_ac``, optional): each decoder layer recomputed in backward (the checkpoint
+   wraps the compiled forward);
+5. FSDP2 (``apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): ``fully_shard`` per decoder layer, then the root.
 
 The optimizer is built afterwards, on the sharded parameters (DTensors): its state is sharded as they are.
 
@@ -281,15 +284,22 @@ def apply_parallel(
     param_dtype: torch.dtype | None = None,
     offload_optimizer: bool = False,
     cp_chunk_tokens: int | None = None,
+    compile: bool = False,
 ) -> list:
     """Apply every parallel dimension of ``dims`` to ``model`` in the documented order (module docstring).
     ``cp_chunk_tokens``: each CP piece streamed through a mixing layer in chunks of this many tokens
-    (``genoctx.parallel.context.CPLayout``; evaluation); None = one call per piece.
+    (``genoctx.parallel.context.CPLayout``; evaluation); None = one call per piece. ``compile``: ``torch.compile``
+    each decoder layer (``genoctx.parallel.compile``).
 
     Returns the handles of ``apply_cp``/``apply_ep`` (their ``.remove()`` restores the class forwards).
+
+    Raises:
+        ValueError: ``compile`` with ``dims.ep > 1`` or ``dims.cp > 1`` (not supported yet).
     """
     from .context import apply_cp
 
+    if compile and (dims.ep > 1 or dims.cp > 1):
+        raise ValueError(f"compile is not supported with ep={dims.ep}, cp={dims.cp} yet")
     handles = []
     if dims.ep > 1:
         from .experts import apply_ep
@@ -297,6 +307,10 @@ def apply_parallel(
         handles += apply_ep(model, dims.ep_group, dims.ep, dims.ep_rank)
     if dims.cp > 1:
         handles += apply_cp(model, dims.cp_group, dims.cp_layout, cp_chunk_tokens)
+    if compile:
+        from .compile import apply_compile
+
+        apply_compile(model)
     if activation_checkpointing:
         apply_ac(model)
     if dims.fsdp:
