@@ -48,12 +48,11 @@ _MOE_SITE = "model.py forward -> MoE.forward (compiler-disabled)"
 
 # The graph breaks of one decoder layer compiled by ``apply_compile``, by ``layer_kind``: {site: why it stays}.
 # Measured on CPU, fp32, training forward (grad on), the PyTorch DSA path (``BreakLog``; the test holds them).
+# The kinds of the presets and of GLM-5.3-Flash (a dense MLP only in its first KDA layers).
 GRAPH_BREAKS: dict[str, dict[str, str]] = {
     "kda+mlp": {},
     "kda+moe": {_MOE_SITE: _MOE_EAGER},
-    "dsa-full+mlp": {},
     "dsa-full+moe": {_MOE_SITE: _MOE_EAGER},
-    "dsa-shared+mlp": {},
     "dsa-shared+moe": {_MOE_SITE: _MOE_EAGER},
 }
 
