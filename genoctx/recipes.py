@@ -84,7 +84,8 @@ class TrainConfig:
     seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
-    # CPU); off by default until measured on a GPU (bench/compile_speed.py); not with cp > 1 or ep > 1
+    # CPU); off by default until measured on a GPU (bench/compile_speed.py); not with cp > 1, ep > 1 or
+    # seq_chunk_tokens (the chunked backward) yet
     compile: bool = False
     # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
     loggers: list[str] = field(default_factory=list)
@@ -110,6 +111,9 @@ class TrainConfig:
         if self.compile and (self.cp > 1 or self.ep > 1):  # their mixers' / MoEs' forwards are replaced: untested
             raise RecipeValueError("train.compile", f"train.compile is not supported with train.cp={self.cp}, "
                                    f"train.ep={self.ep} yet: set train.compile=false or use cp = ep = 1")  # fmt: skip
+        if self.compile and self.seq_chunk_tokens is not None:  # caches per chunk: a recompile per offset, breaks
+            raise RecipeValueError("train.compile", "train.compile is not supported with train.seq_chunk_tokens "
+                                   f"({self.seq_chunk_tokens}) yet: set one of them to false / null")  # fmt: skip
 
 
 # (field, lowest allowed, first value not allowed, in words); None = unbounded

@@ -4,12 +4,13 @@ and breaks its graph only where ``GRAPH_BREAKS`` says.
 Tolerance (fp32): the loss within 1e-6 relative; every gradient within 1e-5 relative plus 1e-6 of the largest
 gradient entry of the model; router loads equal; ``layer_stats`` equal (floats within 1e-4 relative).
 
-Cases: tiny with a third layer, a shared DSA layer (so that every layer kind of the presets and GLM-5.3-Flash is
-compiled: KDA + MLP, KDA + MoE, full DSA + MoE, shared DSA + MoE), with ``aot_eager`` (dynamo's graphs and AOT
-autograd's forward and backward graphs, run by eager kernels); cpu-small with ``eager`` (dynamo's graphs, backward by
-autograd). Inductor's code generation costs minutes on this CPU (gcc; cold cache: ~3 min for tiny) and AOT ~3x the
-graph capture, too slow for the suite: ``bench/compile_speed.py`` compiles both presets with Inductor and prints
-their differences from eager with the speed.
+Cases, both with the ``eager`` backend (dynamo's graphs, with the forward and backward it traces of the autograd
+Functions and checkpoints, run by eager kernels): tiny with a third layer, a shared DSA layer (so that every layer
+kind of the presets and GLM-5.3-Flash is compiled: KDA + MLP, KDA + MoE, full DSA + MoE, shared DSA + MoE), and
+cpu-small. Cost on this CPU (CPU seconds): 5.7 and 7.0. ``aot_eager`` (AOT autograd's joint graphs too) costs
+16 s for tiny and Inductor's code generation minutes (gcc; cold cache ~3 min for tiny): too slow for the suite.
+``bench/compile_speed.py`` compiles both presets with Inductor and prints their differences from eager (same
+tolerance) with the speed.
 """
 
 import copy
@@ -29,8 +30,8 @@ from genoctx.train.loop import shift_inputs
 
 # the kinds each case holds, so a case that lost a layer kind fails here rather than testing less
 CASES = {
-    "tiny": ("aot_eager", dict(num_hidden_layers=3, layer_types="KDD", mlp_layer_types=["dense", "sparse", "sparse"],
-                               indexer_types=["full", "full", "shared"]), 16,
+    "tiny": ("eager", dict(num_hidden_layers=3, layer_types="KDD", mlp_layer_types=["dense", "sparse", "sparse"],
+                           indexer_types=["full", "full", "shared"]), 16,
              {"kda+mlp", "dsa-full+moe", "dsa-shared+moe"}),
     "cpu-small": ("eager", {}, 64, {"kda+mlp", "kda+moe", "dsa-full+moe"}),
 }  # fmt: skip
@@ -91,6 +92,8 @@ def test_train_compile_is_a_validated_recipe_knob_that_build_model_applies():
         recipe_from_dict({"model": {"preset": "tiny"}, "train": {"compile": "yes"}})
     with pytest.raises(GenoctxError, match="train.compile is not supported with train.cp=2"):
         recipe_from_dict({"model": {"preset": "tiny"}, "train": {"compile": True, "cp": 2}})
+    with pytest.raises(GenoctxError, match="train.compile is not supported with train.seq_chunk_tokens"):
+        recipe_from_dict({"model": {"preset": "tiny"}, "train": {"compile": True, "seq_chunk_tokens": 64}})
     model = build_model(preset("tiny"), compile=True, activation_checkpointing=True)
     for layer in model.layers:  # the checkpoint (eager) wraps the compiled forward; the MoE stays eager
         assert layer.forward.__name__ == "recomputed"
