@@ -61,9 +61,7 @@ def _one(preset_name: str, backend: str, steps: int, seq_len: int | None) -> dic
     g1 = _grads(compiled)
     gmax = max(float(g.abs().max()) for g in g0.values())
     diff = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
-    ok = set(g0) == set(g1) and all(
-        bool(((g1[k] - g0[k]).abs() <= 1e-5 * g0[k].abs() + 1e-6 * gmax).all()) for k in g0
-    )
+    ok = set(g0) == set(g1) and all(bool(((g1[k] - g0[k]).abs() <= 1e-5 * g0[k].abs() + 1e-6 * gmax).all()) for k in g0)
 
     times = {"eager": [], "compiled": []}
     opts = {name: build_optimizer(m, cfg, steps + 1) for name, m in (("eager", eager), ("compiled", compiled))}
