@@ -84,8 +84,8 @@ class TrainConfig:
     seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
-    # CPU); off by default until measured on a GPU (bench/compile_speed.py); not with cp > 1, ep > 1 or
-    # seq_chunk_tokens (the chunked backward) yet
+    # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
+    # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
     compile: bool = False
     # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
     loggers: list[str] = field(default_factory=list)

@@ -29,7 +29,12 @@ What was a break and is not any more (the model's math unchanged):
   columns), which dynamo cannot trace: the rows get a view of it.
 
 Layers of one structure share their compiled graphs (parameters are graph inputs); a new sequence length
-recompiles once, then shapes are dynamic. ``BreakLog`` records the breaks per layer kind (``layer_kind``) during
+recompiles once, then shapes are dynamic. Compile time grows with the window: dynamo unrolls Python loops, so each
+KDA block (``kda_block_tokens``, a checkpoint of its own) becomes its own subgraph with its chunks unrolled, and
+Inductor compiles each. Measured on this 2-core CPU (``bench/compile_speed.py``, Inductor, warm cache): tiny at
+256 tokens ~1 min, cpu-small at 4096 tokens (4 blocks per KDA layer) ~8 min; a 512k window (512 blocks) is out of
+reach until one block's graph is compiled once and reused. Training steps then run at 0.46-0.79 (tiny) and 0.65
+(cpu-small) of eager's time. ``BreakLog`` records the breaks per layer kind (``layer_kind``) during
 a compiled model's first forward; ``tests/parallel/test_compile.py`` holds them equal to ``GRAPH_BREAKS``.
 """
 
