@@ -893,7 +893,7 @@ class DeepSeekSparseAttention(nn.Module):
         return total / (B * T)
 
 
-@torch.library.custom_op("genoctx::indexer_topk", mutates_args=())
+@torch.library.custom_op("genoctx::indexer_topk_torch", mutates_args=())
 def indexer_topk_op(
     index_q: Tensor,
     index_w: Tensor,
@@ -904,7 +904,8 @@ def indexer_topk_op(
     index_dtype: torch.dtype = torch.long,
     prune: bool = True,
 ) -> Tensor:
-    """``indexer_topk`` as one ``torch.library`` op (``genoctx::indexer_topk``), so that ``torch.compile`` calls it
+    """``indexer_topk`` as one ``torch.library`` op (``genoctx::indexer_topk_torch``; the Triton kernel's op is
+    ``genoctx::indexer_topk``), so that ``torch.compile`` calls it
     without tracing its host-driven tiles (``visible.tolist()``, pruning thresholds, ragged candidates): the compiled
     DSA layer has no graph break there. Same arguments and result; no gradient (integer output)."""
     return indexer_topk(index_q, index_w, index_k, visible, topk, tile_tokens, index_dtype, prune)
@@ -913,4 +914,4 @@ def indexer_topk_op(
 @indexer_topk_op.register_fake
 def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, tile_tokens, index_dtype=torch.long, prune=True):
     B, T = index_q.shape[:2]
-    return index_q.new_empty(B, T, min(topk, index_k.shape[1]), dtype=index_dtype)
+    return index_q.new_empty(B, T, torch.sym_min(topk, index_k.shape[1]), dtype=index_dtype)
