@@ -199,6 +199,29 @@ def _blocks(H: int, D: int, K: int, dot_bytes: int = 2) -> dict:
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def _check_static(index_q, index_w, index_k, visible, index_dtype) -> tuple:
+    """The checks of ``indexer_topk_launch`` that need no data (shapes, dtypes, sizes; not ``visible``'s values),
+    shared with the op's fake kernel. Returns ``(B, T, H_I, d_I, N)``; raises ValueError naming what is wrong."""
+    if index_q.dim() != 4 or index_w.shape != index_q.shape[:3] or index_k.dim() != 3:
+        raise ValueError(
+            f"indexer_topk: bad shapes q {tuple(index_q.shape)}, w {tuple(index_w.shape)}, k {tuple(index_k.shape)}"
+        )
+    B, T, H, D = index_q.shape
+    N = index_k.shape[1]
+    if index_k.shape[0] != B or index_k.shape[2] != D:
+        raise ValueError(f"indexer_topk: keys {tuple(index_k.shape)} do not fit queries {tuple(index_q.shape)}")
+    if visible.shape != (T,) or visible.dtype.is_floating_point:
+        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
+    if index_dtype not in (torch.long, torch.int32) or (index_dtype == torch.int32 and N >= 2**31):
+        raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
+    if N >= 2**31:
+        raise ValueError(f"indexer_topk (Triton): at most 2^31 - 1 keys (packed in 32 bits), got {N}")
+    for name, x in (("index_q", index_q), ("index_w", index_w), ("index_k", index_k)):
+        if x.dtype not in _TL:
+            raise ValueError(f"indexer_topk (Triton): {name} must be fp32, fp16 or bf16, got {x.dtype}")
+    return B, T, H, D, N
+
+
 def indexer_topk_launch(
     index_q: torch.Tensor,
     index_w: torch.Tensor,
@@ -234,16 +257,7 @@ def indexer_topk_launch(
     """
     if topk < 1 or (tile_tokens is not None and tile_tokens < 1):
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
-    if index_q.dim() != 4 or index_w.shape != index_q.shape[:3] or index_k.dim() != 3:
-        raise ValueError(
-            f"indexer_topk: bad shapes q {tuple(index_q.shape)}, w {tuple(index_w.shape)}, k {tuple(index_k.shape)}"
-        )
-    B, T, H, D = index_q.shape
-    N = index_k.shape[1]
-    if index_k.shape[0] != B or index_k.shape[2] != D:
-        raise ValueError(f"indexer_topk: keys {tuple(index_k.shape)} do not fit queries {tuple(index_q.shape)}")
-    if visible.shape != (T,) or visible.dtype.is_floating_point:
-        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
+    B, T, H, D, N = _check_static(index_q, index_w, index_k, visible, index_dtype)
     if T > 0:
         vis = visible.to(torch.long)
         bad = (vis[0] < 0) | (vis[-1] > N)
@@ -251,13 +265,6 @@ def indexer_topk_launch(
             bad = bad | (vis[1:] < vis[:-1]).any()
         if bool(bad):
             raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
-    if index_dtype not in (torch.long, torch.int32) or (index_dtype == torch.int32 and N >= 2**31):
-        raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
-    if N >= 2**31:
-        raise ValueError(f"indexer_topk (Triton): at most 2^31 - 1 keys (packed in 32 bits), got {N}")
-    for name, x in (("index_q", index_q), ("index_w", index_w), ("index_k", index_k)):
-        if x.dtype not in _TL:
-            raise ValueError(f"indexer_topk (Triton): {name} must be fp32, fp16 or bf16, got {x.dtype}")
     K = min(topk, N)
     out = torch.empty(B, T, K, dtype=index_dtype, device=index_q.device)
     if out.numel() == 0:
@@ -308,20 +315,7 @@ def _indexer_topk_op(
 @_indexer_topk_op.register_fake
 def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype):
     """The checks of ``indexer_topk_launch`` that need no data (not ``visible``'s values), then the empty result."""
-    if index_q.dim() != 4 or index_w.shape != index_q.shape[:3] or index_k.dim() != 3:
-        raise ValueError(
-            f"indexer_topk: bad shapes q {tuple(index_q.shape)}, w {tuple(index_w.shape)}, k {tuple(index_k.shape)}"
-        )
-    B, T, _, D = index_q.shape
-    if index_k.shape[0] != B or index_k.shape[2] != D:
-        raise ValueError(f"indexer_topk: keys {tuple(index_k.shape)} do not fit queries {tuple(index_q.shape)}")
-    if visible.shape != (T,) or visible.dtype.is_floating_point:
-        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {index_k.shape[1]}]")
-    if index_dtype not in (torch.long, torch.int32):
-        raise ValueError(f"indexer_topk: index_dtype must be int64 or int32 (N < 2^31), got {index_dtype}")
-    for name, x in (("index_q", index_q), ("index_w", index_w), ("index_k", index_k)):
-        if x.dtype not in _TL:
-            raise ValueError(f"indexer_topk (Triton): {name} must be fp32, fp16 or bf16, got {x.dtype}")
+    B, T = _check_static(index_q, index_w, index_k, visible, index_dtype)[:2]
     return index_q.new_empty((B, T, torch.sym_min(topk, index_k.shape[1])), dtype=index_dtype)
 
 
