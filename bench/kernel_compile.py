@@ -72,52 +72,16 @@ def _emulate(target: str) -> None:
 
 
 def _genoctx_launches(tokens: int) -> list[tuple[str, str, object]]:
-    """``(op, dtypes, Launch)`` for every launch genoctx's DSA kernels make in one training step of one layer."""
-    import torch
-
-    import kernels.sparse_mla as sm
+    """``(op, dtypes, Launch)`` for every launch genoctx's DSA kernels make in one training step of one layer of
+    GLM-5.3-Flash (``kernels.aot.dsa_launches`` at the preset's shapes)."""
     from genoctx.model.config import PRESETS
-    from kernels.aot import captured_launches
-    from kernels.indexer_topk import indexer_topk_launch as indexer_topk  # the launcher: the op runs its fake on meta
+    from kernels.aot import dsa_launches
 
     cfg = PRESETS["glm-5.3-flash"]
-    B, T, N = 1, tokens, tokens
-    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
-    HI, DI, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-    Kp = cfg.index_topk // kp
-    meta = dict(device="meta")
-    out = []
-    iq = torch.empty(B, T, HI, DI, dtype=torch.bfloat16, **meta)
-    iw = torch.empty(B, T, HI, dtype=torch.float32, **meta)
-    ik = torch.empty(B, N // kp, DI, dtype=torch.float32, **meta)
-    visible = (torch.arange(T) + 1) // kp  # real values (the entry point checks them), moved to meta inside
-    for dot in (None, torch.bfloat16):
-        with captured_launches() as got:
-            indexer_topk(iq, iw, ik, visible, Kp, index_dtype=torch.int32, dot_dtype=dot)
-        label = "q bf16, w fp32, k fp32, dot=" + ("fp32" if dot is None else "bf16")
-        out += [("indexer_topk", label, launch) for launch in got]
-    q = torch.empty(B, T, H, R, dtype=torch.bfloat16, **meta)
-    kv = torch.empty(B, N, R, dtype=torch.bfloat16, **meta)
-    pools = torch.empty(B, T, Kp, dtype=torch.int32, **meta)
-    pos = torch.empty(T, dtype=torch.long, **meta)
-    scale = R**-0.5
-    with captured_launches() as got:
-        o, lse = sm.sparse_mla_fwd(q, kv, pools, pos, kp, True, scale)
-        sm.sparse_mla_bwd(q, kv, pools, pos, kp, True, scale, o, lse, torch.empty_like(o), deterministic=False)
-    out += [(f"sparse_mla {'fwd' if i == 0 else 'bwd (atomic dKV)'}", "bf16", launch) for i, launch in enumerate(got)]
-    n_ent = T * Kp + T  # (query, pool) pairs plus tails: the inverse index's size
-    saved = sm._inverse_selection
-    sm._inverse_selection = lambda p, *_a: (  # data-dependent on a GPU; only its shapes matter here
-        torch.empty(B * (N // kp) + 1, dtype=torch.long, **meta), torch.empty(n_ent, dtype=torch.int32, **meta),
-        N // kp)  # fmt: skip
-    try:
-        with captured_launches() as got:
-            sm.sparse_mla_bwd(q, kv, pools, pos, kp, True, scale, o, lse, torch.empty_like(o), deterministic=True)
-    finally:
-        sm._inverse_selection = saved
-    out += [(f"sparse_mla bwd (deterministic, {'dQ' if i == 0 else 'dKV'})", "bf16", launch)
-            for i, launch in enumerate(got)]  # fmt: skip
-    return out
+    return dsa_launches(
+        tokens, heads=cfg.num_attention_heads, latent=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
+        index_dim=cfg.index_head_dim, kpool=cfg.index_kpool, topk_pools=cfg.index_topk // cfg.index_kpool,
+    )  # fmt: skip
 
 
 def _fla_launches(tokens: int, raw_dtypes: bool = False) -> list[tuple[str, str, object]]:

@@ -114,6 +114,58 @@ def captured_launches() -> Iterator[list[Launch]]:
         _MODE.update(record=None, target=None)
 
 
+def dsa_launches(
+    tokens: int, *, heads: int, latent: int, index_heads: int, index_dim: int, kpool: int, topk_pools: int
+) -> list[tuple[str, str, Launch]]:
+    """``(op, dtypes, Launch)`` for every launch genoctx's DSA kernels make in one training step of one layer.
+
+    Calls the launchers on ``meta`` tensors of batch 1 and ``tokens`` queries over ``tokens`` keys, in the dtypes of a
+    bf16-autocast step: the indexer top-k (``index_heads x index_dim``, pools of ``kpool``, ``topk_pools`` kept;
+    bf16 queries, fp32 weights and pooled keys) with its default fp32 dot and with ``dot_dtype=bf16``; sparse MLA
+    (``heads``, ``latent`` channels; bf16) forward, backward with atomic dKV, and the deterministic backward (dQ,
+    then dKV over an inverse index whose data-dependent size is taken as every (query, pool) pair plus the tails).
+    The launchers, not the ops: through an op, meta tensors reach its fake kernel and launch nothing.
+    """
+    import torch
+
+    import kernels.sparse_mla as sm
+    from kernels.indexer_topk import indexer_topk_launch
+
+    B, T, N, kp, Kp = 1, tokens, tokens, kpool, topk_pools
+    meta = dict(device="meta")
+    out = []
+    iq = torch.empty(B, T, index_heads, index_dim, dtype=torch.bfloat16, **meta)
+    iw = torch.empty(B, T, index_heads, dtype=torch.float32, **meta)
+    ik = torch.empty(B, N // kp, index_dim, dtype=torch.float32, **meta)
+    visible = (torch.arange(T) + 1) // kp  # real values (the launcher checks them), moved to meta inside
+    for dot in (None, torch.bfloat16):
+        with captured_launches() as got:
+            indexer_topk_launch(iq, iw, ik, visible, Kp, index_dtype=torch.int32, dot_dtype=dot)
+        label = "q bf16, w fp32, k fp32, dot=" + ("fp32" if dot is None else "bf16")
+        out += [("indexer_topk", label, launch) for launch in got]
+    q = torch.empty(B, T, heads, latent, dtype=torch.bfloat16, **meta)
+    kv = torch.empty(B, N, latent, dtype=torch.bfloat16, **meta)
+    pools = torch.empty(B, T, Kp, dtype=torch.int32, **meta)
+    pos = torch.empty(T, dtype=torch.long, **meta)
+    scale = latent**-0.5
+    with captured_launches() as got:
+        o, lse = sm.sparse_mla_fwd(q, kv, pools, pos, kp, True, scale)
+        sm.sparse_mla_bwd(q, kv, pools, pos, kp, True, scale, o, lse, torch.empty_like(o), deterministic=False)
+    out += [(f"sparse_mla {'fwd' if i == 0 else 'bwd (atomic dKV)'}", "bf16", launch) for i, launch in enumerate(got)]
+    saved = sm._inverse_selection
+    sm._inverse_selection = lambda *_a: (  # data-dependent on a GPU; only its shapes matter here
+        torch.empty(B * (N // kp) + 1, dtype=torch.long, **meta), torch.empty(T * Kp + T, dtype=torch.int32, **meta),
+        N // kp)  # fmt: skip
+    try:
+        with captured_launches() as got:
+            sm.sparse_mla_bwd(q, kv, pools, pos, kp, True, scale, o, lse, torch.empty_like(o), deterministic=True)
+    finally:
+        sm._inverse_selection = saved
+    out += [(f"sparse_mla bwd (deterministic, {'dQ' if i == 0 else 'dKV'})", "bf16", launch)
+            for i, launch in enumerate(got)]  # fmt: skip
+    return out
+
+
 _PTXAS = re.compile(
     r"Used (\d+) registers|(\d+) bytes spill stores, (\d+) bytes spill loads|(\d+) bytes stack frame"
 )
@@ -185,4 +237,4 @@ def addptr_offset_types(ttir: str) -> list[str]:
     return out
 
 
-__all__ = ["GPUS", "Launch", "TARGETS", "addptr_offset_types", "captured_launches", "compile_one"]
+__all__ = ["GPUS", "Launch", "TARGETS", "addptr_offset_types", "captured_launches", "compile_one", "dsa_launches"]
