@@ -397,12 +397,13 @@ def _visible_pool_pairs(S: int, T: int, kpool: int) -> int:
 
 
 def _no_autocast(fn):
-    """Run an autograd Function's forward/backward with autocast off: they pick their own (>= fp32) dtypes."""
+    """Run ``fn`` (an autograd Function's forward/backward, or a plain function) with autocast off on the device of
+    its first tensor argument: it picks its own (>= fp32) dtypes."""
 
-    def wrapped(ctx, *args):
+    def wrapped(*args):
         dev = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
         with torch.autocast(device_type=dev, enabled=False):
-            return fn(ctx, *args)
+            return fn(*args)
 
     return wrapped
 
@@ -597,15 +598,11 @@ class _IndexerKLSparse(torch.autograd.Function):
         return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dpk).to(tk), *([None] * 8)
 
 
+@_no_autocast
 def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale):
     """Indexer KL of one query tile, warm-up stage: target = dense attention (heads summed) over all visible
     tokens, summed per visible complete pool and renormalised; model = softmax over those pools. Computed in at
     least fp32 with autocast off (its products would otherwise run in bf16 under autocast)."""
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        return _kl_warmup_tile_fp32(q, kv, pos, iq, iw, pk, kpool, scale)
-
-
-def _kl_warmup_tile_fp32(q, kv, pos, iq, iw, pk, kpool, scale):
     B, R, H, _ = q.shape
     n = int(pos[-1]) + 1  # tokens visible to the tile's last row
     P = n // kpool
