@@ -14,6 +14,8 @@ if [ ! -x .venv/bin/genoctx ]; then
   python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[dev]'
 fi
 G=.venv/bin/genoctx
+# --resume only where a run already is (train refuses --resume of a folder without one, exit 2)
+resume() { if [ -e "$1/events.jsonl" ] || [ -d "$1/checkpoints" ]; then echo --resume; fi; }
 OUT=${OUT:-reproduce-small}
 SEED=${SEED:-0}
 BASE_STEPS=${BASE_STEPS:-500}   # x BASE_BATCH crops x BASE_LEN tokens at short context
@@ -30,15 +32,15 @@ $G prepare --out "$OUT/data" --window 16k --chroms chr1,chr2 --eval-chroms chr22
   --fasta data/hg38/hg38_chr2_1-2333275.fa.gz \
   --fasta data/hg38/hg38_chr22_32000001-32300000.fa >&2
 log "the untrained model -> $OUT/init"
-$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/init" --steps 0 --resume \
+$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/init" --steps 0 $(resume "$OUT/init") \
   --set train.seed="$SEED" >&2
 log "1. base: $BASE_STEPS steps of $BASE_BATCH x $BASE_LEN-token crops -> $OUT/base"
-$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/base" --resume \
+$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/base" $(resume "$OUT/base") \
   --steps "$BASE_STEPS" --set train.seq_len="$BASE_LEN" --set train.batch_size="$BASE_BATCH" \
   --set train.lr="$BASE_LR" --set train.warmup_steps=20 --set train.seed="$SEED" \
   --set train.checkpoint_every=200 --set train.log_every=50 >&2
 log "2. post-training: $POST_STEPS steps of one whole 16k window, from the base -> $OUT/post"
-$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/post" --resume --init "$OUT/base" \
+$G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/post" $(resume "$OUT/post") --init "$OUT/base" \
   --steps "$POST_STEPS" --set model.preset=null --set train.seq_len=null --set train.batch_size=1 \
   --set train.lr="$POST_LR" --set train.warmup_steps=5 --set train.seed="$SEED" \
   --set train.checkpoint_every=20 --set train.log_every=5 >&2
