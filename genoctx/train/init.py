@@ -258,11 +258,12 @@ def vocab_head(recipe: Recipe, base: dict | None, state: dict | None = None) -> 
     if cfg.vocab_size == len(VOCAB) and (base is None or base.get("kind") == "hf"):
         if not (state or {}).get("token_map"):  # (a run that recorded a map keeps it: read below)
             return None
-    if state is None and base is not None and base.get("kind") == "genoctx":
-        from .checkpoint import read_state
+    if base is not None and base.get("kind") == "genoctx":
+        if state is None:
+            from .checkpoint import read_state
 
-        state = read_state(Path(base["path"]))  # the source run's token map
-        if not state.get("token_map"):
+            state = read_state(Path(base["path"]))  # the source run's token map
+        if not state.get("token_map"):  # (resuming: this run's state, which recorded the source's map if it had one)
             return None
     if state is not None and state.get("token_map"):
         token_map = TokenMap.from_dict(state["token_map"])

@@ -618,6 +618,7 @@ def train_unlocked(
                  head.token_map.window_start_token, head.vocab)  # fmt: skip
     if not resuming and resume:
         log.info("--resume: %s holds no complete checkpoint yet; starting at step 0", out)
+        warn_newer_incomplete(out, None)  # (as the distributed driver does)
     out.mkdir(parents=True, exist_ok=True)
     attempt = begin_attempt(out, start, loaded, invocation=uuid.uuid4().hex[:12])
     if change is not None:

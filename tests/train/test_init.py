@@ -445,3 +445,10 @@ def test_init_takes_its_own_export_of_a_nucleotide_run(prepared, tmp_path):
     state = json.loads((latest_checkpoint(tmp_path / "from-export") / "state.json").read_text())
     assert state["init"]["kind"] == "hf" and state["init"]["path"] == str(hf.resolve())
     assert "token_map" not in state and "loss_vocab" not in state
+
+    # --resume of the run started with --init RUN (a nucleotide genoctx checkpoint: no tokenizer.json) continues it
+    rec = load_recipe("recipes/tiny.yaml", [f"model.init={run}", "model.preset=null", *sets, "train.steps=2"])
+    c = train(prepared, rec, tmp_path / "from-run", resume=True)
+    assert c["steps_run"] == 1 and latest_checkpoint(tmp_path / "from-run").name == "step_000002"
+    state = json.loads((latest_checkpoint(tmp_path / "from-run") / "state.json").read_text())
+    assert state["init"]["kind"] == "genoctx" and "token_map" not in state

@@ -163,3 +163,17 @@ def test_resume_warns_of_a_newer_incomplete_checkpoint_and_loads_the_newest_comp
     lines = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
     assert lines == [f"{torn} is incomplete (no state.json, which a save writes last: an interrupted copy?); "
                      f"--resume loads {run / 'checkpoints' / 'step_000002'}"]  # fmt: skip
+
+
+def test_resume_with_only_an_incomplete_checkpoint_warns_and_starts_at_step_0(prepared, tmp_path, caplog):
+    """One process, as the distributed driver: a run whose only checkpoint is torn says so before step 0."""
+    run = tmp_path / "run"
+    torn = run / "checkpoints" / "step_000001"
+    torn.mkdir(parents=True)
+    (torn / "model.safetensors").write_bytes(b"half a copy")
+    with caplog.at_level("WARNING", logger="genoctx"):
+        summary = train(prepared, _recipe(), run, resume=True, stop_after=1)
+    assert summary["resumed_from"] is None and summary["steps_run"] == 1
+    lines = [r.getMessage() for r in caplog.records if "incomplete" in r.getMessage()]
+    assert lines == [f"{torn} is incomplete (no state.json, which a save writes last: an interrupted copy?); "
+                     "--resume loads nothing (step 0)"]  # fmt: skip
