@@ -23,7 +23,7 @@
 #      scaled glm5_next preset (GLM-5.3-Flash widths, 4 layers K K K D, 8 routed experts top-2, nucleotide
 #      vocabulary, every layer recomputed in backward, bf16 autocast) at the longest of 1M, 512k, 256k, 128k, 64k
 #      tokens that fits (the planner's prediction first, then out-of-memory fallback), with tokens/s, peak memory
-#      (torch.cuda.max_memory_allocated) and genoctx.plan.plan_memory's prediction when genoctx/plan.py exists.
+#      (torch.cuda.max_memory_allocated) and genoctx.plan.plan_memory's prediction when genoctx/plan/ exists.
 # No number here is asserted: the script measures; README quotes only what it printed, with the command.
 set -u
 cd "$(dirname "$0")/.."
@@ -187,7 +187,7 @@ def train_step_check():
     lengths = [1 << 20, 1 << 19, 1 << 18, 1 << 17, 1 << 16] if not DRY else [256, 128]
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if DEV == "cuda" else 64.0
     plans = {}
-    if Path("genoctx/plan.py").exists():
+    if Path("genoctx/plan").is_dir():
         try:
             from genoctx.parallel.layout import Layout
             from genoctx.plan import plan_memory

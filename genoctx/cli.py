@@ -1222,7 +1222,7 @@ def plan(
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
     listed, best first (the table shows the top 10; none fitting: the closest). When no training step fits in one
     pass but one in chunks would, the table and the JSON (`hint`) name the --seq-chunk that fits. See
-    genoctx/plan.py for every formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
+    genoctx/plan/ (memory.py) for every formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
 
     Examples:
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --gpu-memory-gib 178

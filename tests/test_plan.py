@@ -16,6 +16,8 @@ from genoctx.errors import GenoctxError
 from genoctx.model import dsa, kda
 from genoctx.model.config import preset
 from genoctx.parallel.layout import DIMS, Layout
+from genoctx.plan import eval_memory as PE
+from genoctx.plan import sizes as PS
 
 GLM = preset("glm-5.3-flash")
 TINY = preset("tiny")
@@ -35,13 +37,13 @@ def _activations(p):
 
 
 def test_constants_match_the_code():
-    assert P.ATTN_TILE_TOKENS == dsa.ATTN_TILE_TOKENS
-    assert (P.INDEX_ROW_TILE, P.INDEX_COL_BLOCK, P.INDEX_GROUP) == (
+    assert PS.ATTN_TILE_TOKENS == dsa.ATTN_TILE_TOKENS
+    assert (PS.INDEX_ROW_TILE, PS.INDEX_COL_BLOCK, PS.INDEX_GROUP) == (
         dsa.INDEX_ROW_TILE, dsa.INDEX_COL_BLOCK, dsa.INDEX_GROUP)  # fmt: skip
-    assert P.SUB_CHUNK == kda._SUB_CHUNK
+    assert PS.SUB_CHUNK == kda._SUB_CHUNK
     from genoctx.data.tokenizer import VOCAB
 
-    assert P.NUCLEOTIDE_VOCAB == len(VOCAB)
+    assert PS.NUCLEOTIDE_VOCAB == len(VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -289,12 +291,12 @@ def test_saved_activation_formulas_match_autograd():
     cfg = TINY
     torch.manual_seed(0)
     for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):
-        s = P._Sizes(a=a)
+        s = PS._Sizes(a=a)
         x = torch.randn(1, T, cfg.hidden_size).to(dtype).requires_grad_(True)
         cases = [
-            (KimiDeltaAttention(cfg), P._kda(cfg, s) - P._norm(s, cfg.hidden_size)),
-            (DeepSeekSparseAttention(cfg, 1), P._dsa(cfg, s, True) - P._norm(s, cfg.hidden_size)),
-            (MLP(cfg.hidden_size, cfg.intermediate_size), P._mlp(cfg, s) - P._norm(s, cfg.hidden_size)),
+            (KimiDeltaAttention(cfg), PS._kda(cfg, s) - PS._norm(s, cfg.hidden_size)),
+            (DeepSeekSparseAttention(cfg, 1), PS._dsa(cfg, s, True) - PS._norm(s, cfg.hidden_size)),
+            (MLP(cfg.hidden_size, cfg.intermediate_size), PS._mlp(cfg, s) - PS._norm(s, cfg.hidden_size)),
         ]
         for module, per_token in cases:
             cast_model(module, dtype)
@@ -616,21 +618,21 @@ def test_eval_working_sets_match_the_allocator():
     from genoctx.model.kda import KimiDeltaAttention
     from genoctx.model.moe import MLP, MoE
 
-    T, s = 2048, P._Sizes(a=4)
+    T, s = 2048, PS._Sizes(a=4)
     torch.manual_seed(0)
     for cfg in (TINY, SMALL):
         x = torch.randn(1, T, cfg.hidden_size)
         dsa, i = DeepSeekSparseAttention(cfg, 0).eval(), cfg.layer_types.index("indexed_attention")
         with torch.no_grad():
             cache = dsa(torch.randn(1, 1024, cfg.hidden_size))[1]
-        dsa_want = [P._dsa_eval(cfg, s, True, T, S)["attention"]["dsa_attention"] + P._eval_cache(cfg, s, i, S + T, T)
+        dsa_want = [PE._dsa_eval(cfg, s, True, T, S)["attention"]["dsa_attention"] + PE._eval_cache(cfg, s, i, S + T, T)
                     for S in (0, 1024)]  # fmt: skip
         cases = [
-            (KimiDeltaAttention(cfg).eval(), (x,), P._kda_eval(cfg, s, 1, T), 0.02),
+            (KimiDeltaAttention(cfg).eval(), (x,), PE._kda_eval(cfg, s, 1, T), 0.02),
             (dsa, (x,), dsa_want[0], 0.12),
             (dsa, (x, cache), dsa_want[1], 0.12),
-            (MoE(cfg).eval(), (x,), P._ffn_eval(cfg, s, 1, T, 1)["moe_dispatch"], 0.03),
-            (MLP(cfg.hidden_size, cfg.intermediate_size), (x,), P._ffn_eval(cfg, s, 0, T, 1)["dense_mlp"], 0.02),
+            (MoE(cfg).eval(), (x,), PE._ffn_eval(cfg, s, 1, T, 1)["moe_dispatch"], 0.03),
+            (MLP(cfg.hidden_size, cfg.intermediate_size), (x,), PE._ffn_eval(cfg, s, 0, T, 1)["dense_mlp"], 0.02),
         ]
         for j, (module, args, want, rel) in enumerate(cases):
             assert _no_grad_peak(module, *args) == pytest.approx(want, rel=rel), (cfg.hidden_size, j)

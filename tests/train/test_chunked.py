@@ -122,7 +122,7 @@ def test_chunked_backward_under_activation_checkpointing():
 def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
     """``genoctx.plan.seq_chunk_boundary_bytes``: per token, the DSA latents and pooled keys of every token (times the
     planner's copies at the peak) and a KDA state and conv tail per chunk boundary, as the forward sweep keeps them."""
-    from genoctx.plan import _LATENT_COPIES, _POOL_COPIES, seq_chunk_boundary_bytes
+    from genoctx.plan.sizes import _LATENT_COPIES, _POOL_COPIES, seq_chunk_boundary_bytes
     from genoctx.train.chunked import _Boundaries
 
     cfg = _cfg(kv_lora_rank=24, index_head_dim=16)

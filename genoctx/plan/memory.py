@@ -1,0 +1,521 @@
+"""Memory planner: bytes per GPU, by component, of one training step (or of scoring one window in evaluation) of a
+config x sequence length x parallel layout.
+
+``plan_memory`` predicts the peak of one optimizer step (forward, backward, AdamW step) on the busiest rank;
+``plan_eval`` the peak of scoring one window in evaluation (forward only, no gradients: its own phases and
+components, section "evaluation" below); ``search_layouts`` plans every layout of a number of GPUs and sorts them;
+``check_fits`` turns a plan that does not fit into a one-line ``GenoctxError``. Units: bytes inside, GiB (2^30
+bytes) in the returned dicts.
+
+How the peak is found. Memory is followed through the step as a sequence of phases, and the plan reports the
+phase with the most bytes alive (``peak_phase``), broken down by component (``components_gib``; they add up to
+``total_gib``):
+
+- forward of layer i: the activations kept by layers 0..i-1, the caches they returned, layer i's activations and
+  its forward working set (the largest of: DSA indexer tiles, DSA attention/KL tiles, one MoE dispatch chunk);
+- end of forward: every layer's kept activations and returned caches, the head's logits and loss;
+- head backward, then backward of layer i (its feed-forward part, then its mixer): the activations of layers
+  0..i-1, layer i's own (plus, under recomputation, rebuilt in full), the backward working set of the sub-layer
+  (KDA core recompute, DSA tiles and key gradients, MoE chunk recompute), gradients of the residual streams,
+  and the parameter gradients of the layers already done (i+1..L-1 and the head);
+- the end of backward (FSDP reduce-scatter of the root module) and the optimizer step.
+
+Per-token sizes (bytes per token of the rank's ``N = batch_size x seq_len / cp`` tokens) are counted from the
+code, tensor by tensor: what autograd saves in ``genoctx.model`` with its recompute knobs as they are (KDA core,
+MoE chunks and the Sinkhorn map are always recomputed in backward). ``a`` is the activation element size (2 for
+bf16, 4 for fp32), ``f = 4`` (the fp32 islands: KDA core and gates, norms, mHC coefficients, DSA softmax
+statistics, the loss), ``c = f`` when ``a != f`` else 0 (an fp32 copy of a low-precision tensor), ``c_a = a``
+when ``a != f`` else 0 (a low-precision copy of an fp32 tensor). Model widths: ``D`` hidden, ``n`` mHC streams,
+``H``/``K`` KDA heads/head dim (``HK = H K``), ``C`` ``kda_chunk_size``, ``Q``/``R`` q-/kv-LoRA ranks, ``Hm``
+MLA heads with ``dq``/``dv`` head dims, ``HI``/``dI`` indexer heads/dim, ``kp`` ``index_kpool``, ``E``/``k``
+routed experts/top-k, ``I`` expert width, ``Is`` shared-expert width, ``Id`` dense-MLP width, ``V`` vocabulary.
+
+Assumptions (each one is a place where a measurement can disagree):
+
+- Training as ``genoctx.parallel.fsdp`` applies it: FSDP2 ``fully_shard`` per decoder layer (routed experts a group
+  of their own) and the root (embedding, final norm, ``lm_head``), ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` for ``dtype="bf16"``: fp32 sharded masters, fp32 sharded gradients, fp32 AdamW
+  ``exp_avg`` + ``exp_avg_sq`` (16 bytes per sharded parameter); all-gathered parameters in bf16, the fp32 islands
+  (a KDA layer's whole mixer, the MoE router, the mHC mixings: ``genoctx.parallel.fsdp._islands``) in fp32, as the
+  dry run (``genoctx.train.dryrun``) counts them from the built model. Sharded sizes are what a rank allocates
+  (``shard_numel``): FSDP2 cuts dim 0 of every parameter in ``torch.chunk`` pieces and pads each rank's to the first
+  one's ``ceil(rows / shards)`` rows, so with fewer rows than ranks (288 experts over 64, ``A_log`` of 64 heads over
+  128) a rank holds more than ``P / shards``. With ``recompute`` each decoder layer is checkpointed (``apply_ac``).
+  Without FSDP (``dp_shard == cp == 1``) parameters are replicated, and ``dtype="bf16"`` keeps a bf16 compute copy
+  of the local parameters for the step.
+- The busiest rank: under context parallelism the rank holding the window's last piece (its DSA layers attend
+  over the whole window); under expert parallelism a rank receives at most ``moe_chunk_tokens x k`` rows per
+  dispatch round (the bound of ``genoctx.parallel.layout``'s expert parallelism).
+- KDA runs genoctx's own chunked core (``chunk_kda``, ``kda_kernel="torch"``, what ``genoctx train`` runs by
+  default, and what the CP state passing of ``genoctx.parallel.context`` always runs) in blocks of
+  ``kda_block_tokens``, each recomputed in backward on its own (``_kda_core_recompute``). With
+  ``kda_kernel="fla"`` on CUDA a training plan counts fla-core's Triton ``chunk_kda`` instead (``_fla_saved``,
+  ``_fla_forward``, ``_fla_backward``: counted from fla-core 0.6's saved and allocated tensors, not measured until
+  a GPU run; evaluation plans always count the PyTorch core). DSA runs
+  sparse (``dsa_mode="sparse"``) with the indexer KL of the ``sparse`` stage (``indexer_stage="off"`` drops the KL
+  terms); its tiles are those of the PyTorch path (``kernels="torch"``, and always on CPU): with the Triton kernels
+  of ``kernels/`` on CUDA the tiles stay on chip and the tile terms are upper bounds.
+- CUDA: the caching allocator's slack is ``allocator_slack`` (default ``ALLOCATOR_SLACK`` = 5% of the peak, with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); the CUDA context and NCCL's own buffers (outside
+  PyTorch's allocator, about 1 GiB) are not counted. CPU (``device="cpu"``): no slack, AdamW's per-tensor loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..model.config import DSA, KDA, ModelConfig
+from ..parallel.layout import Layout
+from .comms import all_to_all_bytes
+from .sizes import (
+    ALLOCATOR_SLACK,
+    COMPONENTS,
+    DEVICES,
+    DTYPE_BYTES,
+    GIB,
+    NUCLEOTIDE_VOCAB,
+    WORKING_SETS,
+    _add,
+    _dsa,
+    _dsa_cp_saved,
+    _dsa_gather_width,
+    _dsa_out_part,
+    _dsa_tiles_bwd,
+    _dsa_tiles_fwd,
+    _fla_backward,
+    _fla_forward,
+    _fla_saved,
+    _hc,
+    _hc_bwd,
+    _indexer_tiles,
+    _kda,
+    _kda_core_fwd,
+    _kda_core_recompute,
+    _kda_out_part,
+    _kda_project,
+    _layout_dict,
+    _mlp,
+    _moe,
+    _moe_bwd,
+    _moe_fwd,
+    _norm,
+    _Sizes,
+    param_counts,
+    seq_chunk_boundary_bytes,
+    shard_numel,
+)  # fmt: skip
+
+
+def _check_model_layout(cfg, layout, gpu_memory_gib, dtype, device, loss_vocab_rows, allocator_slack):
+    """The checks ``plan_memory`` and ``plan_eval`` share: types, device and dtype, head rows, slack, EP."""
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a genoctx.parallel.layout.Layout, got {type(layout).__name__}")
+    if not (isinstance(gpu_memory_gib, int | float) and math.isfinite(gpu_memory_gib) and gpu_memory_gib > 0):
+        raise ValueError(f"gpu_memory_gib must be a positive number, got {gpu_memory_gib!r}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    rows = loss_vocab_rows
+    if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= cfg.vocab_size):
+        raise ValueError(f"loss_vocab_rows must be in [1, vocab_size={cfg.vocab_size}], got {loss_vocab_rows!r}")
+    if allocator_slack is not None and not 0 <= allocator_slack < 1:
+        raise ValueError(f"allocator_slack must be in [0, 1), got {allocator_slack!r}")
+    if "sparse" in cfg.mlp_layer_types and cfg.n_routed_experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} does not divide n_routed_experts={cfg.n_routed_experts}")
+    if "sparse" not in cfg.mlp_layer_types and layout.ep > 1:
+        raise ValueError(f"ep={layout.ep} needs MoE layers; the model has none")
+
+
+def _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
+                allocator_slack, optimizer_offload):  # fmt: skip
+    for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("loss_chunk_tokens", loss_chunk_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    _check_model_layout(cfg, layout, gpu_memory_gib, dtype, device, loss_vocab_rows, allocator_slack)
+    if seq_len % layout.cp:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of cp={layout.cp}")
+    if seq_len // layout.cp < cfg.kda_chunk_size:
+        raise ValueError(
+            f"cp={layout.cp} leaves pieces of {seq_len // layout.cp} tokens, less than one KDA chunk "
+            f"({cfg.kda_chunk_size})"
+        )
+    if optimizer_offload and not layout.fsdp:
+        raise ValueError("optimizer_offload needs FSDP (dp_shard > 1 or cp > 1): it is FSDP2's CPUOffloadPolicy")
+    if cfg.dsa_mode != "sparse" or cfg.indexer_stage == "warmup":
+        raise ValueError("plan_memory models sparse DSA (dsa_mode='sparse', indexer_stage 'sparse' or 'off'), not the "
+                         "dense indexer warm-up")  # fmt: skip
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    seq_len: int,
+    layout: Layout,
+    *,
+    gpu_memory_gib: float,
+    recompute: bool = True,
+    optimizer_offload: bool = False,
+    batch_size: int = 1,
+    dtype: str = "bf16",
+    loss_vocab_rows: int | None = None,
+    loss_chunk_tokens: int = 2048,
+    device: str = "cuda",
+    allocator_slack: float | None = None,
+    seq_chunk_tokens: int | None = None,
+) -> dict:
+    """Predicted peak memory of one training step on the busiest rank of ``layout``.
+
+    Args:
+        cfg: the model (``ModelConfig``; its compute knobs ``kda_chunk_size``, ``indexer_tile_tokens``,
+            ``moe_chunk_tokens``, ``indexer_stage`` count).
+        seq_len: tokens per window (``L``); each rank holds ``T = L / cp`` of them per window.
+        layout: ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.layout.Layout``).
+        gpu_memory_gib: memory of one device in GiB; ``fits`` is ``total_gib <= gpu_memory_gib``.
+        recompute: activation checkpointing of every decoder layer (``genoctx.parallel.fsdp.apply_ac``).
+        optimizer_offload: FSDP2 ``CPUOffloadPolicy``: sharded masters, gradients and AdamW state in host memory.
+        batch_size: windows per data-parallel rank per step (``N = batch_size x T`` tokens on the rank).
+        dtype: ``"bf16"`` (bf16 compute, fp32 masters) or ``"fp32"`` (everything fp32).
+        loss_vocab_rows: rows of the softmax of the chunked head (``genoctx.model.head``; 5 for
+            ``loss.vocab: nucleotide``); None = ``vocab_size``. Used when ``vocab_size`` is not the 8 nucleotide
+            tokens (a text base); an 8-token model trains on its own ``[N, 8]`` logits.
+        loss_chunk_tokens: tokens per logits chunk of the chunked head (``loss.chunk_tokens``).
+        device: ``"cuda"`` (allocator slack, foreach AdamW) or ``"cpu"`` (no slack, per-tensor AdamW).
+        allocator_slack: fraction of the peak added for the caching allocator; None = ``ALLOCATOR_SLACK`` on CUDA,
+            0 on CPU.
+        seq_chunk_tokens: ``train.seq_chunk_tokens``: each window trained as chunks of this many tokens by the exact
+            chunked backward (``genoctx.train.chunked``; under CP each rank's part of a round of ``cp x`` this many
+            tokens). The step's phases are one chunk's (``T`` = the chunk), its DSA layers seeing the whole window
+            before it (indexer tiles over ``L``, the latents' gradient over ``L``; under CP the gathered tensors of
+            one round), plus ``seq_chunk_boundary`` (``seq_chunk_boundary_bytes x L``, the same on every CP rank)
+            until the end of backward. None, or not below ``L / cp``: one pass.
+
+    Returns:
+        ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,
+        "components_gib": {name: GiB at the peak, for every name in COMPONENTS}, "peak_phase": str,
+        "next_phases_gib": [[phase, GiB], ...] (the three next largest phases, slack included),
+        "working_sets_gib": {name: the largest value over all phases}, "tokens_per_rank": N,
+        "params_per_rank": {"dense", "expert"} (what one rank allocates: ``shard_numel``, about ``P_d / s_d`` and
+        ``P_e / (ep s_e)``, FSDP2's padding of uneven shards included), "persistent_gib": {"weights",
+        "gradients", "optimizer_state", "on_host"} (the sharded state of a whole step: 4, 4 and 8 bytes per local
+        parameter; ``on_host`` with offload), "largest_layer_unsharded_gib" (the largest decoder layer's FSDP
+        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "gpu_memory_gib", "dtype",
+        "recompute", "optimizer_offload",
+        "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass), "device"}``. GiB are rounded to 6 decimals
+        (1 KiB); the components add up to the
+        total.
+
+    Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = layout.dense_shard``,
+    ``s_e = layout.expert_shard``; local parameters ``P`` = ``shard_numel`` of every parameter, each dim 0 in
+    ``ceil(rows / s)`` rows as FSDP2 allocates it, about ``P_d / s_d + P_e / (ep s_e)``):
+
+    - ``weights`` ``4 P`` (fp32 masters, sharded), ``gradients`` ``4 x`` the local parameters whose gradient
+      exists in that phase (backward fills them layer by layer), ``optimizer_state`` ``8 P`` (AdamW ``exp_avg``,
+      ``exp_avg_sq``); all three 0 with ``optimizer_offload``.
+    - ``unsharded_params``: FSDP's all-gathered blocks in ``a`` bytes (the fp32 islands in 4): the root (kept from
+    forward to the end of
+      backward, FSDP2's root default), the current and the prefetched decoder layer (a layer's routed experts:
+      its ``E / ep`` local ones), and in backward the current layer's unsharded gradient; without FSDP and with
+      bf16, a bf16 copy of the local parameters.
+    - ``activations_*``: what the layers alive in the phase keep for backward, by layer type (the per-token sizes
+      of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D a`` residual streams each
+      saves), ``activations_head`` the embedding's ids, final norm and loss). With ``recompute`` only the layer
+      being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D a`` per token).
+      Under CP, KDA layers also keep the state their checkpointed ``[L | M]`` pass leaves (``f H K 2K``) and DSA
+      layers the whole-window tensors of ``_dsa_cp_saved``.
+    - ``returned_caches``: until the loss, the caches the layers return: a KDA cache's conv state is a view of
+      the whole pre-convolution input (``3 HK a`` per token, when not already saved), a DSA cache its latents
+      and the incomplete pool's keys; none under CP (the mixers' CP forwards return no cache).
+    - working sets (one sub-layer at a time): ``kda_core_recompute`` (``_kda_core_recompute``, one block of the core
+      recomputed, minus the output path; under CP or the recomputed ``[L | M]`` pass, its projections, ``[v | 0]``
+      and core blocks of width ``2K``, once the layer's own graph is freed, whichever is larger),
+      ``dsa_indexer_tiles``, ``dsa_attention`` (tiles, the latents' and queries' gradient ``a Hm R + f R ctx / N``;
+      under CP, once the tiles are freed, the gathered window's gradient instead of them), ``moe_dispatch`` (one
+      chunk, forward
+      or backward), ``stream_gradients`` (the residual streams' gradients, mHC and dense-MLP backward),
+      ``logits_loss`` (an 8-token model: ``[N, 8]`` fp32 logits and log-softmax; a text head: one
+      ``[chunk, rows]`` fp32 logits chunk and the fp32 ``[V, D]`` weight-gradient buffer), ``cp_gather`` (a DSA
+      layer's all-gather output and its concatenation, ``2 L W a`` per window), ``fsdp_reduce_scatter`` (a
+      layer's gradient in fp32 for the reduce-scatter; at the end of backward the root's; without FSDP the
+      flat all-reduce buffer), ``optimizer_step`` (foreach AdamW's temporaries, ``4 P``, on CUDA; two of the
+      largest parameter on CPU).
+    - ``allocator_slack``: ``allocator_slack x`` the sum of the others.
+
+    Raises:
+        ValueError: a bad argument or a layout this model cannot run (``ep`` not dividing the experts, ``cp`` not
+            dividing ``seq_len`` or leaving less than one KDA chunk per piece, offload without FSDP), or dense DSA
+            (the indexer warm-up), which is not modelled.
+    """
+    _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
+                allocator_slack, optimizer_offload)  # fmt: skip
+    s = _Sizes(a=DTYPE_BYTES[dtype])
+    a, f = s.a, s.f
+    ep, cp = layout.ep, layout.cp
+    T = seq_len // cp
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < T
+    if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
+        raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
+    if chunked:
+        T = seq_chunk_tokens  # under CP: this rank's part of a round of cp x T tokens
+    N = batch_size * T
+    windows = batch_size
+    # keys a DSA query may see on the busiest rank: the window's last piece (CP) or last chunk
+    ctx = seq_len if (cp > 1 or chunked) else T
+    # tokens whose DSA latents/keys a CP layer gathers at once: the window, or (chunked) one round
+    gather_len = cp * T if chunked else seq_len
+    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T * cp, batch_size, a) if chunked else 0.0
+    fsdp = layout.fsdp
+    pc = param_counts(cfg)
+    sd, se = layout.dense_shard, layout.expert_shard
+
+    def local(block: dict) -> float:  # parameters of a block held (sharded, padded: shard_numel) on this rank
+        if "shapes" in block:
+            return sum(shard_numel(block["shapes"], layout).values())
+        return block["dense"] / sd + block["expert"] / (ep * se)
+
+    def gathered(block: dict) -> float:  # parameters of a block once all-gathered on this rank
+        return block["dense"] + block["expert"] / ep
+
+    P_local = local(pc)
+    offload = optimizer_offload
+    weights = 0.0 if offload else f * P_local
+    optimizer_state = 0.0 if offload else 2 * f * P_local
+    grad_bytes = 0.0 if offload else f  # per local parameter
+
+    # ---- per-layer sizes
+    n, D = cfg.hc_mult, cfg.hidden_size
+    stream = n * D * a
+    hc = _hc(cfg, s)
+    layers = []
+    for i, (mixer, ffn, ind) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types, cfg.indexer_types, strict=True)):
+        full = mixer == DSA and ind == "full"
+        saved = dict.fromkeys(("kda", "dsa", "moe", "dense_mlp", "mhc"), 0.0)
+        saved["mhc"] = N * 2 * (stream + hc)
+        w_fwd, w_bwd_mix = {}, {}
+        cache = 0.0
+        if mixer == KDA:
+            H, K = cfg.linear_num_heads, cfg.linear_head_dim
+            saved["kda"] = N * _kda(cfg, s)
+            core = _kda_core_recompute(cfg, batch_size, T, K)
+            w_fwd["kda_core_recompute"] = _kda_core_fwd(cfg, s, batch_size, T, K)
+            if cfg.kda_kernel == "fla" and device == "cuda":  # fla's Triton core: its own terms (counted, unmeasured)
+                saved["kda"] += N * _fla_saved(cfg)
+                core = N * _fla_backward(cfg, s)
+                w_fwd["kda_core_recompute"] = N * _fla_forward(cfg, s)
+            core -= N * _kda_out_part(cfg, s)
+            if cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
+                # projections again, [v | 0], the core block by block) after the layer's own graph is freed
+                saved["kda"] += batch_size * f * H * K * 2 * K
+                state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a)
+                core = max(core, state_pass + _kda_core_recompute(cfg, batch_size, T, 2 * K) - N * _kda(cfg, s))
+                w_fwd["kda_core_recompute"] = max(
+                    w_fwd["kda_core_recompute"], state_pass + _kda_core_fwd(cfg, s, batch_size, T, 2 * K)
+                )
+            w_bwd_mix["kda_core_recompute"] = max(0.0, core)
+            # KDACache.conv_state is a view of the pre-convolution input (3 HK a), saved only in fp32 without AC
+            cache = N * 3 * H * K * a if (recompute or a != f) else 0.0
+        else:
+            saved["dsa"] = N * _dsa(cfg, s, full)
+            if cp > 1:
+                saved["dsa"] += windows * gather_len * _dsa_cp_saved(cfg, s, full)
+            tile_b = _dsa_tiles_bwd(cfg, T)
+            grads = N * (a * cfg.num_attention_heads * cfg.kv_lora_rank - _dsa_out_part(cfg, s))
+            grads += windows * ctx * f * cfg.kv_lora_rank if (cp > 1 or chunked) else N * f * cfg.kv_lora_rank
+            w_bwd_mix["dsa_attention"] = tile_b + grads
+            if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
+                W = _dsa_gather_width(cfg, full)
+                window_grads = windows * gather_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
+                w_bwd_mix["dsa_attention"] = max(tile_b, window_grads) + grads
+            w_fwd["dsa_attention"] = _dsa_tiles_fwd(cfg, s, T) + N * a * cfg.num_attention_heads * cfg.kv_lora_rank
+            if full:
+                w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, ctx)
+            if cp > 1:
+                w_fwd["cp_gather"] = windows * gather_len * 2 * _dsa_gather_width(cfg, full) * a
+            # DSACache: the latents (saved anyway without AC; under CP the concatenation with the earlier ones), the
+            # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys (fp32)
+            dI, R = cfg.index_head_dim, cfg.kv_lora_rank
+            cache = N * (a * (R * recompute + full * dI * (1 + recompute)) + full * f * dI / cfg.index_kpool)
+        if cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context); chunked, the round's cache,
+            # views of the kept boundary state (DSA latents: join_latents) and small copies (KDA state and tail)
+            cache = 0.0
+        if ffn == "sparse":
+            saved["moe"] = N * _moe(cfg, s)
+            w_fwd["moe_dispatch"] = _moe_fwd(cfg, s, N, ep)
+            w_bwd_ffn = {"moe_dispatch": _moe_bwd(cfg, s, N, ep)}
+            ffn_saved = saved["moe"]
+        else:
+            saved["dense_mlp"] = N * _mlp(cfg, s)
+            w_bwd_ffn = {"stream_gradients": N * (2 * cfg.intermediate_size + D) * a}
+            ffn_saved = saved["dense_mlp"]
+        # backward of the feed-forward half: the streams' gradients (two of n D a) and the layer output's
+        # gradient come on top of the sub-layer's working set
+        w_bwd_ffn["stream_gradients"] = w_bwd_ffn.get("stream_gradients", 0.0) + N * (2 * stream + D * a)
+        w_bwd_mix["stream_gradients"] = N * (stream + D * a)
+        # what the mixer's backward no longer holds: the feed-forward half (its mHC, streams, norm, MLP/MoE)
+        ffn_part = ffn_saved + N * (stream + hc)
+        w_bwd_hc = N * _hc_bwd(cfg, s)
+        layers.append({
+            "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
+            "saved": saved, "ffn_part": ffn_part, "input": N * stream, "cache": cache,
+            "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": w_bwd_hc,
+            "block": gathered(pc["layers"][i]), "local": local(pc["layers"][i]),
+            "block_bytes": a * gathered(pc["layers"][i]) + (f - a) * pc["layers"][i]["island"],
+        })  # fmt: skip
+    L = len(layers)
+
+    # ---- head (embedding ids, final norm, loss)
+    V = cfg.vocab_size
+    head_saved = N * (8 + _norm(s, D))  # embedding indices; final RMSNorm (its output feeds lm_head)
+    if V <= NUCLEOTIDE_VOCAB:  # the model's own logits
+        head_saved += N * (f * (V + 2) + 8)  # log-softmax, targets, masked losses
+        head_fwd = N * V * (a + s.c)  # logits and their fp32 copy (the log-softmax is saved)
+        head_bwd = N * (2 * V * f + D * a + D * f)  # logits and log-softmax gradients, the hidden state's
+    else:  # genoctx.model.head: chunked logits, fp32 weight-gradient buffer
+        rows = loss_vocab_rows or V
+        C_head = min(loss_chunk_tokens, N)
+        head_saved += N * (8 + 1 + 2 * f)  # targets, mask, log-sum-exp, losses
+        head_fwd = C_head * rows * (f + s.ca)
+        head_bwd = C_head * rows * (f + s.ca) + rows * D * f + (V * D * a if (a != f or rows != V) else 0) + N * D * a
+    root = pc["root"]
+    head_params = {"dense": root["dense"] - pc["embed"], "expert": 0}  # final norm, lm_head (untied)
+    if cfg.tie_word_embeddings:
+        head_params["dense"] += pc["embed"]
+    root_unsharded = a * gathered(root) if fsdp else 0.0
+    compute_copy = a * P_local if (not fsdp and a != f) else 0.0  # replicated bf16 compute copy
+
+    def fsdp_params(i: int, j: int | None) -> float:  # current and prefetched block, all-gathered
+        if not fsdp:
+            return 0.0
+        return layers[i]["block_bytes"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L else 0.0)
+
+    def grads_after(i: int) -> float:
+        """Gradients of layers i+1.. (sharded ones under FSDP) and of the head (without FSDP: lm_head and the final
+        norm get theirs first; under FSDP the root's stays unsharded until the end of backward)."""
+        done = sum(x["local"] for x in layers[i + 1 :])
+        return grad_bytes * (done + (0.0 if fsdp else local(head_params)))
+
+    # ---- phases
+    phases = []
+
+    def phase(name: str, comps: dict, carried: bool = True) -> None:
+        base = {"weights": weights, "optimizer_state": optimizer_state}
+        if carried:  # chunked: the state crossing chunk boundaries, kept until the last chunk's backward
+            base["seq_chunk_boundary"] = boundary
+        phases.append((name, {**base, **{k: v for k, v in comps.items() if v}}))
+
+    def kept(upto: int) -> dict:  # activations layers 0..upto-1 keep until their backward
+        out = dict.fromkeys(("activations_kda", "activations_dsa", "activations_moe", "activations_dense_mlp",
+                             "activations_mhc", "layer_inputs"), 0.0)  # fmt: skip
+        for x in layers[:upto]:
+            if recompute:
+                out["layer_inputs"] += x["input"]
+            else:
+                for k, v in x["saved"].items():
+                    out[f"activations_{k}"] += v
+        return out
+
+    def own(x: dict, minus: float = 0.0) -> dict:  # layer x's own activations (all of them; under AC rebuilt)
+        out = {f"activations_{k}": v for k, v in x["saved"].items()}
+        if minus:  # take the consumed feed-forward half out of its owners, mHC first
+            ffn_key = "activations_moe" if x["kind"].endswith("moe") else "activations_dense_mlp"
+            ffn_amt = x["saved"]["moe" if x["kind"].endswith("moe") else "dense_mlp"]
+            out[ffn_key] -= ffn_amt
+            out["activations_mhc"] -= minus - ffn_amt
+        return out
+
+    add = _add
+
+    caches = 0.0
+    for i, x in enumerate(layers):
+        w = max(x["w_fwd"].items(), key=lambda kv: kv[1]) if x["w_fwd"] else None
+        # under AC only the input stays, plus the streams alive while the layer runs (the mid stream, a sub-layer's
+        # output)
+        this = {"layer_inputs": x["input"], "activations_mhc": N * (stream + D * a)} if recompute else own(x)
+        comps = add(kept(i), this, {"returned_caches": caches, "unsharded_params": root_unsharded + compute_copy
+                                    + fsdp_params(i, i + 1)}, dict([w]) if w else {})  # fmt: skip
+        phase(f"forward layer {i} ({x['kind']})", comps)
+        caches += x["cache"]
+    phase("end of forward (logits, loss)", add(kept(L), {
+        "returned_caches": caches, "activations_head": head_saved, "logits_loss": head_fwd,
+        "unsharded_params": root_unsharded + compute_copy}))  # fmt: skip
+    root_grad = a * gathered(head_params) if fsdp else 0.0  # the root's unsharded gradient, lm_head's first
+    phase("head backward", add(kept(L), {
+        "activations_head": head_saved, "logits_loss": head_bwd, "gradients": grads_after(L - 1),
+        "unsharded_params": root_unsharded + compute_copy + root_grad}))  # fmt: skip
+    rs_root = f * gathered(root) if fsdp else 0.0
+    for i in reversed(range(L)):
+        x = layers[i]
+        common = {
+            "gradients": grads_after(i),
+            "unsharded_params": root_unsharded + compute_copy + fsdp_params(i, i - 1)
+            + (x["block_bytes"] if fsdp else 0),
+            "fsdp_reduce_scatter": f * layers[i + 1]["block"] if (fsdp and i + 1 < L) else 0.0,
+        }
+        common["unsharded_params"] += root_grad  # waits for the end of backward
+        base_i = add(kept(i), common)
+        if recompute:  # the layer's forward again, its activations kept this time
+            w = max(x["w_fwd"].items(), key=lambda kv: kv[1]) if x["w_fwd"] else None
+            phase(f"backward layer {i} ({x['kind']}): recompute", add(base_i, own(x), dict([w]) if w else {}))
+        phase(f"backward layer {i} ({x['kind']}): feed-forward", add(base_i, own(x), x["w_bwd_ffn"]))
+        phase(f"backward layer {i} ({x['kind']}): mHC", add(base_i, own(x), {"stream_gradients": x["w_bwd_hc"]}))
+        phase(f"backward layer {i} ({x['kind']}): mixer", add(base_i, own(x, x["ffn_part"]), x["w_bwd_mix"]))
+    end = {"gradients": grad_bytes * P_local if not fsdp else grads_after(-1)}
+    if fsdp:
+        end.update(unsharded_params=2 * root_unsharded, fsdp_reduce_scatter=rs_root)
+    else:
+        end["unsharded_params"] = compute_copy
+        if layout.world > 1:
+            end["fsdp_reduce_scatter"] = f * P_local  # reduce_gradients' flat all-reduce buffer
+    phase("end of backward (gradient reduction)", end, carried=False)
+    step_tmp = 0.0 if offload else (f * P_local if device == "cuda" else 2 * f * pc["largest"] / (sd if fsdp else 1))
+    phase("optimizer step", {"gradients": grad_bytes * P_local, "optimizer_step": step_tmp}, carried=False)
+
+    totals = [(name, sum(c.values())) for name, c in phases]
+    order = sorted(range(len(phases)), key=lambda j: -totals[j][1])
+    k = order[0]
+    peak_name, peak = phases[k]
+    slack = ALLOCATOR_SLACK if (allocator_slack is None and device == "cuda") else (allocator_slack or 0.0)
+    comps = {name: peak.get(name, 0.0) for name in COMPONENTS}
+    comps["allocator_slack"] = slack * sum(comps.values())
+    working = {name: max(c.get(name, 0.0) for _, c in phases) for name in WORKING_SETS}
+    for x in layers:  # a forward phase counts only its largest working set: list every one
+        for d in (x["w_fwd"], x["w_bwd_ffn"], x["w_bwd_mix"]):
+            for name, v in d.items():
+                if name in working:
+                    working[name] = max(working[name], v)
+
+    def gib(x: float) -> float:
+        return round(x / GIB, 6)
+
+    comps_gib = {k: gib(v) for k, v in comps.items()}
+    total_gib = round(sum(comps_gib.values()), 6)  # the rounded components add up to the total
+    return {
+        "layout": _layout_dict(layout),
+        "fits": total_gib <= gpu_memory_gib,
+        "total_gib": total_gib,
+        "components_gib": comps_gib,
+        "peak_phase": peak_name,
+        "next_phases_gib": [[totals[j][0], gib(totals[j][1] * (1 + slack))] for j in order[1:4]],
+        "working_sets_gib": {k: gib(v) for k, v in working.items()},
+        "tokens_per_rank": N,
+        # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
+        "all_to_all_gib": round(all_to_all_bytes(cfg, batch_size * seq_len // cp if chunked else N, layout, a,
+                                                 passes=(8 if recompute else 6) + 2 * chunked) / GIB, 6),
+        "params_per_rank": shard_numel(pc["shapes"], layout),
+        "largest_layer_unsharded_gib": gib(max(x["block_bytes"] for x in layers) if fsdp and layers else 0.0),
+        "persistent_gib": {
+            "weights": gib(f * P_local),
+            "gradients": gib(f * P_local),
+            "optimizer_state": gib(2 * f * P_local),
+            "on_host": offload,
+        },  # fmt: skip
+        "seq_len": seq_len,
+        "seq_chunk_tokens": T if chunked else None,
+        "batch_size": batch_size,
+        "gpu_memory_gib": gpu_memory_gib,
+        "dtype": dtype,
+        "device": device,
+        "recompute": recompute,
+        "optimizer_offload": optimizer_offload,
+    }

@@ -1,0 +1,83 @@
+"""What a plan says to a person: the layout in words, the one-line error of a plan that does not fit, the table."""
+
+from __future__ import annotations
+
+from ..errors import GenoctxError
+from ..parallel.layout import Layout
+
+
+def describe_layout(plan: dict) -> str:
+    """``"dp_replicate=1 ep=8 dp_shard=2 cp=4"`` of a plan (``ep=32 (folded)`` when folded: ``Layout.describe``)."""
+    return Layout(**{k: v for k, v in plan["layout"].items() if k != "world"}).describe()
+
+
+def check_fits(plan: dict) -> None:
+    """Raise when a plan does not fit its device.
+
+    Raises:
+        GenoctxError: ``plan["fits"]`` is False; one line with the layout, the predicted and available GiB, the
+            largest components and the peak phase (``genoctx train --force`` overrides it).
+    """
+    if plan.get("fits", True):
+        return
+    comps = sorted(plan["components_gib"].items(), key=lambda kv: -kv[1])
+    top = ", ".join(f"{k} {v:.1f}" for k, v in comps[:4] if v > 0)
+    ac = "" if plan.get("recompute", True) else ", recompute the layers (train.activation_checkpointing)"
+    if plan.get("mode") == "eval":
+        ac = ", or stream it in chunks (--chunk-tokens)" if not plan.get("chunk_tokens") else ""
+    flag = " --eval" if plan.get("mode") == "eval" else ""
+    raise GenoctxError(
+        f"memory plan: {describe_layout(plan)} needs {plan['total_gib']:.1f} GiB per GPU, more than "
+        f"{plan['gpu_memory_gib']:g} GiB (largest: {top}; at {plan['peak_phase']}); choose another layout "
+        f"(genoctx plan{flag} --gpus N lists those that fit){ac}, or pass --force"
+    )
+
+
+def format_table(plans: list[dict], limit: int = 10) -> str:
+    """A human-readable breakdown of ``plans`` (best first): one line per layout (at most ``limit``), then the
+    components of the first (the best) plan. Zero components are left out; GiB, or MiB when the best plan needs
+    less than 1 GiB."""
+    if not plans:
+        return "no valid layout"
+    p0 = plans[0]
+    unit, scale = ("GiB", 1) if p0["total_gib"] >= 1 else ("MiB", 1024)
+    chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
+    if p0.get("mode") == "eval":
+        how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
+        how += f", cp layout {p0['cp_layout']}" if p0.get("cp_layout", "contiguous") != "contiguous" else ""
+    else:
+        how = f"recompute {p0['recompute']}  offload {p0['optimizer_offload']}"
+    lines = [
+        f"seq_len {p0['seq_len']}  batch {p0['batch_size']}  dtype {p0['dtype']}  {how}  "
+        f"device memory {p0['gpu_memory_gib']:g} GiB",
+        "",
+        f"{'#':>3}  {'dp_replicate':>12} {'ep':>4} {'dp_shard':>8} {'cp':>4}  {'tokens/rank':>11}  "
+        + (f"{'chunk':>7}  " if chunks else "")
+        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  peak at",
+    ]
+    for j, p in enumerate(plans[:limit], 1):
+        lay = p["layout"]
+        ep = f"{lay['ep']}{'f' if lay.get('ep_folded') else ''}"
+        chunk = f"{p.get('seq_chunk_tokens') or '-':>7}  " if chunks else ""
+        lines.append(
+            f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
+            f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
+            f"{'yes' if p['fits'] else 'no ':<4}  {p['peak_phase']}"
+        )
+    if len(plans) > limit:
+        lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
+    lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
+                 "sends per step, balanced routing)")
+    if chunks:
+        lines.append("     (chunk: train.seq_chunk_tokens, the window trained in chunks of this many tokens by the "
+                     "exact chunked backward; tokens/rank: one chunk's)")
+    lines += ["", f"components of #1 ({describe_layout(p0)}), {unit} per GPU at {p0['peak_phase']}:"]
+    for k, v in p0["components_gib"].items():
+        if v:
+            lines.append(f"  {k:<24} {v * scale:>9.3f}")
+    lines.append(f"  {'total':<24} {p0['total_gib'] * scale:>9.3f}")
+    others = {k: v for k, v in p0["working_sets_gib"].items() if v and not p0["components_gib"].get(k)}
+    if others:
+        lines.append(f"largest working sets of other phases ({unit}): "
+                     + ", ".join(f"{k} {v * scale:.3f}" for k, v in others.items()))  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Layouts and search: every layout a number of GPUs can take, each planned and sorted; the sequence chunk that
+makes a plan fit."""
+
+from __future__ import annotations
+
+from ..model.config import ModelConfig
+from ..parallel.layout import LAYOUTS, Layout
+from .eval_memory import plan_eval
+from .memory import plan_memory
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offload: bool = False, mode: str = "train",
+                  cp_layout: str = "contiguous") -> list[Layout]:  # fmt: skip
+    """Every layout of ``gpus`` ranks this model can run: ``dp_replicate x ep x dp_shard x cp == gpus``, ``ep``
+    dividing ``n_routed_experts`` (1 without MoE layers), and the folded layouts (``Layout.ep_folded``:
+    ``dp_replicate x dp_shard x cp == gpus``, ``ep > 1`` dividing both ``dp_shard x cp`` and the experts),
+    ``cp`` dividing ``seq_len`` with pieces of at least one
+    KDA chunk (``kda_chunk_size`` tokens), FSDP (``dp_shard > 1`` or ``cp > 1``) when ``optimizer_offload``. With
+    ``mode="eval"`` (``plan_eval``: no optimizer) the window must split into the CP pieces of ``cp_layout`` (``cp``, or
+    ``2 cp`` under zigzag) of at least ``linear_conv_kernel_dim - 1`` tokens, as ``genoctx eval`` requires.
+
+    Raises:
+        ValueError: ``gpus`` or ``seq_len`` not a positive integer, an unknown ``mode`` or ``cp_layout``.
+    """
+    for name, v in (("gpus", gpus), ("seq_len", seq_len)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be train or eval, got {mode!r}")
+    if cp_layout not in LAYOUTS:
+        raise ValueError(f"cp_layout must be one of {', '.join(LAYOUTS)}, got {cp_layout!r}")
+    moe = "sparse" in cfg.mlp_layer_types
+    out = []
+    for cp in _divisors(gpus):
+        if mode == "eval":
+            pieces = cp * (2 if cp > 1 and cp_layout == "zigzag" else 1)
+            if seq_len % pieces or seq_len // pieces < max(1, cfg.linear_conv_kernel_dim - 1):
+                continue
+        elif seq_len % cp or seq_len // cp < cfg.kda_chunk_size:
+            continue
+        for ep in _divisors(gpus // cp):
+            if (moe and cfg.n_routed_experts % ep) or (not moe and ep > 1):
+                continue
+            for dp_shard in _divisors(gpus // (cp * ep)):
+                lay = Layout(dp_replicate=gpus // (cp * ep * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp)
+                if optimizer_offload and not lay.fsdp:
+                    continue
+                out.append(lay)
+        if not moe:
+            continue
+        for dp_shard in _divisors(gpus // cp):  # folded: the EP group drawn from dp_shard x cp (always FSDP)
+            for ep in _divisors(dp_shard * cp):
+                if ep > 1 and cfg.n_routed_experts % ep == 0:
+                    out.append(Layout(dp_replicate=gpus // (cp * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp,
+                                      ep_folded=True))  # fmt: skip
+    return out
+
+
+def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, mode: str = "train",
+                   **kwargs) -> list[dict]:  # fmt: skip
+    """``plan_memory`` (``mode="eval"``: ``plan_eval``) of every layout of ``valid_layouts``, best first.
+
+    Order: layouts that fit first; then ascending ``total_gib`` (the most headroom first); ties by fewer CP ranks,
+    then fewer EP ranks, then more data-parallel replicas (less communication for the same memory).
+
+    Args:
+        cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
+        gpus: ranks (the layouts' world size).
+        mode: ``"train"`` (one training step) or ``"eval"`` (scoring one window).
+        **kwargs: the other keyword arguments of ``plan_memory`` (of ``plan_eval`` in eval). In train mode
+            ``seq_chunk_tokens`` applies to every layout (under CP, to each rank's piece); ``"auto"`` plans each of
+            them by ``best_seq_chunk`` (one pass when it fits), so the list says whether chunking a whole window per
+            rank beats spreading it over CP ranks, or both together.
+
+    Returns:
+        The plans (``plan_memory`` or ``plan_eval`` dicts); empty when no layout is valid.
+
+    Raises:
+        ValueError: as ``plan_memory`` (``plan_eval``) and ``valid_layouts``.
+    """
+    if mode == "eval":
+        lays = valid_layouts(cfg, seq_len, gpus, mode="eval", cp_layout=kwargs.get("cp_layout", "contiguous"))
+        plans = [plan_eval(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs) for lay in lays]
+    else:
+        chunk = kwargs.pop("seq_chunk_tokens", None)
+        lays = valid_layouts(cfg, seq_len, gpus, optimizer_offload=kwargs.get("optimizer_offload", False), mode=mode)
+        plans = []
+        for lay in lays:
+            if chunk is None:
+                plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
+            elif chunk == "auto":
+                plans.append(best_seq_chunk(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
+            else:
+                plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunk_tokens=chunk,
+                                         **kwargs))  # fmt: skip
+    plans.sort(key=lambda p: (not p["fits"], p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
+                              -p["layout"]["dp_replicate"]))  # fmt: skip
+    return plans
+
+
+SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens
+
+
+def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
+    """``plan_memory`` of ``layout`` in one pass if it fits, else with the largest ``seq_chunk_tokens`` of
+    ``SEQ_CHUNK_CANDIDATES`` (below the window's ``L / cp`` tokens per rank) that fits (fewest chunks: the least
+    boundary state and overhead); when none fits, the candidate with the smallest total.
+    ``kwargs``: ``plan_memory``'s."""
+    whole = plan_memory(cfg, seq_len, layout, **kwargs)
+    if whole["fits"]:
+        return whole
+    tried = [plan_memory(cfg, seq_len, layout, seq_chunk_tokens=c, **kwargs)
+             for c in SEQ_CHUNK_CANDIDATES if c < seq_len // layout.cp]  # fmt: skip
+    fitting = [p for p in tried if p["fits"]]
+    if fitting:
+        return max(fitting, key=lambda p: p["seq_chunk_tokens"])
+    return min(tried + [whole], key=lambda p: p["total_gib"])
+
+
+def seq_chunk_hint(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, layout: Layout | None = None,
+                   **kwargs) -> dict | None:  # fmt: skip
+    """What ``genoctx plan`` says when a training step does not fit: the ``train.seq_chunk_tokens`` that would.
+
+    The planner's own choice (``--seq-chunk auto``): ``best_seq_chunk`` of ``layout`` when one is given, else the
+    first plan that fits of ``search_layouts(..., seq_chunk_tokens="auto")`` (the search's order: the most headroom
+    first), kept only when it trains in chunks.
+
+    Args:
+        cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
+        gpus: ranks searched when ``layout`` is None (the layouts' world size).
+        layout: the one layout to chunk, or None to search every layout of ``gpus`` ranks.
+        **kwargs: ``plan_memory``'s other keyword arguments (a ``seq_chunk_tokens`` among them is ignored).
+
+    Returns:
+        None when no chunked plan fits (or one pass does), else ``{"seq_chunk_tokens": N, "flag": "--seq-chunk 64k",
+        "layout": the plan's layout dict, "total_gib": GiB per GPU, "peak_phase": str}``.
+
+    Raises:
+        ValueError: as ``plan_memory`` and ``valid_layouts``.
+    """
+    kwargs.pop("seq_chunk_tokens", None)
+    if layout is not None:
+        plans = [best_seq_chunk(cfg, seq_len, layout, gpu_memory_gib=gpu_memory_gib, **kwargs)]
+    else:
+        plans = search_layouts(cfg, seq_len, gpus, gpu_memory_gib, seq_chunk_tokens="auto", **kwargs)
+    fit = next((p for p in plans if p["fits"]), None)
+    if fit is None or not fit.get("seq_chunk_tokens"):
+        return None
+    n = fit["seq_chunk_tokens"]
+    size = f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
+    return {"seq_chunk_tokens": n, "flag": f"--seq-chunk {size}", "layout": fit["layout"],
+            "total_gib": fit["total_gib"], "peak_phase": fit["peak_phase"]}  # fmt: skip
