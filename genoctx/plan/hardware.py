@@ -1,0 +1,153 @@
+"""Hardware as data: what one GPU (and its node) can do, each number with its public source, and the efficiencies
+the time model (``genoctx.plan.time``) applies to each class of work.
+
+A profile is a YAML file: the shipped ones are ``genoctx/plan/hardware/{h100,h200,b200}.yaml`` (``--hardware
+b200``); a user's own is any path (``--hardware my-gpu.yaml``) with the same keys:
+
+    name: B200
+    dtype_flops: {bf16: 2.25e15, fp32: 8.0e13}   # dense FLOP/s per GPU (2 FLOPs per multiply-add)
+    hbm_bytes_per_s: 8.0e12                       # device memory bandwidth, bytes/s
+    memory_gib: 178.0                             # usable device memory, GiB
+    gpus_per_node: 8
+    intra_node_bytes_per_s: 9.0e11                # per GPU, each way (NVLink)
+    inter_node_bytes_per_s: 5.0e10                # per GPU, each way (the node's NICs / GPUs)
+    sources: {dtype_flops: "...", ...}            # where each number comes from (shipped profiles: required)
+    efficiency: {matmul: 0.6}                     # optional: overrides of EFFICIENCY (a measured profile)
+
+Efficiencies are named defaults with their reasons (``EFFICIENCY``, ``EFFICIENCY_REASONS``), taken from public
+kernel and library measurements, never fitted to the published run the planner is checked against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import yaml
+
+from ..errors import GenoctxError
+
+PROFILES_DIR = Path(__file__).parent / "hardware"
+PROFILES = ("h100", "h200", "b200")
+
+EFFICIENCY = {
+    "matmul": 0.6,
+    "attention": 0.15,
+    "memory": 0.7,
+    "collective": 0.7,
+}
+EFFICIENCY_REASONS = {
+    "matmul": "large bf16 GEMMs reach 60-75% of the datasheet dense peak in cuBLAS; 0.6 for the smaller, uneven "
+    "expert GEMMs (Megatron-Core DeepSeek-V3 on GB300: 1,233 TFLOPS/GPU of ~2,500, arXiv 2603.07685)",
+    "attention": "sparse MLA and chunked linear attention: FlashMLA sparse forward ~640 TFLOPS on H800 (~0.65 of "
+    "peak) but the sparse backward 100-115 TFLOPS on H800/H200 (~0.11, TileLang deepseek_v32); a backward of twice "
+    "the forward's FLOPs gives 3 / (1/0.65 + 2/0.11) = 0.15 over a step",
+    "memory": "elementwise and reduction kernels (norms, gates, mHC mixing, Sinkhorn, softmax) stream device memory "
+    "at 70-90% of its peak; 0.7 for unfused PyTorch ops",
+    "collective": "NCCL's bus bandwidth for messages of tens to hundreds of MB: ~80% of NVLink (nccl-tests "
+    "all_reduce ~360 of 450 GB/s on H100) and ~90% of InfiniBand line rate; 0.7 for per-layer FSDP buckets and "
+    "chunked all-to-alls",
+}
+COLLECTIVE_LATENCY_S = 3.0e-5  # seconds per collective call (NCCL launch + sync, tens of microseconds)
+_KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node", "intra_node_bytes_per_s",
+         "inter_node_bytes_per_s")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU and its node. Rates are per GPU: FLOP/s by dtype (dense), bytes/s of device memory, bytes/s each way
+    to a GPU of the same node and to one of another node; ``efficiency`` by work class (``EFFICIENCY`` keys)."""
+
+    name: str
+    dtype_flops: dict
+    hbm_bytes_per_s: float
+    memory_gib: float
+    gpus_per_node: int
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    sources: dict = dataclasses.field(default_factory=dict)
+    efficiency: dict = dataclasses.field(default_factory=lambda: dict(EFFICIENCY))
+    collective_latency_s: float = COLLECTIVE_LATENCY_S
+
+    def flops(self, dtype: str) -> float:
+        """Dense FLOP/s of ``dtype`` ("bf16" or "fp32")."""
+        return float(self.dtype_flops[dtype])
+
+    def to_dict(self) -> dict:
+        """The profile as plain data (what ``genoctx plan --format json`` prints under ``hardware``)."""
+        return dataclasses.asdict(self)
+
+
+def _positive(where: str, key: str, v) -> float:
+    if isinstance(v, str):  # (YAML 1.1 reads 2.25e15, without a dot and sign, as a string)
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise GenoctxError(f"{where}: {key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
+    """A ``Hardware`` from a profile's mapping (the YAML's keys, module docstring).
+
+    Raises:
+        GenoctxError: one line naming ``where`` and the key: a missing or unknown key, a value that is not a
+            positive number, an efficiency outside (0, 1] or of an unknown class.
+    """
+    if not isinstance(doc, dict):
+        raise GenoctxError(f"{where}: a hardware profile is a mapping of {', '.join(_KEYS)}")
+    known = set(_KEYS) | {"sources", "efficiency", "collective_latency_s"}
+    for key in doc:
+        if key not in known:
+            raise GenoctxError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    for key in _KEYS:
+        if key not in doc:
+            raise GenoctxError(f"{where}: missing key {key!r}")
+    flops = doc["dtype_flops"]
+    if not isinstance(flops, dict) or "bf16" not in flops or "fp32" not in flops:
+        raise GenoctxError(f"{where}: dtype_flops must map bf16 and fp32 to FLOP/s, got {flops!r}")
+    flops = {k: _positive(where, f"dtype_flops.{k}", v) for k, v in flops.items()}
+    eff = dict(EFFICIENCY)
+    for k, v in (doc.get("efficiency") or {}).items():
+        if k not in EFFICIENCY:
+            raise GenoctxError(f"{where}: efficiency.{k}: unknown class (known: {', '.join(EFFICIENCY)})")
+        if _positive(where, f"efficiency.{k}", v) > 1:
+            raise GenoctxError(f"{where}: efficiency.{k} must be in (0, 1], got {v!r}")
+        eff[k] = float(v)
+    gpn = doc["gpus_per_node"]
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise GenoctxError(f"{where}: gpus_per_node must be an integer >= 1, got {gpn!r}")
+    return Hardware(
+        name=str(doc["name"]),
+        dtype_flops=flops,
+        hbm_bytes_per_s=_positive(where, "hbm_bytes_per_s", doc["hbm_bytes_per_s"]),
+        memory_gib=_positive(where, "memory_gib", doc["memory_gib"]),
+        gpus_per_node=gpn,
+        intra_node_bytes_per_s=_positive(where, "intra_node_bytes_per_s", doc["intra_node_bytes_per_s"]),
+        inter_node_bytes_per_s=_positive(where, "inter_node_bytes_per_s", doc["inter_node_bytes_per_s"]),
+        sources=dict(doc.get("sources") or {}),
+        efficiency=eff,
+        collective_latency_s=_positive(where, "collective_latency_s",
+                                       doc.get("collective_latency_s", COLLECTIVE_LATENCY_S)),  # fmt: skip
+    )
+
+
+def load_hardware(name_or_path: str | Path) -> Hardware:
+    """A shipped profile by name (``h100``, ``h200``, ``b200``; any case) or a user's YAML file by path.
+
+    Raises:
+        GenoctxError: an unknown name that is not a file, an unreadable file or bad YAML (naming the file), or a
+            bad profile (``hardware_from_dict``).
+    """
+    key = str(name_or_path).lower()
+    path = PROFILES_DIR / f"{key}.yaml" if key in PROFILES else Path(name_or_path)
+    if not path.is_file():
+        raise GenoctxError(f"--hardware {name_or_path}: neither a profile ({', '.join(PROFILES)}) nor a YAML file")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise GenoctxError(f"{path}: not a readable YAML hardware profile ({type(e).__name__})") from None
+    return hardware_from_dict(doc, where=str(path))

@@ -1,0 +1,253 @@
+"""Step time, tokens/s, MFU and what bounds a layout: FLOPs (``genoctx.plan.flops``) and bytes
+(``genoctx.plan.comms``) of one step on the busiest rank, turned into seconds on a ``Hardware`` profile.
+
+The model (every term is a place where a measurement can disagree):
+
+- **Compute.** Each FLOPs component runs at ``peak(dtype) x efficiency[class]``: ``matmul`` (dense and expert
+  GEMMs, attention projections, LM head), ``attention`` (KDA core, DSA indexer, sparse MLA), ``memory`` (mHC).
+  The dtype is the run's (``bf16``: tensor cores) except where genoctx computes in fp32 whatever the run's dtype:
+  the KDA core of ``kda_kernel: torch`` (an fp32 island) and the mHC mixings.
+- **Memory-bound kernels.** Norms, gates, activations, softmax statistics, mHC stream mixing and Sinkhorn move
+  bytes, not FLOPs: the activation bytes per token each layer writes (the planner's per-token sizes,
+  ``genoctx.plan.sizes``, as kept without recompute) are written and read once in each forward (2x), read, and
+  their gradients written and read in backward (4x), at ``hbm_bytes_per_s x efficiency["memory"]``.
+- **Communication.** Each collective of ``step_comms`` takes ``wire_bytes / (bandwidth x efficiency["collective"])
+  + calls x latency``; the bandwidth is NVLink's when every rank of its group is in one node (mesh rank order
+  ``dp_replicate x ep x dp_shard x cp``, cp fastest, ``gpus_per_node`` consecutive ranks a node), else the NIC's;
+  an all-to-all over nodes sends its in-node share over NVLink and the rest over the NIC, at the same time.
+- **Overlap.** FSDP2's all-gathers and reduce-scatters and HSDP's gradient all-reduce (names ``fsdp_*``,
+  ``dp_*``) run on their own streams beside compute (prefetch one layer ahead): only what exceeds the step's
+  compute is exposed, plus one unit's gather and one reduce-scatter at the ends of the step that nothing hides.
+  Expert-parallel all-to-all, context-parallel exchanges and the loss/statistics reductions sit between the
+  computations that need them (genoctx issues them synchronously): all exposed.
+- **Step.** ``step_s = compute + memory-bound + exposed communication``; what bounds the layout is the largest
+  of compute, memory-bound kernels, intra-node and inter-node exposed communication. ``tokens_per_s`` counts the
+  step's tokens over all data-parallel ranks; ``mfu`` is the model FLOPs of those tokens (``flops_per_token``'s
+  training total, no recompute) over ``world x peak(bf16) x step_s``.
+
+Not modelled: kernel launch gaps, host overheads, the optimizer step (a few memory-bound passes over the shard),
+contention between NCCL and compute kernels for SMs and memory bandwidth, stragglers beyond the routing skew.
+"""
+
+from __future__ import annotations
+
+from ..model.config import DSA, KDA, ModelConfig
+from ..parallel.layout import Layout
+from .hardware import Hardware
+from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _norm, _Sizes
+
+BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node")
+OVERLAPPED_PREFIXES = ("fsdp_", "dp_")  # collectives FSDP2 / HSDP run beside compute (module docstring)
+_FP32_COMPONENTS_TORCH_KDA = ("kda_core",)
+_FP32_COMPONENTS = ("mhc",)
+
+
+def _dim_strides(layout: Layout) -> dict:
+    """Rank stride of each mesh dimension (``dp_replicate x ep x dp_shard x cp``, cp fastest)."""
+    cp, ds, ep = layout.cp, layout.dp_shard, layout.ep_axis
+    return {"cp": 1, "dp_shard": cp, "ep": cp * ds, "dp_replicate": cp * ds * ep}
+
+
+def group_ranks(dims, layout: Layout, size: int | None = None) -> list[int]:
+    """Ranks of rank 0's group over mesh dimensions ``dims`` (names of ``genoctx.parallel.layout.DIMS``; the mesh's
+    ``ep`` axis has size 1 when EP is folded). Under ``Layout.ep_folded``, ``("ep",)`` is the folded EP group
+    (``ep`` consecutive ranks: the fastest index of ``dp_shard x cp``) and ``"efsdp"`` the ranks sharding one
+    block of experts (every ``ep``-th rank of ``dp_shard x cp``), as ``genoctx.parallel.mesh`` builds them.
+    ``size``: the group's size when known; a group whose dims do not give it is taken as consecutive ranks."""
+    dims = tuple(dims)
+    stride = _dim_strides(layout)
+    if layout.ep_folded and dims == ("ep",):
+        ranks = list(range(layout.ep))
+    else:
+        ranks = [0]
+        for d in dims:
+            if d == "efsdp":
+                ranks = [r + i * layout.ep for r in ranks for i in range(layout.dp_shard * layout.cp // layout.ep)]
+                continue
+            n = layout.ep_axis if d == "ep" else getattr(layout, d)
+            ranks = [r + i * stride[d] for r in ranks for i in range(n)]
+    if size is not None and size > 1 and len(set(ranks)) != size:
+        ranks = list(range(size))
+    return sorted(set(ranks))
+
+
+def collective_seconds(entry: dict, layout: Layout, hw: Hardware) -> tuple[float, str]:
+    """``(seconds, "intra-node" | "inter-node")`` of one ``step_comms`` entry on ``hw`` (module docstring)."""
+    g = int(entry.get("group_size", 1))
+    wire = float(entry.get("wire_bytes", 0.0))
+    if g <= 1 or wire <= 0:
+        return 0.0, "intra-node"
+    ranks = group_ranks(entry.get("dims", ()), layout, g)
+    gpn = hw.gpus_per_node
+    eff = hw.efficiency["collective"]
+    lat = hw.collective_latency_s * float(entry.get("calls", 1))
+    nodes = {r // gpn for r in ranks}
+    if len(nodes) == 1:
+        return wire / (hw.intra_node_bytes_per_s * eff) + lat, "intra-node"
+    if entry.get("collective") == "all_to_all":
+        same = sum(1 for r in ranks if r // gpn == ranks[0] // gpn) - 1
+        out = (len(ranks) - 1 - same) / max(1, len(ranks) - 1)
+        t = max(wire * (1 - out) / hw.intra_node_bytes_per_s, wire * out / hw.inter_node_bytes_per_s) / eff
+        return t + lat, "inter-node"
+    return wire / (hw.inter_node_bytes_per_s * eff) + lat, "inter-node"
+
+
+def activation_bytes_per_token(cfg: ModelConfig, dtype: str) -> float:
+    """Bytes each token's activations take in one forward of all decoder layers (kept as without recompute): per
+    layer its mixer (``_kda`` / ``_dsa``), its feed-forward (dense ``_mlp``; MoE: the norm, ``k`` routed rows of
+    ``6 I a`` and the shared expert's ``6 Is a``), two mHC calls (``_hc``) and its ``n`` fp32 input streams."""
+    s = _Sizes(a=DTYPE_BYTES[dtype])
+    n, D = cfg.hc_mult, cfg.hidden_size
+    total = 0.0
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == KDA:
+            mixer = _kda(cfg, s)
+        elif kind == DSA:
+            mixer = _dsa(cfg, s, cfg.indexer_types[i] == "full")
+        else:  # pragma: no cover - layer kinds are KDA or DSA
+            mixer = 0.0
+        if cfg.mlp_layer_types[i] == "sparse":
+            shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+            ffn = _norm(s, D) + 6 * s.a * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared)
+        else:
+            ffn = _mlp(cfg, s)
+        total += mixer + ffn + 2 * _hc(cfg, s) + n * D * s.f
+    return total
+
+
+def _component_dtype(name: str, cfg: ModelConfig, dtype: str) -> str:
+    if dtype == "fp32" or name in _FP32_COMPONENTS:
+        return "fp32"
+    if name in _FP32_COMPONENTS_TORCH_KDA and cfg.kda_kernel != "fla":
+        return "fp32"
+    return dtype
+
+
+def compute_seconds(flops: dict, cfg: ModelConfig, hw: Hardware, dtype: str) -> dict:
+    """Seconds of each FLOPs component of ``flops`` (``step_flops``'s dict) at its class's efficiency: ``{name:
+    seconds}`` plus ``by_class`` (``{"matmul": s, "attention": s, "memory": s}``)."""
+    out, by_class = {}, {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
+    for name, c in flops["components"].items():
+        f = c["forward"] + c["recompute"] + c["backward"]
+        cls = c["class"]
+        t = f / (hw.flops(_component_dtype(name, cfg, dtype)) * hw.efficiency["matmul" if cls == "matmul" else
+                                                                                "attention" if cls == "attention"
+                                                                                else "memory"])  # fmt: skip
+        out[name] = t
+        by_class[cls] = by_class.get(cls, 0.0) + t
+    out["by_class"] = by_class
+    return out
+
+
+def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, hw: Hardware, *, dtype: str,
+              seq_len: int, batch_size: int, model_flops_per_token: float) -> dict:  # fmt: skip
+    """Seconds of one step on the busiest rank from its FLOPs and collectives (module docstring: the model).
+
+    Args:
+        flops: ``genoctx.plan.flops.step_flops`` (or ``eval_flops``) of the layout.
+        comms: ``genoctx.plan.comms.step_comms`` of the layout.
+        cfg, layout, hw: the model, the layout, the hardware profile.
+        dtype: the run's compute dtype ("bf16" or "fp32").
+        seq_len, batch_size: tokens per window and windows per data-parallel rank.
+        model_flops_per_token: training (or forward) FLOPs per token without recompute, for MFU.
+
+    Returns:
+        ``{"step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "comm_s": {"intra-node",
+        "inter-node"} (all communication), "exposed_comm_s": {...}, "compute_by_component_s": {...},
+        "comm_by_collective_s": {name: s}, "hbm_bytes"}``; seconds, tokens/s, MFU a fraction.
+    """
+    comp = compute_seconds(flops, cfg, hw, dtype)
+    compute_s = sum(v for k, v in comp.items() if k != "by_class")
+    passes = 2 * (1 + flops["recompute"] / flops["forward"] if flops["forward"] else 1) + (
+        4 if flops["backward"] else 0)  # fmt: skip
+    hbm = activation_bytes_per_token(cfg, dtype) * flops["tokens"] * passes
+    memory_s = hbm / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
+    busy = compute_s + memory_s
+    hidden = {"intra-node": 0.0, "inter-node": 0.0}
+    exposed = {"intra-node": 0.0, "inter-node": 0.0}
+    by_name, first = {}, {"intra-node": 0.0, "inter-node": 0.0}
+    units = cfg.num_hidden_layers + 1
+    for e in comms:
+        t, link = collective_seconds(e, layout, hw)
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + t
+        if e["name"].startswith(OVERLAPPED_PREFIXES):
+            hidden[link] += t
+            if e["name"].startswith("fsdp_all_gather_forward") or e["name"].startswith("fsdp_reduce_scatter"):
+                first[link] += t / units  # the step's first gather and last reduce-scatter: nothing to hide behind
+        else:
+            exposed[link] += t
+    overlapped = sum(hidden.values())
+    spill = max(0.0, overlapped - busy)
+    for link in exposed:
+        share = hidden[link] / overlapped if overlapped else 0.0
+        exposed[link] += spill * share + first[link]
+    step_s = busy + sum(exposed.values())
+    tokens = batch_size * seq_len * layout.dp
+    parts = {"compute": compute_s, "memory-bound kernels": memory_s, **exposed}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s if step_s else float("inf"),
+        "mfu": model_flops_per_token * tokens / (layout.world * hw.flops("bf16") * step_s) if step_s else 0.0,
+        "bound": max(parts, key=parts.get),
+        "compute_s": compute_s,
+        "memory_bound_s": memory_s,
+        "comm_s": _link_totals(comms, layout, hw),
+        "exposed_comm_s": exposed,
+        "compute_by_component_s": {k: v for k, v in comp.items() if k != "by_class"},
+        "comm_by_collective_s": by_name,
+        "hbm_bytes": hbm,
+    }
+
+
+def _link_totals(comms: list[dict], layout: Layout, hw: Hardware) -> dict:
+    out = {"intra-node": 0.0, "inter-node": 0.0}
+    for e in comms:
+        t, link = collective_seconds(e, layout, hw)
+        out[link] += t
+    return out
+
+
+def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, batch_size: int = 1,
+              recompute: bool = True, dtype: str = "bf16", skew: float = 1.0, seq_chunk_tokens: int | None = None,
+              mode: str = "train") -> dict:  # fmt: skip
+    """Predicted seconds of one training step (``mode="eval"``: of scoring one window) of ``cfg`` on ``layout`` and
+    ``hw``: ``step_time`` of ``step_flops`` / ``eval_flops`` and ``step_comms``, with the inputs recorded.
+
+    Args:
+        cfg: the architecture (its compute knobs: ``kda_kernel`` picks the KDA core's dtype).
+        seq_len: tokens per window; batch_size: windows per data-parallel rank.
+        layout: the parallel layout; hw: the hardware profile (``load_hardware``).
+        recompute: activation checkpointing of the decoder layers; dtype: "bf16" or "fp32".
+        skew: busiest / mean expert rows of a rank (1 balanced; ``genoctx.plan.comms.PUBLISHED_SKEW`` ~4 on real DNA).
+        seq_chunk_tokens: the chunked backward's chunk (``train.seq_chunk_tokens``), or None for one pass.
+        mode: "train" or "eval".
+
+    Returns:
+        ``step_time``'s dict plus ``"hardware"`` (its name), ``"skew"``, ``"flops"`` (this rank's step total) and
+        ``"comm_bytes"`` (this rank's wire bytes).
+
+    Raises:
+        ValueError: as ``step_flops`` and ``step_comms``; an unknown ``mode``.
+    """
+    from .comms import step_comms
+    from .flops import eval_flops, flops_per_token, step_flops
+
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be train or eval, got {mode!r}")
+    if mode == "train":
+        fl = step_flops(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
+                        seq_chunk_tokens=seq_chunk_tokens, skew=skew)  # fmt: skip
+    else:
+        fl = eval_flops(cfg, seq_len, layout)
+    comms = step_comms(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute, dtype=dtype, skew=skew,
+                       seq_chunk_tokens=seq_chunk_tokens, mode=mode)  # fmt: skip
+    per_token = flops_per_token(cfg, seq_len)["train" if mode == "train" else "forward"]["total"]
+    out = step_time(fl, comms, cfg, layout, hw, dtype=dtype, seq_len=seq_len,
+                    batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token)  # fmt: skip
+    out.update(hardware=hw.name, skew=skew, flops=fl["total"], comm_bytes=sum(e["wire_bytes"] for e in comms))
+    return out
+
+
+def gpu_hours(step_s: float, steps: int, world: int) -> float:
+    """GPU-hours of ``steps`` steps of ``step_s`` seconds on ``world`` GPUs."""
+    return step_s * steps * world / 3600.0
