@@ -1,0 +1,494 @@
+"""The speed planner checked on this machine: predicted vs measured train-step seconds of ``cpu-small`` on the CPU.
+
+    .venv/bin/python bench/step_time_cpu.py [--lengths 2k 4k 8k] [--steps 5] [--layouts single fsdp2-cp2]
+        [--recipe recipes/cpu-small.yaml] [--work DIR] [--seconds 0.5] [--save-profiles DIR] [--predict-only]
+
+Prints one JSON line per hardware profile (``"kind": "profile"``), one per measured case::
+
+    {"bench": "step_time_cpu", "kind": "case", "layout": "fsdp2-cp2", "seq_len": 4096, "ranks": 4,
+     "predicted_s": ..., "measured_s": ..., "ratio": ..., "bound": "compute", "predicted_tokens_per_s": ...,
+     "measured_tokens_per_s": ..., "compute_s": ..., "memory_bound_s": ..., "exposed_comm_s": ...,
+     "comm_s": ..., "predicted_no_overlap_s": ..., "steps_s": [...], ...}
+
+and a final ``"kind": "summary"`` line: the error band (min / max ``ratio`` = predicted / measured), whether the cases
+ranked by step seconds agree between prediction and measurement, and whether the one-process vs FSDP x CP choice at
+each length (by tokens/s) agrees. Progress and the runs' logs go to stderr. The default run (3 lengths x 2 layouts,
+5 steps each) is the one the README's table comes from: about 10 minutes on an idle 2-core machine.
+
+Method:
+
+1. **Hardware, measured here** (``measure_profile``; one ``genoctx.plan.hardware.Hardware`` per layout's rank count
+   R, through ``hardware_from_dict``, written with ``--save-profiles`` for ``genoctx plan --hardware FILE``). What
+   ONE rank gets when R ranks share this machine: R concurrent processes, each with torch threads
+   ``max(1, cores // R)`` as ``genoctx train`` (one process: torch's default, the cores) and its distributed driver
+   (``cores // world``) give them, every section time-boxed (``--seconds``) so that the ranks overlap throughout:
+   - ``dtype_flops.fp32``: ``torch.mm`` FLOP/s over the model's GEMM shapes (``gemm_shapes``: dense MLP, KDA
+     projections, routed experts at ``--gemm-rows`` tokens), total FLOPs over total seconds; ``bf16`` = the same
+     (the runs are fp32; the CPU has no faster bf16 path that genoctx uses).
+   - ``hbm_bytes_per_s``: ``torch.add(a, b, out=c)`` of three ``--mem-mib`` fp32 tensors (larger than the caches):
+     3 x the tensor bytes per call.
+   - ``intra_node_bytes_per_s`` (and ``inter_node``, unused: ``gpus_per_node`` = R, one machine): a gloo
+     ``all_gather`` of ``--comm-mib`` per rank in pairs of processes (every pair at once, max(2, R) processes):
+     wire bytes (``genoctx.plan.comms``' convention: ``(g - 1)`` x the input) over seconds; the all_reduce's rate
+     (``2 (g - 1) / g`` x the buffer) is recorded beside it. ``collective_latency_s``: a 4-byte all_reduce's seconds.
+   - Efficiencies: ``matmul`` 1.0 (the microbenchmark IS the achieved rate at the model's shapes); ``memory`` 1.0
+     (the bandwidth is that of an unfused torch elementwise op, which is what the memory-bound term models);
+     ``collective`` 1.0 (the rate is gloo's own on this machine; small messages pay the measured latency);
+     ``attention`` = ``torch.bmm`` FLOP/s at the KDA core's chunk shapes (``[H L / C, C, d_k] x [.., d_k, C]``)
+     over the GEMM rate, capped at 1 (the KDA core, the indexer and sparse MLA run as small batched products on
+     the CPU). None is fitted to a step time; the profile is measured before any training step runs.
+2. **Predicted**: ``genoctx.plan.time.plan_time(cfg, L, layout, hw, batch_size, recompute, dtype, seq_chunk_tokens)``
+   with the recipe's model and train knobs (``cpu-small``: fp32, batch 1, no activation checkpointing).
+   ``predicted_no_overlap_s`` = compute + memory-bound + ALL communication (no FSDP overlap): the alternative a CPU
+   with gloo may follow (gloo's collectives run on the cores the ranks compute on).
+3. **Measured**: real train steps on the shipped hg38 pieces (``genoctx prepare --window max(lengths)`` once under
+   ``--work``), random ``L``-token crops (``train.seq_len=L``): ``single`` = ``genoctx train --recipe RECIPE --set
+   train.seq_len=L --steps N`` (a subprocess, the CLI itself); ``fsdp2-cp2`` = ``genoctx.train.distributed.
+   train_distributed`` with ``num_workers=4, fsdp=2, cp=2`` (``genoctx train --num-workers 4 --fsdp 2 --cp 2``'s
+   driver and worker loop, the same gloo ranks and threads) on ranks forked here instead of Ray's workers (Ray's
+   start-up and its daemons would only add noise to a 2-core machine; tests/eval/mesh_runner.py does the same).
+   Per step: the loop's own timer (``RUN/metrics.jsonl``: ``tokens / tokens_per_s``; under the mesh the slowest
+   rank's, from ``ranks``); the first step is dropped (warm-up), ``measured_s`` is the median of the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HG38 = REPO / "data" / "hg38"
+FASTAS = ("hg38_chr1_1-1000000.fa.gz", "hg38_chr2_1-2333275.fa.gz", "hg38_chr22_32000001-32300000.fa")
+LAYOUT_ARGS = {"single": {}, "fsdp2-cp2": {"dp_shard": 2, "cp": 2}}  # Layout(**...) of each --layouts name
+
+
+def log(msg: str) -> None:
+    print(f"step_time_cpu: {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ 1. the hardware profile, measured
+
+
+def gemm_shapes(cfg, rows: int) -> list[tuple[int, int, int]]:
+    """``(m, k, n)`` of the model's main GEMMs at ``rows`` tokens: dense MLP (gate+up, down), KDA projections (in,
+    out), a routed expert at its balanced share of the rows (``rows x top-k / E``; gate+up, down)."""
+    D, hk = cfg.hidden_size, cfg.linear_num_heads * cfg.linear_head_dim
+    er = max(1, rows * cfg.num_experts_per_tok // cfg.n_routed_experts)
+    return [(rows, D, 2 * cfg.intermediate_size), (rows, cfg.intermediate_size, D), (rows, D, hk), (rows, hk, D),
+            (er, D, 2 * cfg.moe_intermediate_size), (er, cfg.moe_intermediate_size, D)]  # fmt: skip
+
+
+def _timed(fn, seconds: float) -> float:
+    """Seconds per call of ``fn`` run for about ``seconds`` (after two warm-up calls)."""
+    fn()
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return dt / n
+
+
+def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    """One of ``world`` concurrent ranks: GEMM, batched-product and memory rates with ``spec["threads"]`` threads."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(spec["threads"])
+        torch.manual_seed(rank)
+        T = spec["seconds"]
+        res = {"gemm": []}
+        for m, k, n in spec["gemm"]:
+            a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+            dist.barrier()
+            s = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), T)
+            res["gemm"].append({"shape": [m, k, n], "flops": 2.0 * m * k * n, "seconds": s})
+        nb, C, dk = spec["bmm"]
+        q, kt, sc = torch.randn(nb, C, dk), torch.randn(nb, dk, C), torch.empty(nb, C, C)
+        dist.barrier()
+        s = _timed(lambda: torch.bmm(q, kt, out=sc), T)
+        res["bmm"] = {"shape": [nb, C, dk], "flops": 2.0 * nb * C * dk * C, "seconds": s}
+        numel = spec["mem_bytes"] // 4
+        x, y, z = torch.rand(numel), torch.rand(numel), torch.empty(numel)
+        dist.barrier()
+        s = _timed(lambda: torch.add(x, y, out=z), T)
+        res["memory"] = {"bytes": 3.0 * numel * 4, "seconds": s}
+        dist.barrier()
+        Path(out, f"compute{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def _comm_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    """One of ``world`` ranks in pairs ``(2i, 2i + 1)``: gloo all_gather / all_reduce of ``spec["bytes"]`` per rank,
+    every pair at once, and a 4-byte all_reduce's latency."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(spec["threads"])
+        groups = [dist.new_group([i, i + 1]) for i in range(0, world - 1, 2)]
+        g = groups[rank // 2] if rank // 2 < len(groups) else None
+        numel = spec["bytes"] // 4
+        t = torch.rand(numel)
+        outs = [torch.empty(numel) for _ in range(2)]
+        res = {}
+        if g is not None:
+            for name, fn, wire in (("all_gather", lambda: dist.all_gather(outs, t, group=g), numel * 4.0),
+                                   ("all_reduce", lambda: dist.all_reduce(t, group=g), numel * 4.0)):  # fmt: skip
+                fn()
+                dist.barrier()
+                times = []
+                for _ in range(spec["reps"]):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                res[name] = {"wire_bytes": wire, "seconds": statistics.median(times)}
+            tiny = torch.zeros(1)
+            dist.barrier()
+            res["latency_s"] = _timed(lambda: dist.all_reduce(tiny, group=g), spec["seconds"] / 2)
+        dist.barrier()
+        Path(out, f"comm{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(fn, world: int, spec: dict) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(fn, args=(world, _free_port(), spec, tmp), nprocs=world, join=True, start_method="spawn")
+        return [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
+
+
+def measure_profile(cfg, ranks: int, *, seconds: float, gemm_rows: int, mem_mib: int, comm_mib: int,
+                    cores: int) -> dict:  # fmt: skip
+    """Raw per-rank measurements on this machine with ``ranks`` concurrent ranks (module docstring, step 1):
+    ``{"ranks", "threads", "compute": [per rank], "comm": [per rank of the pairs]}``."""
+    threads = max(1, cores // ranks)
+    C, dk, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
+    spec = {"threads": threads, "seconds": seconds, "gemm": gemm_shapes(cfg, gemm_rows),
+            "bmm": [H * max(1, gemm_rows // C), C, dk], "mem_bytes": mem_mib << 20}  # fmt: skip
+    compute = _run_ranks(_compute_rank, ranks, spec)
+    cworld = max(2, ranks)
+    cspec = {"threads": max(1, cores // cworld), "seconds": seconds, "bytes": comm_mib << 20, "reps": 5}
+    comm = [r for r in _run_ranks(_comm_rank, cworld, cspec) if r]
+    return {"ranks": ranks, "threads": threads, "comm_threads": cspec["threads"], "compute": compute, "comm": comm}
+
+
+def profile_dict(meas: dict, memory_gib: float, cores: int) -> dict:
+    """A ``hardware_from_dict`` mapping from ``measure_profile``'s measurements: every rate the mean over ranks.
+
+    Args:
+        meas: ``{"ranks": R, "threads": t, "compute": [{"gemm": [{"flops", "seconds"}], "bmm": {"flops", "seconds"},
+            "memory": {"bytes", "seconds"}}] per rank, "comm": [{"all_gather": {"wire_bytes", "seconds"},
+            "all_reduce": {...}, "latency_s": s}] per rank}``.
+        memory_gib: this machine's memory (GiB); each rank is given ``memory_gib / R``.
+        cores: CPU cores (recorded in the name and sources).
+
+    Returns:
+        The profile's keys (``genoctx.plan.hardware`` docstring): FLOP/s, bytes/s, GiB, seconds.
+    """
+    R, comp = meas["ranks"], meas["compute"]
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    mm = mean([sum(g["flops"] for g in r["gemm"]) / sum(g["seconds"] for g in r["gemm"]) for r in comp])
+    bmm = mean([r["bmm"]["flops"] / r["bmm"]["seconds"] for r in comp])
+    mem = mean([r["memory"]["bytes"] / r["memory"]["seconds"] for r in comp])
+    ag = mean([r["all_gather"]["wire_bytes"] / r["all_gather"]["seconds"] for r in meas["comm"]])
+    ar = mean([r["all_reduce"]["wire_bytes"] / r["all_reduce"]["seconds"] for r in meas["comm"]])
+    lat = mean([r["latency_s"] for r in meas["comm"]])
+    t = meas["threads"]
+    where = f"bench/step_time_cpu.py on this machine ({cores} cores), {R} concurrent rank(s) x {t} torch thread(s)"
+    return {
+        "name": f"cpu-{cores}core-{R}rank",
+        "dtype_flops": {"fp32": mm, "bf16": mm},
+        "hbm_bytes_per_s": mem,
+        "memory_gib": memory_gib / R,
+        "gpus_per_node": R,
+        "intra_node_bytes_per_s": ag,
+        "inter_node_bytes_per_s": ag,
+        "collective_latency_s": lat,
+        "efficiency": {"matmul": 1.0, "memory": 1.0, "collective": 1.0, "attention": min(1.0, bmm / mm)},
+        "sources": {
+            "dtype_flops": f"torch.mm over the model's GEMM shapes, total FLOPs / total seconds; {where}; bf16 = fp32",
+            "hbm_bytes_per_s": f"torch.add(a, b, out=c), 3 x tensor bytes per call; {where}",
+            "intra_node_bytes_per_s": f"gloo all_gather in pairs ({meas['comm_threads']} thread(s) each), wire bytes "
+            f"(g - 1) x input / s; all_reduce 2 (g - 1) / g x buffer / s = {ar:.3e}",
+            "collective_latency_s": "gloo all_reduce of 4 bytes in pairs, seconds per call",
+            "efficiency.attention": f"torch.bmm at the KDA chunk shapes {comp[0]['bmm']['shape']} over the GEMM rate "
+            f"({bmm:.3e} / {mm:.3e} FLOP/s)",
+            "efficiency.matmul/memory/collective": "1.0: the microbenchmarks are the achieved rates",
+            "memory_gib": "this machine's memory / ranks",
+        },
+    }
+
+
+def _memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+# ------------------------------------------------------------------ 2. predicted
+
+
+def predict(recipe, L: int, layout, hw) -> dict:
+    """``plan_time`` of the recipe's model and train knobs at ``L`` tokens on ``layout`` and ``hw``, plus
+    ``no_overlap_s`` (compute + memory-bound + all communication)."""
+    from genoctx.plan.time import plan_time
+
+    t = recipe.train
+    p = plan_time(recipe.model, L, layout, hw, batch_size=t.batch_size, recompute=t.activation_checkpointing,
+                  dtype=t.dtype, seq_chunk_tokens=t.seq_chunk_tokens)  # fmt: skip
+    p["no_overlap_s"] = p["compute_s"] + p["memory_bound_s"] + sum(p["comm_s"].values())
+    return p
+
+
+# ------------------------------------------------------------------ 3. measured
+
+
+def prepare(work: Path, window: int) -> Path:
+    """``genoctx prepare`` of the shipped hg38 pieces into ``work/data-W`` (once): train chr1 + chr2, hold out chr22."""
+    data = work / f"data-{window}"
+    if not (data / "manifest.json").is_file():
+        cmd = [sys.executable, "-m", "genoctx.cli", "prepare", "--out", str(data), "--window", str(window),
+               "--chroms", "chr1,chr2", "--eval-chroms", "chr22"]  # fmt: skip
+        for f in FASTAS:
+            cmd += ["--fasta", str(HG38 / f)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    return data
+
+
+def step_seconds(metrics: Path) -> list[float]:
+    """Seconds of each step in ``metrics.jsonl``: ``tokens / tokens_per_s`` (one process), or the slowest rank's
+    under a mesh (its ``ranks`` rows)."""
+    out = []
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line)
+        ranks = row.get("ranks")
+        if ranks:
+            out.append(max(r["tokens"] / r["tokens_per_s"] for r in ranks))
+        else:
+            out.append(row["tokens"] / row["tokens_per_s"])
+    return out
+
+
+def _overrides(L: int, steps: int) -> list[str]:
+    # one checkpoint, after the last timed step; a log line every step
+    return [f"train.seq_len={L}", f"train.steps={steps}", f"train.checkpoint_every={steps}", "train.log_every=1",
+            "train.keep_checkpoints=1"]  # fmt: skip
+
+
+def train_single(recipe_path: Path, data: Path, out: Path, L: int, steps: int) -> Path:
+    """``genoctx train`` (one process) in a subprocess; its ``metrics.jsonl``."""
+    cmd = [sys.executable, "-m", "genoctx.cli", "train", "--data", str(data), "--recipe", str(recipe_path),
+           "--out", str(out)]  # fmt: skip
+    for s in _overrides(L, steps):
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    return out / "metrics.jsonl"
+
+
+class _Session:
+    """``genoctx.cluster.WorkerSession`` without Ray (the CPU; nothing to restore or report)."""
+
+    gpus_per_worker = 0
+
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def report(self, metrics: dict, checkpoint_dir=None) -> None:
+        pass
+
+    def checkpoint_dir(self):
+        import contextlib
+
+        return contextlib.nullcontext(None)
+
+
+def _rank_entry(rank: int, worker_fn, config: dict, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from genoctx.parallel.mesh import leaving_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    with leaving_mesh():  # as genoctx.cluster's workers: every group freed before the process exits
+        worker_fn(config, _Session())
+
+
+def _local_workers(worker_fn, config: dict, *, num_workers: int, **_ray_only):
+    """``genoctx.cluster.run_workers`` on ``num_workers`` spawned gloo processes (the Ray-only arguments ignored)."""
+    import torch.multiprocessing as mp
+
+    from genoctx.cluster import WorkerRun
+
+    t0 = time.perf_counter()
+    mp.start_processes(_rank_entry, args=(worker_fn, config, num_workers, _free_port()), nprocs=num_workers,
+                       join=True, start_method="spawn")  # fmt: skip
+    return WorkerRun(time.perf_counter() - t0, None)
+
+
+def train_mesh(recipe_path: Path, data: Path, out: Path, L: int, steps: int, layout) -> Path:
+    """``genoctx train --num-workers W --fsdp S --cp C``'s driver (``train_distributed``) on local gloo ranks."""
+    from genoctx.recipes import load_recipe
+    from genoctx.train.distributed import train_distributed
+
+    sets = _overrides(L, steps) + [f"train.cp={layout.cp}", f"train.fsdp={layout.dp_shard}"]
+    rec = load_recipe(recipe_path, sets)
+    train_distributed(data, rec, out, run_workers=_local_workers, num_workers=layout.world, cp=layout.cp,
+                      fsdp=layout.dp_shard)  # fmt: skip
+    return out / "metrics.jsonl"
+
+
+# ------------------------------------------------------------------ 4. compared
+
+
+def summary(cases: list[dict]) -> dict:
+    """The error band and whether the rankings agree (module docstring). ``cases``: the case lines."""
+    done = [c for c in cases if c.get("measured_s")]
+    ratios = [c["ratio"] for c in done]
+    name = [f"{c['layout']}@{c['seq_len']}" for c in done]
+    by_pred = [name[i] for i in sorted(range(len(done)), key=lambda i: done[i]["predicted_s"])]
+    by_meas = [name[i] for i in sorted(range(len(done)), key=lambda i: done[i]["measured_s"])]
+    choice = {}
+    for L in sorted({c["seq_len"] for c in done}):
+        at = [c for c in done if c["seq_len"] == L]
+        if len(at) > 1:
+            p = max(at, key=lambda c: c["predicted_tokens_per_s"])["layout"]
+            m = max(at, key=lambda c: c["measured_tokens_per_s"])["layout"]
+            choice[str(L)] = {"predicted": p, "measured": m, "agree": p == m}
+    return {
+        "bench": "step_time_cpu",
+        "kind": "summary",
+        "cases": len(done),
+        "ratio_min": min(ratios) if ratios else None,
+        "ratio_max": max(ratios) if ratios else None,
+        "rank_by_predicted_s": by_pred,
+        "rank_by_measured_s": by_meas,
+        "ranking_agrees": by_pred == by_meas,
+        "layout_choice": choice,
+        "layout_choice_agrees": all(v["agree"] for v in choice.values()) if choice else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", nargs="+", default=["2k", "4k", "8k"], help="tokens per window (k/M suffixes)")
+    ap.add_argument("--steps", type=int, default=5, help="train steps per case (the first is dropped as warm-up)")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUT_ARGS), choices=list(LAYOUT_ARGS))
+    ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "cpu-small.yaml")
+    ap.add_argument("--work", type=Path, help="prepared data and runs (default: a temporary directory, removed)")
+    ap.add_argument("--seconds", type=float, default=0.5, help="time box of each microbenchmark section")
+    ap.add_argument("--gemm-rows", type=int, default=2048, help="tokens (rows) of the microbenchmark's GEMMs")
+    ap.add_argument("--mem-mib", type=int, default=64, help="MiB of each tensor of the bandwidth microbenchmark")
+    ap.add_argument("--comm-mib", type=int, default=32, help="MiB per rank of the gloo bandwidth microbenchmark")
+    ap.add_argument("--save-profiles", type=Path, help="write each measured profile here as cpu-R.yaml")
+    ap.add_argument("--predict-only", action="store_true", help="measure the profiles and predict; no training")
+    a = ap.parse_args()
+
+    from genoctx.data.windows import parse_size
+    from genoctx.errors import GenoctxError
+    from genoctx.parallel.layout import Layout
+    from genoctx.plan.hardware import hardware_from_dict
+    from genoctx.recipes import load_recipe
+
+    def bad(msg: str):
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    try:
+        lengths = [parse_size(x) for x in a.lengths]
+        recipe = load_recipe(a.recipe)
+    except (ValueError, GenoctxError) as e:
+        bad(f"--lengths/--recipe: {e}")
+    if a.steps < 2:
+        bad(f"--steps must be >= 2 (the first step is dropped), got {a.steps}")
+    if any(L < 64 or L % 4 for L in lengths):
+        bad(f"--lengths must be multiples of 4 (CP and FSDP split them) of at least 64, got {a.lengths}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    t_start = time.perf_counter()
+
+    hws = {}
+    for R in sorted({Layout(**LAYOUT_ARGS[n]).world for n in a.layouts}):
+        log(f"profile: {R} rank(s) x {max(1, cores // R)} thread(s)")
+        meas = measure_profile(recipe.model, R, seconds=a.seconds, gemm_rows=a.gemm_rows, mem_mib=a.mem_mib,
+                               comm_mib=a.comm_mib, cores=cores)  # fmt: skip
+        doc = profile_dict(meas, _memory_gib(), cores)
+        hws[R] = hardware_from_dict(doc, where=f"measured profile ({R} ranks)")
+        if a.save_profiles:
+            import yaml
+
+            a.save_profiles.mkdir(parents=True, exist_ok=True)
+            (a.save_profiles / f"cpu-{R}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        print(json.dumps({"bench": "step_time_cpu", "kind": "profile", **doc, "measured": meas}), flush=True)
+
+    work = a.work or Path(tempfile.mkdtemp(prefix="step_time_cpu"))
+    cases = []
+    try:
+        data = None if a.predict_only else prepare(work, max(lengths))
+        for L in lengths:
+            for name in a.layouts:
+                layout = Layout(**LAYOUT_ARGS[name])
+                p = predict(recipe, L, layout, hws[layout.world])
+                line = {"bench": "step_time_cpu", "kind": "case", "layout": name, "seq_len": L,
+                        "ranks": layout.world, "dtype": recipe.train.dtype, "predicted_s": p["step_s"],
+                        "measured_s": None, "ratio": None, "bound": p["bound"],
+                        "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": None,
+                        "compute_s": p["compute_s"], "memory_bound_s": p["memory_bound_s"],
+                        "exposed_comm_s": sum(p["exposed_comm_s"].values()), "comm_s": sum(p["comm_s"].values()),
+                        "predicted_no_overlap_s": p["no_overlap_s"],
+                        "compute_by_component_s": p["compute_by_component_s"], "flops": p["flops"],
+                        "comm_bytes": p["comm_bytes"]}  # fmt: skip
+                if not a.predict_only:
+                    out = work / "runs" / f"{name}-{L}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    log(f"{name} at {L} tokens: {a.steps} steps")
+                    t0 = time.perf_counter()
+                    if layout.world == 1:
+                        metrics = train_single(a.recipe, data, out, L, a.steps)
+                    else:
+                        metrics = train_mesh(a.recipe, data, out, L, a.steps, layout)
+                    steps = step_seconds(metrics)
+                    measured = statistics.median(steps[1:])
+                    tokens = recipe.train.batch_size * L * layout.dp
+                    line.update(measured_s=measured, ratio=p["step_s"] / measured,
+                                measured_tokens_per_s=tokens / measured, steps_s=steps,
+                                wall_s=time.perf_counter() - t0)  # fmt: skip
+                cases.append(line)
+                print(json.dumps(line), flush=True)
+    finally:
+        if a.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({**summary(cases), "wall_s": time.perf_counter() - t_start}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
