@@ -164,7 +164,10 @@ def _comm_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                 res[name] = {"wire_bytes": wire, "seconds": statistics.median(times)}
             tiny = torch.zeros(1)
             dist.barrier()
-            res["latency_s"] = _timed(lambda: dist.all_reduce(tiny, group=g), spec["seconds"] / 2)
+            t0 = time.perf_counter()
+            for _ in range(spec["latency_calls"]):  # a count, not a time box: both ranks of a pair make every call
+                dist.all_reduce(tiny, group=g)
+            res["latency_s"] = (time.perf_counter() - t0) / spec["latency_calls"]
         dist.barrier()
         Path(out, f"comm{rank}.json").write_text(json.dumps(res))
     finally:
@@ -177,11 +180,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(fn, world: int, spec: dict) -> list[dict]:
+def _start(fn, args: tuple, world: int, timeout: float, what: str) -> None:
+    """``fn(rank, *args)`` on ``world`` spawned processes; every one killed if not done within ``timeout`` seconds."""
     import torch.multiprocessing as mp
 
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            raise TimeoutError(f"{what} on {world} ranks: not done within {timeout:.0f} s")
+
+
+def _run_ranks(fn, world: int, spec: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(fn, args=(world, _free_port(), spec, tmp), nprocs=world, join=True, start_method="spawn")
+        _start(fn, (world, _free_port(), spec, tmp), world, 300, fn.__name__)
         return [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
 
 
@@ -195,7 +209,8 @@ def measure_profile(cfg, ranks: int, *, seconds: float, gemm_rows: int, mem_mib:
             "bmm": [H * max(1, gemm_rows // C), C, dk], "mem_bytes": mem_mib << 20}  # fmt: skip
     compute = _run_ranks(_compute_rank, ranks, spec)
     cworld = max(2, ranks)
-    cspec = {"threads": max(1, cores // cworld), "seconds": seconds, "bytes": comm_mib << 20, "reps": 5}
+    cspec = {"threads": max(1, cores // cworld), "seconds": seconds, "bytes": comm_mib << 20, "reps": 5,
+             "latency_calls": 200}  # fmt: skip
     comm = [r for r in _run_ranks(_comm_rank, cworld, cspec) if r]
     return {"ranks": ranks, "threads": threads, "comm_threads": cspec["threads"], "compute": compute, "comm": comm}
 
@@ -346,13 +361,10 @@ def _rank_entry(rank: int, worker_fn, config: dict, world: int, port: int) -> No
 
 def _local_workers(worker_fn, config: dict, *, num_workers: int, **_ray_only):
     """``genoctx.cluster.run_workers`` on ``num_workers`` spawned gloo processes (the Ray-only arguments ignored)."""
-    import torch.multiprocessing as mp
-
     from genoctx.cluster import WorkerRun
 
     t0 = time.perf_counter()
-    mp.start_processes(_rank_entry, args=(worker_fn, config, num_workers, _free_port()), nprocs=num_workers,
-                       join=True, start_method="spawn")  # fmt: skip
+    _start(_rank_entry, (worker_fn, config, num_workers, _free_port()), num_workers, 1800, "training")
     return WorkerRun(time.perf_counter() - t0, None)
 
 
@@ -448,7 +460,8 @@ def main() -> None:
 
             a.save_profiles.mkdir(parents=True, exist_ok=True)
             (a.save_profiles / f"cpu-{R}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        print(json.dumps({"bench": "step_time_cpu", "kind": "profile", **doc, "measured": meas}), flush=True)
+        print(json.dumps({"bench": "step_time_cpu", "kind": "profile", **doc, "measured": meas,
+                          "loadavg_1m": os.getloadavg()[0]}), flush=True)  # fmt: skip
 
     work = a.work or Path(tempfile.mkdtemp(prefix="step_time_cpu"))
     cases = []
@@ -481,7 +494,7 @@ def main() -> None:
                     tokens = recipe.train.batch_size * L * layout.dp
                     line.update(measured_s=measured, ratio=p["step_s"] / measured,
                                 measured_tokens_per_s=tokens / measured, steps_s=steps,
-                                wall_s=time.perf_counter() - t0)  # fmt: skip
+                                wall_s=time.perf_counter() - t0, loadavg_1m=os.getloadavg()[0])  # fmt: skip
                 cases.append(line)
                 print(json.dumps(line), flush=True)
     finally:
