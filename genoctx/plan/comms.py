@@ -10,14 +10,21 @@ of scoring one window (``mode="eval"``: forward only under ``torch.no_grad``), o
   Each group's all-gather input is the concatenation of its parameters' padded shards (``ceil(rows / s)`` rows,
   ``sizes.shard_numel``) in the parameter dtype (bf16, fp32 for the islands; fp32 with ``dtype="fp32"``); its
   reduce-scatter input the unsharded padded gradients in fp32 (``reduce_dtype``); HSDP all-reduces the
-  reduce-scatter's output (one shard, fp32) over ``dp_replicate``. Forward: one all-gather per group. Backward:
-  one per group but the root (the root is not resharded after forward: FSDP2's default). Activation checkpointing
-  (``recompute``): the recomputed layer forward runs inside the layer's backward, whose pre-backward all-gather it
-  reuses; the nested groups (experts, islands) are called through their modules and gather again (measured: one
-  more all-gather each). A group over one rank (folded EP with ``efsdp = 1``) issues no all-gather or
-  reduce-scatter.
-- Without FSDP (replicas and EP only): one all-reduce (sum, fp32) of the dense gradients over the mesh and one of
-  the routed experts' over the ranks holding the same block (``reduce_gradients``).
+  reduce-scatter's output (one shard, fp32) over ``dp_replicate`` (FSDP2 on the 2-D mesh issues it over a
+  ``dp_replicate`` group of one rank too: a call, no wire bytes). Calls per model call, as counted in real gloo steps
+  (torch 2.13, ``tests/plan/test_comms.py``): every layer group and the root one all-gather in forward and one in
+  backward (the root is resharded after forward too); activation checkpointing adds none for them (the recompute
+  runs inside the layer's backward, whose pre-backward all-gather it uses) but one more for each routed-experts
+  group (its module is called again in the recompute). An islands group is all-gathered at each of the layer's
+  ``HC_CALLS = 4`` mHC calls (``attn_hc``/``ffn_hc`` ``pre``/``post`` are registered FSDP forward methods: each
+  call unshards and reshards), as many times in backward (one more for the last layer's), none more under
+  recompute, and reduce-scattered in ``ISLAND_REDUCE_CALLS = 3`` calls (the same bytes as one). A group over one
+  rank (folded EP with ``efsdp = 1``) issues no all-gather or reduce-scatter.
+- Without FSDP (replicas and EP only): after backward, one all-reduce (sum, fp32) of the dense gradients over the
+  mesh and one of the routed experts' over the ranks holding the same block (``reduce_gradients``).
+- Chunked training (``seq_chunk_tokens``): every chunk runs a forward without graph (the forward sweep), a forward
+  with graph and a backward, each with the FSDP calls above (reduce-scatters per chunk); EP and CP move the same
+  bytes per token per pass, in per-chunk calls (the KDA tails and states once per call).
 - EP (``genoctx.parallel.experts``), per MoE layer and pass: one all-gather of the ``[E]`` int64 counts, then ``R``
   rounds of two ``all_to_all_single``: dispatch (the rank's ``N k`` rows of ``D`` activations, ``a`` bytes each)
   and combine (the outputs of the rows its experts received back to their owners). Backward: the same rounds with
@@ -55,6 +62,8 @@ PUBLISHED_SKEW = 4.0  # busiest/mean expert tokens the published 64 x B200 run s
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "step")
 I64 = 8  # bytes of an int64 / fp64 element
+HC_CALLS = 4  # mHC calls per decoder layer (attn_hc.pre/post, ffn_hc.pre/post): each gathers the islands group
+ISLAND_REDUCE_CALLS = 3  # reduce-scatters (and HSDP all-reduces) of an islands group per backward (measured)
 
 
 def all_to_all_bytes(cfg: ModelConfig, tokens: int, layout: Layout, a: int, passes: int) -> float:
@@ -137,7 +146,8 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
 
     Returns:
         ``[{"name", "mesh" ("dense" | "expert"), "shards" (ranks of the shard group), "nested" (called inside a
-        decoder layer: experts, islands), "root", "gather_bytes" (all-gather input: padded shards in the parameter
+        decoder layer: experts, islands), "root", "islands", "layer" (decoder layer index; None for the root),
+        "gather_bytes" (all-gather input: padded shards in the parameter
         dtype), "grad_shard_bytes" (padded shard numel x 4: reduce-scatter output, HSDP all-reduce buffer)}]``;
         empty without FSDP.
     """
@@ -174,6 +184,7 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
     for k in keyed:
         g = groups[k]
         out.append({**{x: g[x] for x in ("name", "mesh", "shards", "nested", "root")},
+                    "islands": k.endswith(".islands"), "layer": None if k == "root" else int(k.split(".")[1]),
                     "gather_bytes": g["numel"] * g["param_bytes"], "grad_shard_bytes": g["numel"] * F32})  # fmt: skip
     return out
 
@@ -187,38 +198,46 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: s
     dense_dims = _dims(layout, ("ep", "dp_shard", "cp"))
     exp_dims = _dims(layout, ("dp_shard", "cp"))
     folded = "stride ep inside dp_shard x cp (ranks holding the same expert block)" if layout.ep_folded else None
+    last = max((g["layer"] for g in groups if g["layer"] is not None), default=None)
+
+    def gathers(g: dict, phase: str) -> int:  # all-gathers of group g per model call (measured, module docstring)
+        if g["islands"]:
+            return {"forward": HC_CALLS, "recompute": 0, "backward": HC_CALLS + (g["layer"] == last)}[phase]
+        if phase == "recompute":
+            return 1 if (recompute and g["nested"]) else 0
+        return 1
+
+    n_phase = {"forward": passes["fwd"] + passes["nograd"], "recompute": passes["bwd"], "backward": passes["bwd"]}
     out = []
-    by_phase = {"forward": lambda g: passes["fwd"] + passes["nograd"],
-                "recompute": lambda g: passes["bwd"] if (recompute and g["nested"]) else 0,
-                "backward": lambda g: 0 if g["root"] else passes["bwd"]}  # fmt: skip
-    for phase, n_of in by_phase.items():
-        if mode == "eval" and phase != "forward":
+    for phase, n in n_phase.items():
+        if n == 0 or (mode == "eval" and phase != "forward"):
             continue
         for mesh in ("dense", "expert"):
-            gs = [g for g in groups if g["mesh"] == mesh and g["shards"] > 1 and n_of(g) > 0]
+            gs = [(g, n * gathers(g, phase)) for g in groups if g["mesh"] == mesh and g["shards"] > 1]
+            gs = [(g, c) for g, c in gs if c]
             if not gs:
                 continue
-            sh = gs[0]["shards"]
             suffix = "" if mesh == "dense" else "_experts"
             out.append(_entry(f"fsdp_all_gather_{phase}{suffix}", "all_gather", dense_dims if mesh == "dense"
-                              else exp_dims, sh, phase, sum(n_of(g) for g in gs),
-                              sum(n_of(g) * g["gather_bytes"] for g in gs),
+                              else exp_dims, gs[0][0]["shards"], phase, sum(c for _, c in gs),
+                              sum(c * g["gather_bytes"] for g, c in gs),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
     if mode == "eval" or passes["bwd"] == 0:
         return out
     for mesh in ("dense", "expert"):
         gs = [g for g in groups if g["mesh"] == mesh]
+        calls = {g["name"]: passes["bwd"] * (ISLAND_REDUCE_CALLS if g["islands"] else 1) for g in gs}
         suffix = "" if mesh == "dense" else "_experts"
         sharded = [g for g in gs if g["shards"] > 1]
         if sharded:
             sh = sharded[0]["shards"]
             out.append(_entry(f"fsdp_reduce_scatter{suffix}", "reduce_scatter", dense_dims if mesh == "dense"
-                              else exp_dims, sh, "backward", passes["bwd"] * len(sharded),
+                              else exp_dims, sh, "backward", sum(calls[g["name"]] for g in sharded),
                               passes["bwd"] * sum(sh * g["grad_shard_bytes"] for g in sharded),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
-        if layout.dp_replicate > 1 and gs:
+        if gs:  # FSDP2 on a 2-D mesh (dp_replicate, shard) all-reduces over dp_replicate, a group of 1 included
             out.append(_entry(f"dp_all_reduce{suffix}", "all_reduce", ("dp_replicate",), layout.dp_replicate,
-                              "backward", passes["bwd"] * len(gs),
+                              "backward", sum(calls.values()),
                               passes["bwd"] * sum(g["grad_shard_bytes"] for g in gs)))  # fmt: skip
     return out
 
@@ -232,11 +251,11 @@ def _replicated_grads(cfg: ModelConfig, layout: Layout) -> list[dict]:
     ep = layout.ep > 1
     expert = sum(r * n for name, r, n, _ in shapes if ep and ".mlp.experts." in f".{name}") // layout.ep
     dense = sum(r * n for name, r, n, _ in shapes if not (ep and ".mlp.experts." in f".{name}"))
-    out = [_entry("grad_all_reduce", "all_reduce", _dims(layout, DIMS), layout.world, "backward", 1, F32 * dense)]
+    out = [_entry("grad_all_reduce", "all_reduce", _dims(layout, DIMS), layout.world, "step", 1, F32 * dense)]
     replicas = layout.world // layout.ep
     if ep and replicas > 1:
         out.append(_entry("grad_all_reduce_experts", "all_reduce", _dims(layout, ("dp_replicate", "dp_shard", "cp")),
-                          replicas, "backward", 1, F32 * expert))  # fmt: skip
+                          replicas, "step", 1, F32 * expert))  # fmt: skip
     return out
 
 
