@@ -389,7 +389,7 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
 
     Raises:
         ValueError: an unknown ``dtype`` or ``mode``, ``seq_len`` not a multiple of ``cp``, ``skew`` outside
-            ``[1, ep]``, ``batch_size < 1``, ``seq_chunk_tokens < 1``.
+            ``[1, ep]``, ``ep`` not dividing ``n_routed_experts``, ``batch_size < 1``, ``seq_chunk_tokens < 1``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -399,6 +399,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         raise ValueError(f"seq_len {seq_len} must be a positive multiple of cp={layout.cp}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if layout.ep > 1 and cfg.n_routed_experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide n_routed_experts={cfg.n_routed_experts}")
     if not 1.0 <= skew <= max(1, layout.ep):
         raise ValueError(f"skew must be in [1, ep={layout.ep}], got {skew}")
     if seq_chunk_tokens is not None and seq_chunk_tokens < 1:

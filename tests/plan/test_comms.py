@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from genoctx.parallel.layout import Layout
-from genoctx.plan.comms import PUBLISHED_SKEW, step_comms, total_bytes, wire_bytes
+from genoctx.plan.comms import PUBLISHED_SKEW, all_to_all_bytes, step_comms, total_bytes, wire_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
@@ -114,5 +114,8 @@ def test_wire_conventions():
     assert hot["ep_combine_forward"]["payload_bytes"] == 4 * bal["ep_combine_forward"]["payload_bytes"]
     assert hot["ep_dispatch_forward"]["wire_bytes"] == 0  # skew = ep: every row it holds goes to its own experts
     assert total_bytes(list(hot.values())) > total_bytes(list(bal.values()))
+    # the memory plan's all-to-all term (all_to_all_bytes) is the balanced step's EP wire bytes
+    ep_wire = sum(e["wire_bytes"] for e in bal.values() if e["name"].startswith(("ep_dispatch", "ep_combine")))
+    assert ep_wire == pytest.approx(all_to_all_bytes(config(), L, lay, 2, passes=8))
     with pytest.raises(ValueError, match="skew"):
         step_comms(config(), L, lay, skew=5.0)
