@@ -40,6 +40,9 @@ of scoring one window (``mode="eval"``: forward only under ``torch.no_grad``), o
 
 Conventions. ``payload_bytes``: the sum over calls of the rank's input buffer of the collective (what a wrapper around
 it sees: all-gather its shard, reduce-scatter and all-to-all the whole input, all-reduce the buffer).
+``dims``: the mesh dimensions the group spans (``genoctx.parallel.layout.DIMS``, those of size > 1); under folded EP
+``("ep",)`` names the folded EP group (``ep`` consecutive ranks of ``dp_shard x cp``) and ``("efsdp",)`` the ranks
+sharding one block of experts (every ``ep``-th rank of ``dp_shard x cp``), as ``genoctx.parallel.mesh`` builds them.
 ``wire_bytes``: what the rank puts on the wire with ring / pairwise algorithms: all-gather ``(g - 1)`` x its input
 (``(g - 1) / g`` of the gathered buffer), reduce-scatter ``(g - 1) / g`` of its input, all-reduce ``2 (g - 1) / g``
 of the buffer, all-to-all the rows it does not keep (balanced ``(g - 1) / g``; the busiest rank under ``skew``: its
@@ -196,7 +199,7 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: s
     if not groups:
         return []
     dense_dims = _dims(layout, ("ep", "dp_shard", "cp"))
-    exp_dims = _dims(layout, ("dp_shard", "cp"))
+    exp_dims = ("efsdp",) if layout.ep_folded else _dims(layout, ("dp_shard", "cp"))
     folded = "stride ep inside dp_shard x cp (ranks holding the same expert block)" if layout.ep_folded else None
     last = max((g["layer"] for g in groups if g["layer"] is not None), default=None)
 
@@ -280,7 +283,7 @@ def _ep(cfg: ModelConfig, layout: Layout, N: int, a: int, skew: float, passes: d
     rows = N * k  # this rank's (token, slot) rows per pass
     R = chunks * _ep_rounds(cfg, rows / chunks * skew, P)  # rounds per MoE layer per pass
     if layout.ep_folded:
-        dims = ("cp",) if layout.cp % P == 0 else _dims(layout, ("dp_shard", "cp"))
+        dims = ("ep",)  # the folded EP group (genoctx.plan.time.group_ranks: consecutive ranks)
         ranks = "contiguous blocks of ep ranks inside dp_shard x cp (cp fastest)"
     else:
         dims, ranks = ("ep",), None
