@@ -374,9 +374,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
             exchanges run again in backward.
         dtype: ``"bf16"`` (bf16 all-gathered parameters and activations, fp32 islands and gradient reduction) or
             ``"fp32"``.
-        skew: rows the busiest EP rank's experts receive over the mean, ``1 <= skew <= ep`` (``PUBLISHED_SKEW``:
-            the busiest/mean expert load of the published run, an upper bound of the per-rank skew when a rank holds
-            several experts).
+        skew: rows the busiest EP rank's experts receive over the mean, ``>= 1``, taken as at most ``ep`` (a rank
+            receives at most every row) (``PUBLISHED_SKEW``: the busiest/mean expert load of the published run, an
+            upper bound of the per-rank skew when a rank holds several experts).
         seq_chunk_tokens: ``train.seq_chunk_tokens`` (train only): windows trained in chunks (under CP, rounds of
             ``cp x`` this many tokens): every chunk runs a forward without graph, a forward with graph and a
             backward, each with its own FSDP all-gathers and reduce-scatters; EP and CP move the same bytes per
@@ -391,8 +391,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         entry for a collective that the layout does not run.
 
     Raises:
-        ValueError: an unknown ``dtype`` or ``mode``, ``seq_len`` not a multiple of ``cp``, ``skew`` outside
-            ``[1, ep]``, ``ep`` not dividing ``n_routed_experts``, ``batch_size < 1``, ``seq_chunk_tokens < 1``.
+        ValueError: an unknown ``dtype`` or ``mode``, ``seq_len`` not a multiple of ``cp``, ``skew < 1``,
+            ``ep`` not dividing ``n_routed_experts``, ``batch_size < 1``, ``seq_chunk_tokens < 1``.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -404,8 +404,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if layout.ep > 1 and cfg.n_routed_experts % layout.ep:
         raise ValueError(f"ep={layout.ep} must divide n_routed_experts={cfg.n_routed_experts}")
-    if not 1.0 <= skew <= max(1, layout.ep):
-        raise ValueError(f"skew must be in [1, ep={layout.ep}], got {skew}")
+    if not skew >= 1.0:
+        raise ValueError(f"skew must be >= 1 (busiest / mean expert rows), got {skew}")
+    skew = min(float(skew), float(max(1, layout.ep)))  # a rank receives at most every row: ep x the mean
     if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
         raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
     a = DTYPE_BYTES[dtype]

@@ -117,5 +117,7 @@ def test_wire_conventions():
     # the memory plan's all-to-all term (all_to_all_bytes) is the balanced step's EP wire bytes
     ep_wire = sum(e["wire_bytes"] for e in bal.values() if e["name"].startswith(("ep_dispatch", "ep_combine")))
     assert ep_wire == pytest.approx(all_to_all_bytes(config(), L, lay, 2, passes=8))
+    capped = {e["name"]: e for e in step_comms(config(), L, Layout(ep=2, dp_shard=2), skew=PUBLISHED_SKEW)}
+    assert capped["ep_combine_forward"]["payload_bytes"] == 2 * capped["ep_dispatch_forward"]["payload_bytes"]
     with pytest.raises(ValueError, match="skew"):
-        step_comms(config(), L, lay, skew=5.0)
+        step_comms(config(), L, lay, skew=0.5)
