@@ -52,7 +52,9 @@ def _count(name: str, L: int, ac: bool, chunk: int | None = None) -> tuple:
 
 
 def _module(counts: dict, name: str, ops: tuple[str, ...] | None = None) -> int:
-    return sum(v for op, v in counts.get(f"HybridLM.{name}", {}).items() if ops is None or str(op).split(".")[-1] in ops)
+    """FLOPs counted inside module ``name`` (under ``HybridLM``), of the ops named in ``ops`` (all when None)."""
+    found = counts.get(f"HybridLM.{name}", {}).items()
+    return sum(v for op, v in found if ops is None or str(op).split(".")[-1] in ops)
 
 
 def _forward_by_component(cfg, counts: dict) -> dict:
