@@ -64,9 +64,10 @@ class _Tally:
     def __init__(self) -> None:
         self.f = {c: dict.fromkeys(PHASES, 0.0) for c in COMPONENTS}
 
-    def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0) -> None:
+    def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0, rerun: float | None = None) -> None:
+        """``rerun``: FLOPs of one recomputation when it is less than ``fwd`` (default ``fwd``)."""
         self.f[comp]["forward"] += fwd
-        self.f[comp]["recompute"] += fwd * depth
+        self.f[comp]["recompute"] += (fwd if rerun is None else rerun) * depth
         self.f[comp]["backward"] += bwd
 
 
@@ -80,13 +81,16 @@ def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides
 
 
 def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_in_grad: bool,
-              state_out_used: bool) -> tuple[float, float]:  # fmt: skip
+              state_out_used: bool) -> tuple[float, float, float]:  # fmt: skip
     """``chunk_kda`` over ``rows`` sequences of ``T`` tokens, values ``V`` wide (``[v | 0]``: ``V + K`` in the CP
-    state pass): (forward, backward) FLOPs. Per head and chunk of ``C`` (``n = C / sub`` sub-chunks): the decay scores
-    of two rows (``A_kk``, ``A_qk``) between sub-chunks ``2 x 2 (C - sub) C K``; ``[W; Q] S`` ``2 (2C) K V``;
-    ``A_qk V'`` ``2 C^2 V``; ``K^T V'`` ``2 K C V``. Backward: each twice, the solve's ``-G_B X^T`` ``2 C^2 (K + V)``;
-    the first chunk's ``S`` product once when the initial state needs no gradient, the last chunk's state update not at
-    all when the final state is not used."""
+    state pass): (forward, backward, one recomputation) FLOPs.
+
+    Per head and chunk of ``C`` (``n = C / sub`` sub-chunks): the decay scores of two rows (``A_kk``, ``A_qk``)
+    between sub-chunks ``2 x 2 (C - sub) C K``; ``[W; Q] S`` ``2 (2C) K V``; ``A_qk V'`` ``2 C^2 V``; ``K^T V'``
+    ``2 K C V``. Backward: each twice, plus the solve's ``-G_B X^T`` ``2 C^2 (K + V)``; the first chunk's ``S``
+    product once when the initial state needs no gradient, the last chunk's state update not at all when the final
+    state is not used. A block's recomputation (non-reentrant checkpoint) stops once the last tensor its backward
+    needs is saved: the block's last state update ``K^T V'`` is not rerun."""
     C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     block = max(C, cfg.kda_block_tokens // C * C)
@@ -94,12 +98,13 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     scores = 4.0 * (C - sub) * C * K
     ws, av, kv = 4.0 * C * K * V, 2.0 * C * C * V, 2.0 * K * C * V
     fwd = chunks * (scores + ws + av + kv)
+    blocks = -(-T // block) if T else 0
     bwd = 0.0
     if grad and chunks:
         bwd = chunks * (2 * (scores + ws + av + kv) + 2.0 * C * C * (K + V))
         bwd -= 0.0 if state_in_grad else ws  # the first chunk: no gradient for a zero initial state
         bwd -= 0.0 if state_out_used else 2 * kv  # the last chunk's state update feeds nothing
-    return rows * H * fwd, rows * H * bwd
+    return rows * H * fwd, rows * H * bwd, rows * H * (fwd - blocks * kv)
 
 
 def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, output: bool = True, depth: int = 0) -> None:
@@ -132,17 +137,17 @@ def _kda_layer(t: _Tally, cfg: ModelConfig, B: int, pieces: list[tuple[int, int]
         _mm(t, "attention_projections", rows * w, cfg.hidden_size, 3 * H * K, grad)  # the pieces' conv tails
         depth = 1 if grad else 0  # the state pass is one checkpoint; its core's blocks a second one inside it
         _kda_projections(t, cfg, n, grad, output=False, depth=depth)
-        f, b = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
-        t.add("kda_core", f, b, depth + 1 if grad else 0)
+        f, b, r = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
+        t.add("kda_core", f, b, depth + 1 if grad else 0, r)
         P = ctx["n_pieces"]  # the fold S_{p+1} = M_p S_p + L_p over every natural piece, on every rank
         fold = 2.0 * B * H * K * K * V
         # backward: dM and dS (only dM for a zero S_0); the last product's state is used only when carried on
         back = sum(fold * (2 if p or ctx["carry_in"] else 1) for p in range(P) if p < P - 1 or ctx["carry_out"])
         t.add("kda_core", P * fold, back if grad else 0.0)
     _kda_projections(t, cfg, n, grad)
-    f, b = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
-                     state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
-    t.add("kda_core", f, b, 1 if grad else 0)
+    f, b, r = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
+                        state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
+    t.add("kda_core", f, b, 1 if grad else 0, r)
 
 
 def _topk_scoring(cfg: ModelConfig, S: int, T: int) -> float:

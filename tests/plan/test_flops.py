@@ -27,15 +27,33 @@ def _conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _
     return conv_flop_count(x_shape, w_shape, grad_out_shape, transposed) * (bool(output_mask[0]) + bool(output_mask[1]))
 
 
+def _sdpa_cpu(query_shape, key_shape, value_shape, *args, **kwargs):
+    """FlopCounterMode has no formula for the CPU SDPA kernel (dense DSA attention): ``QK^T`` and ``PV``, every
+    query against every key (masks not discounted, as for the CUDA kernels); key heads broadcast (GQA)."""
+    B, H, Sq, Dq = query_shape
+    return 2 * B * H * Sq * key_shape[-2] * (Dq + value_shape[-1])
+
+
+def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs):
+    """Its backward: 2.5x the forward (scores recomputed, then dV, dP, dQ, dK), FlopCounterMode's rule for the CUDA
+    kernels."""
+    return _sdpa_cpu(query_shape, key_shape, value_shape) * 5 // 2
+
+
 def _counter() -> FlopCounterMode:
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward})
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten.convolution_backward: _conv_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+    })  # fmt: skip
 
 
-def _count(name: str, L: int, ac: bool, chunk: int | None = None) -> tuple:
+def _count(name: str, L: int, ac: bool, chunk: int | None = None, **overrides) -> tuple:
     """One train step of ``forward_backward``'s one-process objective, counted: (cfg, forward counter, backward
     counter); the chunked backward (``chunk``) counted whole in the second."""
     torch.manual_seed(0)
-    cfg = preset(name, kernels="torch", kda_kernel="torch")
+    cfg = preset(name, kernels="torch", kda_kernel="torch", **overrides)
     model = build_model(cfg, activation_checkpointing=ac)
     tokens = torch.randint(0, 4, (1, L))
     inputs, scored = shift_inputs(tokens, BOS), torch.ones(1, L, dtype=torch.bool)
@@ -45,7 +63,9 @@ def _count(name: str, L: int, ac: bool, chunk: int | None = None) -> tuple:
         return cfg, None, both
     with _counter() as fwd:
         logits, _ = model(inputs)
-        loss = token_losses(logits, tokens, scored).sum() / L + model.aux_loss()
+        loss = token_losses(logits, tokens, scored).sum() / L
+        aux = model.aux_loss()
+        loss = loss if aux is None else loss + aux
     with _counter() as bwd:
         loss.backward()
     return cfg, fwd, bwd
@@ -87,18 +107,18 @@ CASES += [("cpu-small", L, ac) for L in (128, 256, 512) for ac in (False, True)]
 def test_step_flops_equal_flop_counter(name, L, ac):
     """tiny (top-16 tokens, KDA chunk 16) at 64/128/256 and cpu-small (top-256, chunk 64) at 128/256/512: the top-k
     active in the longer ones, KDA over 2 to 16 chunks. Forward per component and the whole step (forward, layer
-    recompute with ``ac``, the always-on KDA/MoE recompute, backward) within 2 % (measured: within 0.1 %)."""
+    recompute with ``ac``, the always-on KDA/MoE recompute, backward) within 1 % (measured: equal)."""
     cfg, fwd, bwd = _count(name, L, ac)
     plan = step_flops(cfg, L, recompute=ac)
     c = plan["components"]
     f_total = fwd.get_total_flops()
-    assert plan["forward"] == pytest.approx(f_total, rel=0.02)
-    assert plan["total"] == pytest.approx(f_total + bwd.get_total_flops(), rel=0.02)
+    assert plan["forward"] == pytest.approx(f_total, rel=0.01)
+    assert plan["total"] == pytest.approx(f_total + bwd.get_total_flops(), rel=0.01)
     counted = _forward_by_component(cfg, fwd.get_flop_counts())
     for key in ("dense_mlp", "experts", "kda_core", "mhc", "lm_head_loss"):
-        assert c[key]["forward"] == pytest.approx(counted[key], rel=0.02), key
+        assert c[key]["forward"] == pytest.approx(counted[key], rel=0.01), key
     rest = sum(c[k]["forward"] for k in ("attention_projections", "dsa_indexer", "dsa_attention"))
-    assert rest == pytest.approx(counted["mixers_rest"], rel=0.02)
+    assert rest == pytest.approx(counted["mixers_rest"], rel=0.01)
     # the DSA layer's own products beyond its projection modules, less the absorbed q / output maps and the indexer's
     # compress gate (F.linear in the layer): attention, indexer scoring and KL
     i = cfg.layer_types.index(DSA)
@@ -110,20 +130,44 @@ def test_step_flops_equal_flop_counter(name, L, ac):
     absorbed = 2 * L * cfg.num_attention_heads * cfg.kv_lora_rank * (cfg.qk_head_dim + cfg.v_head_dim)
     gate = 2 * L * cfg.hidden_size * cfg.index_head_dim
     attention, indexer = c["dsa_attention"]["forward"], c["dsa_indexer"]["forward"]
-    assert attention + indexer == pytest.approx(own - absorbed - gate, rel=0.02)
+    assert attention + indexer == pytest.approx(own - absorbed - gate, rel=0.01)
     assert indexer > 0.05 * (attention + indexer) and attention > 0.05 * (attention + indexer)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(indexer_stage="warmup", dsa_mode="dense"),  # the indexer warm-up: dense attention, KL over every pool
+        # a shared DSA layer, KDA blocks of 48 tokens, MoE chunks of 50, no indexer KL
+        dict(
+            num_hidden_layers=3,
+            layer_types="KDD",
+            mlp_layer_types="DSS",
+            indexer_types="FFS",
+            indexer_stage="off",
+            kda_block_tokens=48,
+            moe_chunk_tokens=50,
+        ),
+    ],
+)
+def test_step_flops_equal_flop_counter_variants(overrides):
+    """tiny at 136 tokens (not a multiple of the KDA chunk), activation checkpointing on."""
+    cfg, fwd, bwd = _count("tiny", 136, True, **overrides)
+    plan = step_flops(cfg, 136, recompute=True)
+    assert plan["forward"] == pytest.approx(fwd.get_total_flops(), rel=0.01)
+    assert plan["total"] == pytest.approx(fwd.get_total_flops() + bwd.get_total_flops(), rel=0.01)
 
 
 def test_chunked_step_and_eval_equal_flop_counter():
     """The chunked backward (no-grad sweep, then each chunk again with grad and recompute) and scoring one window."""
     cfg, _, both = _count("tiny", 256, True, chunk=64)
     plan = step_flops(cfg, 256, recompute=True, seq_chunk_tokens=64)
-    assert plan["total"] == pytest.approx(both.get_total_flops(), rel=0.02)
+    assert plan["total"] == pytest.approx(both.get_total_flops(), rel=0.01)
     assert plan["recompute"] > step_flops(cfg, 256, recompute=True)["recompute"]  # the sweep
     model = build_model(cfg)
     with torch.no_grad(), _counter() as ev:
         model(shift_inputs(torch.randint(0, 4, (1, 256)), BOS))
-    assert eval_flops(cfg, 256)["forward"] == pytest.approx(ev.get_total_flops(), rel=0.02)
+    assert eval_flops(cfg, 256)["forward"] == pytest.approx(ev.get_total_flops(), rel=0.01)
 
 
 def test_context_and_expert_parallel_accounting():
