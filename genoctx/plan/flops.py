@@ -80,6 +80,33 @@ def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides
 # ------------------------------------------------------------------ layers, one call each
 
 
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum_{i=0}^{n-1} floor((a i + b) / m)`` for ``n, a, b >= 0``, ``m >= 1``, in O(log) steps (the Euclid-like
+    reduction): the tile sums below stay exact and fast at any length."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y = a * n + b
+        if y < m:
+            break
+        n, b, m, a = y // m, y % m, a, m
+    return total
+
+
+def _tiles(T: int, rows: int, S: int, kp: int) -> tuple[int, int]:
+    """Query tiles of ``rows`` rows over positions ``S .. S + T - 1``, each seeing up to its last row ``r1``:
+    ``(sum rows x (S + r1), sum rows x ((S + r1) // kp))``."""
+    full, rest = divmod(T, rows)
+    keys = rows * (full * S + rows * full * (full + 1) // 2) + rest * (S + T)
+    pools = rows * _floor_sum(full, kp, rows, S + rows) + rest * ((S + T) // kp)
+    return keys, pools
+
+
 def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_in_grad: bool,
               state_out_used: bool) -> tuple[float, float, float]:  # fmt: skip
     """``chunk_kda`` over ``rows`` sequences of ``T`` tokens, values ``V`` wide (``[v | 0]``: ``V + K`` in the CP
@@ -94,7 +121,7 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     block = max(C, cfg.kda_block_tokens // C * C)
-    chunks = sum(-(-min(block, T - s) // C) for s in range(0, T, block))
+    chunks = T // block * (block // C) + -(-(T % block) // C)
     scores = 4.0 * (C - sub) * C * K
     ws, av, kv = 4.0 * C * K * V, 2.0 * C * C * V, 2.0 * K * C * V
     fwd = chunks * (scores + ws + av + kv)
@@ -163,8 +190,7 @@ def _topk_scoring(cfg: ModelConfig, S: int, T: int) -> float:
     cols = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
     cols = max(g, min(cols, -(-n_keys // g) * g))
     R = max(1, min(INDEX_ROW_TILE, T, tile // cols))
-    pairs = sum((min(T, r0 + R) - r0) * ((S + min(T, r0 + R)) // kp) for r0 in range(0, T, R))
-    return 2.0 * HI * (dI + 1) * pairs
+    return 2.0 * HI * (dI + 1) * _tiles(T, R, S, kp)[1]
 
 
 def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[int, int]], grad: bool,
@@ -223,7 +249,7 @@ def _dense_keys(cfg: ModelConfig, S: int, T: int) -> float:
     rows = max(1, cfg.indexer_tile_tokens // N)
     if S == 0 and rows >= T:
         return float(T * T)
-    return float(sum((min(T, r0 + rows) - r0) * (S + min(T, r0 + rows)) for r0 in range(0, T, rows)))
+    return float(_tiles(T, rows, S, 1)[0])
 
 
 def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int) -> None:
@@ -232,12 +258,9 @@ def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int) -> None:
     H, R, HI, dI, kp = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     N = S + T
     rows = max(1, cfg.indexer_tile_tokens // (N * H))
-    for r0 in range(0, T, rows):
-        r = min(T, r0 + rows) - r0
-        n = S + r0 + r
-        target = 2.0 * B * r * H * R * n
-        scores = 2.0 * B * r * HI * dI * (n // kp)
-        t.add("dsa_indexer", target + scores, 2 * scores, 1)
+    keys, pools = _tiles(T, rows, S, kp)
+    scores = 2.0 * B * HI * dI * pools
+    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, 2 * scores, 1)
 
 
 def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float) -> None:

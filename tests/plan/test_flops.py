@@ -221,6 +221,11 @@ def test_flops_per_token_and_copied_constants():
     assert (flops.SUB_CHUNK, flops.INDEX_ROW_TILE, flops.INDEX_COL_BLOCK, flops.INDEX_GROUP) == (
         kda._SUB_CHUNK, dsa.INDEX_ROW_TILE, dsa.INDEX_COL_BLOCK, dsa.INDEX_GROUP,
     )  # fmt: skip
+    for n, m, a, b in ((0, 3, 1, 1), (7, 4, 3, 5), (50, 16, 64, 129), (13, 1, 0, 2)):  # the tiles' closed forms
+        assert flops._floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n))
+    T, rows, S, kp = 300, 64, 1000, 16
+    tiles = [(min(T, r0 + rows) - r0, S + min(T, r0 + rows)) for r0 in range(0, T, rows)]
+    assert flops._tiles(T, rows, S, kp) == (sum(r * n for r, n in tiles), sum(r * (n // kp) for r, n in tiles))
     with pytest.raises(ValueError, match="seq_len"):
         step_flops(cfg, 0)
     with pytest.raises(ValueError, match="pieces"):
