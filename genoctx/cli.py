@@ -1603,7 +1603,8 @@ def model_info(
     Parameters are counted on the meta device (no memory): total, active (minus unused routed experts),
     and both in billions rounded to 0.1 (total_b, active_b).
 
-    FLOPs per token at --seq-len L: see genoctx.model.model.flops_per_token.
+    FLOPs per token at --seq-len L, one window on one device, by component: see genoctx.plan.flops.flops_per_token
+    (``train`` = forward + backward, ``train_with_recompute`` with activation checkpointing, ``forward`` = scoring).
 
     Examples:
       genoctx model info --preset glm-5.3-flash --seq-len 1M
@@ -1611,7 +1612,7 @@ def model_info(
     """
     from .model.config import DSA, KDA
     from .model.config import preset as get_preset
-    from .model.model import flops_per_token
+    from .plan.flops import flops_per_token
 
     if sum(x is not None for x in (preset, recipe, hf)) > 1:
         raise GenoctxError("give one of --preset, --recipe and --hf")
