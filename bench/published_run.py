@@ -96,8 +96,9 @@ def main(argv=None) -> int:
             summary[key][f"bound_{r['seq_len'] >> 10}k"] = r["bound"]
     for v in summary.values():
         if isinstance(v, dict):
-            v["predicted_256k_over_1m"] = round(v["ratio_256k"] * PUBLISHED[1 << 18] / (v["ratio_1024k"] *
-                                                                                          PUBLISHED[1 << 20]), 3)
+            v["predicted_256k_over_1m"] = round(
+                v["ratio_256k"] * PUBLISHED[1 << 18] / (v["ratio_1024k"] * PUBLISHED[1 << 20]), 3
+            )
     summary["published_256k_over_1m"] = round(PUBLISHED[1 << 18] / PUBLISHED[1 << 20], 3)
     print(json.dumps(summary))
     return 0
