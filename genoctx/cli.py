@@ -582,9 +582,18 @@ def train(
         typer.Option(
             "--dry-run",
             help="Build the recipe's model on the layout (fake process group, meta device) and print each simulated "
-            "rank's bytes as JSON; no Ray, no training, --out untouched.",
+            "rank's bytes as JSON, with the planner's step time and GPU-hours for the run's steps on --hardware; no "
+            "Ray, no training, --out untouched.",
         ),
     ] = False,
+    hardware: Annotated[
+        str,
+        typer.Option(
+            "--hardware",
+            metavar="NAME|FILE",
+            help="With --dry-run: the GPU profile of the predicted step time (h100, h200, b200 or a YAML file).",
+        ),
+    ] = "b200",
     logger: Annotated[
         list[str] | None,
         typer.Option(
@@ -655,7 +664,7 @@ def train(
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
-        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers)})
+        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers, hardware)})
         return
     dev = _device(device)
     if num_workers is None:
@@ -711,10 +720,12 @@ def _loggers(values: list[str]) -> list[str]:
     return names
 
 
-def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:
+def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b200") -> dict:
     """``genoctx train --dry-run``: ``genoctx.train.dryrun.dry_run`` of the recipe's model (``_recipe_model``: a
     preset, or ``model.init``'s config with the recipe's compute knobs) on ``num_workers`` ranks (1 when None) with
-    ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing and optimizer offload.
+    ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing and optimizer offload;
+    with ``"time"``: the planner's step time on ``hardware`` (``genoctx.plan.time.plan_time``) and the GPU-hours
+    of the recipe's ``train.steps`` (logged on stderr too).
 
     Raises:
         GenoctxError: ``model.init``'s config not readable without a download, a layout that does not make
@@ -734,8 +745,31 @@ def _train_dry_run(data: Path, rec, num_workers: int | None) -> dict:
     if L % t.cp or L // t.cp < cfg.kda_chunk_size:
         raise GenoctxError(f"--cp {t.cp}: the {L}-token window does not split into {t.cp} pieces of at least "
                            f"{cfg.kda_chunk_size} tokens")  # fmt: skip
-    return dry_run(cfg, layout, activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
-                   optimizer_offload=t.offload_optimizer)  # fmt: skip
+    hw, _ = _hardware_and_skew(hardware, "1")
+    out = dry_run(cfg, layout, activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
+                  optimizer_offload=t.offload_optimizer)  # fmt: skip
+    out["time"] = _predicted_time(cfg, L, layout, hw, t)
+    return out
+
+
+def _predicted_time(cfg, seq_len: int, layout, hw, t) -> dict:
+    """``plan_time``'s step of the recipe's training (``t``: ``TrainConfig``) on ``hw``, the GPU-hours of its
+    ``t.steps`` steps, logged on stderr."""
+    from .plan.time import TIME_KEYS, gpu_hours, plan_time
+
+    try:
+        p = plan_time(cfg, seq_len, layout, hw, batch_size=t.batch_size, recompute=t.activation_checkpointing,
+                      dtype=t.dtype, seq_chunk_tokens=t.seq_chunk_tokens)  # fmt: skip
+    except ValueError as e:
+        raise GenoctxError(f"--dry-run: {e}") from None
+    out = {k: p[k] for k in TIME_KEYS}
+    out.update(steps=t.steps, gpu_hours=gpu_hours(p["step_s"], t.steps, layout.world))
+    logging.getLogger("genoctx.plan").info(
+        "predicted on %s: %.2f s per step (%.0f tokens/s, MFU %.1f%%, bound: %s); %d steps = %.1f GPU-hours on %d "
+        "GPUs", hw.name, p["step_s"], p["tokens_per_s"], 100 * p["mfu"], p["bound"], t.steps, out["gpu_hours"],
+        layout.world,
+    )  # fmt: skip
+    return out
 
 
 def _device(name: str) -> str:
@@ -1159,7 +1193,29 @@ def plan(
             help="Number of GPUs (ranks): the layouts' world size; --num-workers as in train and eval.",
         ),
     ] = 1,
-    gpu_memory_gib: Annotated[float, typer.Option(help="Memory of one GPU in GiB (B200: 178).")] = 178.0,
+    gpu_memory_gib: Annotated[
+        float | None, typer.Option(help="Memory of one GPU in GiB (default the --hardware profile's; B200: 178).")
+    ] = None,
+    hardware: Annotated[
+        str,
+        typer.Option(
+            "--hardware",
+            metavar="NAME|FILE",
+            help="GPU profile for step time and tokens/s: h100, h200, b200, or a YAML file with the same keys "
+            "(genoctx.plan.hardware).",
+        ),
+    ] = "b200",
+    skew: Annotated[
+        str,
+        typer.Option(
+            metavar="X|published",
+            help="Expert routing skew, busiest / mean expert tokens of a rank (1 balanced; 'published' the ~4x the "
+            "published run saw on real DNA).",
+        ),
+    ] = "1",
+    rank_by: Annotated[
+        str, typer.Option("--rank-by", help="Order of the layouts that fit: memory (most headroom) or throughput.")
+    ] = "memory",
     dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
     ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
     ep_folded: Annotated[
@@ -1216,8 +1272,9 @@ def plan(
         ),
     ] = None,
 ) -> None:
-    """Predict GPU memory per rank of one training step, by component, for a model x window x parallel layout.
-    With --eval: of scoring one window in evaluation instead (the peak of one forward, no gradients).
+    """Predict GPU memory per rank of one training step, by component, and its step time, tokens/s, MFU and what
+    bounds it, for a model x window x parallel layout x GPU (--hardware). With --eval: of scoring one window in
+    evaluation instead (the peak of one forward, no gradients).
 
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
     listed, best first (the table shows the top 10; none fitting: the closest). When no training step fits in one
@@ -1232,6 +1289,8 @@ def plan(
       genoctx plan --eval --preset glm-5.3-flash --seq-len 512k --gpus 64 --gpu-memory-gib 178
       genoctx plan --eval --seq-chunk 4k --preset glm-5.3-flash --seq-len 1M --gpus 64 --format json
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --seq-chunk auto
+      genoctx plan --preset glm-5.3-flash --seq-len 256k --gpus 64 --rank-by throughput --skew published
+      genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --hardware h200 --gpu-memory-gib 139
     """
     from .plan import (
         best_seq_chunk,
@@ -1242,10 +1301,15 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
+    from .plan.time import add_time, rank_by_throughput
 
     _setup_logging(False)
     if format_ not in ("table", "json"):
         raise GenoctxError(f"--format must be table or json, got {format_!r}")
+    if rank_by not in ("memory", "throughput"):
+        raise GenoctxError(f"--rank-by must be memory or throughput, got {rank_by!r}")
+    hw, skew_x = _hardware_and_skew(hardware, skew)
+    gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     if sum(x is not None for x in (preset, recipe, hf)) != 1:
         raise GenoctxError("give one of --preset NAME, --hf DIR and --recipe FILE")
     for flag, value in (("--gpus", gpus), ("--dp-replicate", dp_replicate), ("--ep", ep), ("--fsdp", fsdp),
@@ -1274,7 +1338,8 @@ def plan(
             chunk = "auto" if seq_chunk == "auto" else _size("--seq-chunk", seq_chunk)
         if chunk is not None:
             kwargs["seq_chunk_tokens"] = chunk
-    doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {})}
+    doc: dict = {"seq_len": L, "gpus": gpus, "gpu_memory_gib": gpu_memory_gib, **({"mode": "eval"} if eval_ else {}),
+                 "hardware": hw.name, "skew": skew_x, "rank_by": rank_by}  # fmt: skip
     if ep_folded and ep is None:
         raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
     auto, layout = kwargs.get("seq_chunk_tokens") == "auto", None
@@ -1288,7 +1353,7 @@ def plan(
                 plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
             raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
-        doc["layouts"] = plans
+        doc["layouts"] = add_time(plans, cfg, hw, skew=skew_x)
         shown = plans
     else:
         plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train", **kwargs)
@@ -1298,6 +1363,9 @@ def plan(
                 f"--gpus {gpus}: no layout of this model can run a {L}-token window on {gpus} ranks (cp must divide "
                 f"--seq-len and leave {piece} tokens, ep must divide {cfg.n_routed_experts} experts)"
             )
+        add_time(plans, cfg, hw, skew=skew_x)
+        if rank_by == "throughput":
+            plans = rank_by_throughput(plans)
         fitting = [p for p in plans if p["fits"]]
         doc.update(searched=len(plans), layouts=fitting)
         if not fitting:
@@ -1341,6 +1409,27 @@ def plan(
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
+
+
+def _hardware_and_skew(hardware: str, skew: str):
+    """``genoctx plan``'s ``--hardware`` profile and ``--skew`` (a number >= 1, or ``published``).
+
+    Raises:
+        GenoctxError: an unknown profile or a bad file (``genoctx.plan.hardware.load_hardware``), a bad skew.
+    """
+    from .plan.comms import PUBLISHED_SKEW
+    from .plan.hardware import load_hardware
+
+    hw = load_hardware(hardware)
+    if skew == "published":
+        return hw, PUBLISHED_SKEW
+    try:
+        x = float(skew)
+    except ValueError:
+        x = float("nan")
+    if not 1 <= x < float("inf"):
+        raise GenoctxError(f"--skew: a number >= 1 (busiest / mean expert tokens) or 'published', got {skew!r}")
+    return hw, x
 
 
 def _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload, batch_size, dtype, dry_run, chunk_tokens,
@@ -1514,7 +1603,8 @@ def model_info(
     Parameters are counted on the meta device (no memory): total, active (minus unused routed experts),
     and both in billions rounded to 0.1 (total_b, active_b).
 
-    FLOPs per token at --seq-len L: see genoctx.model.model.flops_per_token.
+    FLOPs per token at --seq-len L, one window on one device, by component: see genoctx.plan.flops.flops_per_token
+    (``train`` = forward + backward, ``train_with_recompute`` with activation checkpointing, ``forward`` = scoring).
 
     Examples:
       genoctx model info --preset glm-5.3-flash --seq-len 1M
@@ -1522,7 +1612,7 @@ def model_info(
     """
     from .model.config import DSA, KDA
     from .model.config import preset as get_preset
-    from .model.model import flops_per_token
+    from .plan.flops import flops_per_token
 
     if sum(x is not None for x in (preset, recipe, hf)) > 1:
         raise GenoctxError("give one of --preset, --recipe and --hf")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DSA, KDA, ModelConfig
+from .config import DSA, ModelConfig
 from .dsa import DeepSeekSparseAttention
 from .hyper import HyperConnection, expand_streams, reduce_streams
 from .init import init_weights, seed_from_generator
@@ -260,78 +260,6 @@ class HybridLM(nn.Module):
         n_moe = sum(isinstance(layer.mlp, MoE) for layer in self.layers)
         active = total - n_moe * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
         return {"total": total, "active": active}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> dict:
-    """Model FLOPs per token of one sequence of ``seq_len`` tokens, training (forward + backward) and forward.
-
-    Counts matmul FLOPs (2 per multiply-add); elementwise work (norms, gates, softmax, Sinkhorn, mHC stream
-    mixing of ``n^2 D`` per token, indexer pooling) and recomputation are not counted. Backward = 2x forward for
-    everything trained by gradient; the indexer's top-k scoring runs without gradient (forward only).
-
-    - ``dense`` = 2 x (active parameters, minus the embedding table unless tied: a lookup) per token forward,
-      i.e. the usual ``6 N_active`` for training. Includes the mHC projections, the router and the MLA
-      projections (in the absorbed form ``kv_b_proj`` maps queries and outputs: the same multiply-adds).
-    - ``kda`` per KDA layer and head, chunk ``C``, head dim ``d`` (chunked WY form, independent of L):
-      ``A_kk``, ``A_qk`` ``2 C d``, triangular solve for W and U ``C d``, ``A_qk V'`` ``C d``, ``W S``, ``Q S``
-      and the state update ``3 d^2`` multiply-adds: ``4 C d + 3 d^2``.
-    - ``dsa_attention`` per DSA layer: ``2 H R k_eff`` multiply-adds (QK and PV on the ``R = kv_lora_rank``
-      latent), ``k_eff`` = mean over the sequence of the tokens a query attends (``min(top-k, t)`` plus half a
-      pool of tail; the mean visible keys ``(L + 1) / 2`` when dense).
-    - ``dsa_indexer`` per full DSA layer: ``H_I d_I (L + 1) / (2 kpool)`` multiply-adds (every visible complete
-      pool scored, forward only; the L-dependent term) plus, for the KL of the sparse stage,
-      ``3 H_I d_I k_eff / kpool`` (pool scores forward and backward) and ``H R k_eff`` (the target attention);
-      the warm-up KL uses all visible tokens.
-
-    Args:
-        cfg: the architecture.
-        seq_len: L, tokens in the sequence (>= 1).
-        active_params: ``HybridLM.num_parameters()["active"]``.
-
-    Returns:
-        ``{"train": {...}, "forward": {...}}``, each with ``dense``, ``kda``, ``dsa_attention``,
-        ``dsa_indexer`` and ``total`` (FLOPs per token, floats).
-
-    Raises:
-        ValueError: ``seq_len < 1``.
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    L = seq_len
-    types = cfg.layer_types
-    n_kda = types.count(KDA)
-    n_dsa = types.count(DSA)
-    n_full = sum(t == DSA and i == "full" for t, i in zip(types, cfg.indexer_types, strict=True))
-    matmul_params = active_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    C, d = cfg.kda_chunk_size, cfg.linear_head_dim
-    kda_macs = n_kda * cfg.linear_num_heads * (4 * C * d + 3 * d * d)
-    kk = min(cfg.index_topk, L) if cfg.dsa_mode == "sparse" else L
-    k_eff = (kk * (kk + 1) / 2 + (L - kk) * kk) / L  # mean of min(top-k, t) over t = 1..L
-    if cfg.dsa_mode == "sparse" and cfg.index_kpool_always_select_tail:
-        k_eff += (cfg.index_kpool - 1) / 2
-    mean_visible = (L + 1) / 2
-    keys = mean_visible if cfg.dsa_mode == "dense" else k_eff
-    HI, dI, H, R, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.index_kpool
-    attn_macs = n_dsa * 2 * H * R * keys
-    scoring = cfg.dsa_mode == "sparse" or cfg.indexer_stage == "sparse"
-    topk_macs = n_full * HI * dI * mean_visible / kp if scoring else 0
-    kl_keys = {"sparse": k_eff, "warmup": mean_visible, "off": 0.0}[cfg.indexer_stage]
-    kl_macs = n_full * (3 * HI * dI / kp + H * R) * kl_keys
-    train = {
-        "dense": 6.0 * matmul_params,
-        "kda": 6.0 * kda_macs,
-        "dsa_attention": 6.0 * attn_macs,
-        "dsa_indexer": 2.0 * (topk_macs + kl_macs),
-    }
-    fwd = {
-        "dense": 2.0 * matmul_params,
-        "kda": 2.0 * kda_macs,
-        "dsa_attention": 2.0 * attn_macs,
-        "dsa_indexer": 2.0 * topk_macs,
-    }
-    for x in (train, fwd):
-        x["total"] = sum(x.values())
-    return {"train": train, "forward": fwd}
 
 
 def shift_inputs(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:

@@ -251,3 +251,30 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
 def gpu_hours(step_s: float, steps: int, world: int) -> float:
     """GPU-hours of ``steps`` steps of ``step_s`` seconds on ``world`` GPUs."""
     return step_s * steps * world / 3600.0
+
+
+TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "exposed_comm_s", "comm_s",
+             "hardware", "skew")  # fmt: skip
+
+
+def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:
+    """Put ``"time"`` (``plan_time``'s ``TIME_KEYS``) into each plan of ``plan_memory`` / ``plan_eval`` /
+    ``search_layouts``, for the plan's own layout, window, batch, dtype, recompute and chunk. Returns ``plans``.
+
+    Raises:
+        ValueError: as ``plan_time``.
+    """
+    for p in plans:
+        lay = Layout(**{k: v for k, v in p["layout"].items() if k != "world"})
+        mode = p.get("mode", "train")
+        t = plan_time(cfg, p["seq_len"], lay, hw, batch_size=p.get("batch_size", 1), dtype=p["dtype"], skew=skew,
+                      recompute=p.get("recompute", False), seq_chunk_tokens=p.get("seq_chunk_tokens"),
+                      mode=mode)  # fmt: skip
+        p["time"] = {k: t[k] for k in TIME_KEYS}
+    return plans
+
+
+def rank_by_throughput(plans: list[dict]) -> list[dict]:
+    """``plans`` (each with ``"time"``: ``add_time``) ordered as ``genoctx plan --rank-by throughput`` lists them:
+    those that fit first, then the most tokens/s; ties by less memory."""
+    return sorted(plans, key=lambda p: (not p["fits"], -p["time"]["tokens_per_s"], p["total_gib"]))

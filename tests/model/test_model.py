@@ -5,7 +5,7 @@ import torch
 
 from genoctx.data.tokenizer import BOS, encode
 from genoctx.model.config import preset
-from genoctx.model.model import FP32_PARAMETERS, HybridLM, cast_model, flops_per_token, shift_inputs, token_losses
+from genoctx.model.model import FP32_PARAMETERS, HybridLM, cast_model, shift_inputs, token_losses
 
 
 def _real_tokens(realdna, n: int, offset: int = 1000) -> torch.Tensor:
@@ -84,28 +84,6 @@ def test_parameter_counts_of_the_published_model():
     with torch.device("meta"):
         counts = HybridLM(preset("glm-5.3-flash")).num_parameters()
     assert round(counts["total"] / 1e9, 1) == 313.3 and round(counts["active"] / 1e9, 1) == 17.4
-
-
-def test_flops_per_token_equal_hand_computation_for_tiny():
-    """The formula of flops_per_token, written out for tiny at L = 40 (top-16 tokens as pools of 4 plus the tail,
-    KDA chunk 16, head dim 8, MLA 2 heads on a 16-wide latent, indexer 2 x 8)."""
-    cfg = preset("tiny")
-    active = HybridLM(cfg).num_parameters()["active"]
-    L = 40
-    k_eff = (sum(range(1, 17)) + (L - 16) * 16) / L + (4 - 1) / 2  # mean of min(16, t), plus half a pool of tail
-    mean_vis = (L + 1) / 2
-    kda = 2 * (4 * 16 * 8 + 3 * 8 * 8)  # 1 KDA layer, 2 heads
-    attn = 2 * 2 * 16 * k_eff  # 1 DSA layer: QK and PV, 2 heads, latent 16
-    scoring = 2 * 8 * mean_vis / 4  # every visible complete pool
-    kl = (3 * 2 * 8 / 4 + 2 * 16) * k_eff
-    f = flops_per_token(cfg, L, active)
-    want = {"dense": 6 * (active - 8 * 32), "kda": 6 * kda, "dsa_attention": 6 * attn}
-    want["dsa_indexer"] = 2 * (scoring + kl)
-    for key, val in want.items():
-        assert abs(f["train"][key] - val) < 1e-6, key
-    assert abs(f["train"]["total"] - sum(want.values())) < 1e-6
-    assert abs(f["forward"]["dsa_indexer"] - 2 * scoring) < 1e-6
-    assert abs(f["forward"]["dsa_attention"] - 2 * attn) < 1e-6
 
 
 def test_layer_stats_report_tokens_per_expert(realdna):

@@ -1,0 +1,441 @@
+"""FLOPs of a training step and of scoring a window, by formula, per component (DESIGN.md: speed planned like memory).
+
+What is counted: matrix products, 2 FLOPs per multiply-add, exactly the ops ``torch.utils.flop_counter.FlopCounterMode``
+counts (``mm``, ``addmm``, ``bmm``, ``baddbmm``, einsums that lower to them, convolutions, SDPA), as genoctx's
+PyTorch path runs them (the CPU path; the Triton kernels of ``kernels/`` compute the same products and are tested equal
+to it). Not counted, as FlopCounterMode does not count them: elementwise work (norms, gates, activations, softmax,
+Sinkhorn, the mHC ``pre`` weighted sum, indexer pooling, the MoE combine), gathers and scatters, ``torch.topk``, the
+KDA core's triangular solve (``C (K + V) / 2`` multiply-adds per token and head) and the diagonal sub-chunk blocks of
+its decay scores (elementwise, ``2 sub K`` multiply-adds per token and head). ``tests/plan/test_flops.py`` holds the
+totals equal to FlopCounterMode on real train steps of ``tiny`` and ``cpu-small``.
+
+Method. Every product of the code is a term here, with the number of times it runs in a step:
+
+- forward: the one forward of the step (for the chunked backward, ``genoctx.train.chunked``, the reverse sweep's
+  forward with grad). The indexer KL of the sparse stage computes its gradients inside the forward
+  (``_IndexerKLSparse``): they are counted there, as they run.
+- recompute: every further forward. genoctx always recomputes the KDA core block by block
+  (``chunk_kda(recompute=True)``), each MoE token chunk (router, shared and routed experts) and the Sinkhorn map
+  (no products); under CP also the KDA ``[L | M]`` state pass (its projections and core; the core inside it twice,
+  nested checkpoints). With ``recompute=True`` (``apply_ac``) every decoder layer runs its forward once more (a
+  region inside ``k`` nested checkpoints runs ``k + 1`` times, ``k + 2`` with AC). With ``seq_chunk_tokens`` the
+  no-grad forward sweep runs every chunk once more (no indexer KL there, no checkpoints).
+- backward: ``2x`` a product's forward (input and weight gradients), ``1x`` where only one side needs a gradient: the
+  indexer's projections (input detached: weight gradient only), the KDA core's first product with a zero initial
+  state; none for what gets no gradient (the indexer top-k, run without grad; the last state update of a KDA core
+  whose final state is not used). The sparse MLA backward is ``2.5x`` its forward (it recomputes the scores: five
+  products to the forward's two); the KDA core adds the triangular solve's ``G_A = -G_B X^T`` product.
+
+The busiest rank: under context parallelism the rank holding the window's last piece (rank ``cp - 1``, or rank 0 of
+the zigzag layout): its DSA queries see the whole window before them (indexer scoring, the widest selections). Under
+expert parallelism each rank runs the routed experts of the tokens routed to its block: balanced, the rank's own
+``N x top-k`` token-slots; ``skew`` (busiest / mean expert load) scales them (the published run saw about
+``PUBLISHED_SKEW``).
+
+Units: FLOPs (floats). ``tokens``: tokens the rank processes per step (``batch_size x seq_len / cp``).
+"""
+
+from __future__ import annotations
+
+from ..model.config import DSA, ModelConfig
+from ..parallel.layout import Layout, cp_pieces
+
+PUBLISHED_SKEW = 4.0  # busiest / mean routed-expert load per rank seen in the published GLM-5.3-Flash run
+NUCLEOTIDE_VOCAB = 8  # a model with this vocabulary trains on its own logits (``genoctx.plan.sizes``)
+COMPONENTS = ("dense_mlp", "experts", "attention_projections", "kda_core", "dsa_indexer", "dsa_attention",
+              "lm_head_loss", "mhc")  # fmt: skip
+CLASSES = {
+    "dense_mlp": "matmul", "experts": "matmul", "attention_projections": "matmul", "lm_head_loss": "matmul",
+    "kda_core": "attention", "dsa_indexer": "attention", "dsa_attention": "attention", "mhc": "memory",
+}  # fmt: skip
+PHASES = ("forward", "recompute", "backward")
+
+# Copied from the code they describe (tests/plan/test_flops.py checks that they still match):
+SUB_CHUNK = 8  # genoctx.model.kda._SUB_CHUNK
+INDEX_ROW_TILE = 256  # genoctx.model.dsa.INDEX_ROW_TILE
+INDEX_COL_BLOCK = 4096  # genoctx.model.dsa.INDEX_COL_BLOCK
+INDEX_GROUP = 32  # genoctx.model.dsa.INDEX_GROUP
+
+
+class _Tally:
+    """FLOPs per component and phase. ``add(comp, fwd, bwd, depth)``: a product of ``fwd`` FLOPs forward and ``bwd``
+    backward, inside ``depth`` nested checkpoints of the layer (each reruns it once in backward)."""
+
+    def __init__(self) -> None:
+        self.f = {c: dict.fromkeys(PHASES, 0.0) for c in COMPONENTS}
+
+    def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0, rerun: float | None = None) -> None:
+        """``rerun``: FLOPs of one recomputation when it is less than ``fwd`` (default ``fwd``)."""
+        self.f[comp]["forward"] += fwd
+        self.f[comp]["recompute"] += (fwd if rerun is None else rerun) * depth
+        self.f[comp]["backward"] += bwd
+
+
+def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides: int = 2, depth: int = 0) -> None:
+    """A linear map of ``n`` rows ``d_in -> d_out``: ``2 n d_in d_out`` forward, ``sides`` times that backward."""
+    f = 2.0 * n * d_in * d_out
+    t.add(comp, f, f * sides if grad else 0.0, depth if grad else 0)
+
+
+# ------------------------------------------------------------------ layers, one call each
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum_{i=0}^{n-1} floor((a i + b) / m)`` for ``n, a, b >= 0``, ``m >= 1``, in O(log) steps (the Euclid-like
+    reduction): the tile sums below stay exact and fast at any length."""
+    total = 0
+    while n > 0:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y = a * n + b
+        if y < m:
+            break
+        n, b, m, a = y // m, y % m, a, m
+    return total
+
+
+def _tiles(T: int, rows: int, S: int, kp: int) -> tuple[int, int]:
+    """Query tiles of ``rows`` rows over positions ``S .. S + T - 1``, each seeing up to its last row ``r1``:
+    ``(sum rows x (S + r1), sum rows x ((S + r1) // kp))``."""
+    full, rest = divmod(T, rows)
+    keys = rows * (full * S + rows * full * (full + 1) // 2) + rest * (S + T)
+    pools = rows * _floor_sum(full, kp, rows, S + rows) + rest * ((S + T) // kp)
+    return keys, pools
+
+
+def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_in_grad: bool,
+              state_out_used: bool) -> tuple[float, float, float]:  # fmt: skip
+    """``chunk_kda`` over ``rows`` sequences of ``T`` tokens, values ``V`` wide (``[v | 0]``: ``V + K`` in the CP
+    state pass): (forward, backward, one recomputation) FLOPs.
+
+    Per head and chunk of ``C`` (``n = C / sub`` sub-chunks): the decay scores of two rows (``A_kk``, ``A_qk``)
+    between sub-chunks ``2 x 2 (C - sub) C K``; ``[W; Q] S`` ``2 (2C) K V``; ``A_qk V'`` ``2 C^2 V``; ``K^T V'``
+    ``2 K C V``. Backward: each twice, plus the solve's ``-G_B X^T`` ``2 C^2 (K + V)``; the first chunk's ``S``
+    product once when the initial state needs no gradient, the last chunk's state update not at all when the final
+    state is not used. A block's recomputation (non-reentrant checkpoint) stops once the last tensor its backward
+    needs is saved: the block's last state update ``K^T V'`` is not rerun."""
+    C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    block = max(C, cfg.kda_block_tokens // C * C)
+    chunks = T // block * (block // C) + -(-(T % block) // C)
+    scores = 4.0 * (C - sub) * C * K
+    ws, av, kv = 4.0 * C * K * V, 2.0 * C * C * V, 2.0 * K * C * V
+    fwd = chunks * (scores + ws + av + kv)
+    blocks = -(-T // block) if T else 0
+    bwd = 0.0
+    if grad and chunks:
+        bwd = chunks * (2 * (scores + ws + av + kv) + 2.0 * C * C * (K + V))
+        bwd -= 0.0 if state_in_grad else ws  # the first chunk: no gradient for a zero initial state
+        bwd -= 0.0 if state_out_used else 2 * kv  # the last chunk's state update feeds nothing
+    return rows * H * fwd, rows * H * bwd, rows * H * (fwd - blocks * kv)
+
+
+def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, output: bool = True, depth: int = 0) -> None:
+    """``KimiDeltaAttention.project`` (q, k, v, the depthwise conv, the forget gate, beta) and, with ``output``, the
+    output gate and ``o_proj`` of ``n`` tokens."""
+    D, H, Dh = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+    hk = H * Dh
+    c = "attention_projections"
+    _mm(t, c, n, D, 3 * hk, grad, depth=depth)  # q, k, v
+    _mm(t, c, n, cfg.linear_conv_kernel_dim, 3 * hk, grad, depth=depth)  # depthwise conv: 2 n 3hk w
+    _mm(t, c, n, D, Dh, grad, depth=depth)  # forget gate f_a
+    _mm(t, c, n, Dh, hk, grad, depth=depth)  # forget gate f_b
+    _mm(t, c, n, D, H, grad, depth=depth)  # b_proj (beta)
+    if output:
+        _mm(t, c, n, D, Dh, grad)  # g_a
+        _mm(t, c, n, Dh, hk, grad)  # g_b
+        _mm(t, c, n, hk, D, grad)  # o_proj
+
+
+def _kda_layer(t: _Tally, cfg: ModelConfig, B: int, pieces: list[tuple[int, int]], grad: bool, ctx: dict) -> None:
+    """One KDA layer over this rank's ``pieces`` (``(start, length)``, batched as rows); under CP (``ctx["cp"]``) the
+    ``[L | M]`` state pass (``genoctx.parallel.context.kda_cp_cache``) first."""
+    c = pieces[0][1]
+    rows = B * len(pieces)
+    n = rows * c
+    K = V = cfg.linear_head_dim
+    H = cfg.linear_num_heads
+    if ctx["cp"]:
+        w = cfg.linear_conv_kernel_dim - 1
+        _mm(t, "attention_projections", rows * w, cfg.hidden_size, 3 * H * K, grad)  # the pieces' conv tails
+        depth = 1 if grad else 0  # the state pass is one checkpoint; its core's blocks a second one inside it
+        _kda_projections(t, cfg, n, grad, output=False, depth=depth)
+        f, b, r = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
+        t.add("kda_core", f, b, depth + 1 if grad else 0, r)
+        P = ctx["n_pieces"]  # the fold S_{p+1} = M_p S_p + L_p over every natural piece, on every rank
+        fold = 2.0 * B * H * K * K * V
+        # backward: dM and dS (only dM for a zero S_0); the last product's state is used only when carried on
+        back = sum(fold * (2 if p or ctx["carry_in"] else 1) for p in range(P) if p < P - 1 or ctx["carry_out"])
+        t.add("kda_core", P * fold, back if grad else 0.0)
+    _kda_projections(t, cfg, n, grad)
+    f, b, r = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
+                        state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
+    t.add("kda_core", f, b, 1 if grad else 0, r)
+
+
+def _topk_scoring(cfg: ModelConfig, S: int, T: int) -> float:
+    """``indexer_topk`` for queries at positions ``S .. S + T - 1`` (one batch row; no grad): per row tile of ``R``
+    rows the ``(S + r1) // kpool`` pools the tile's last row sees, ``2 R H_I (d_I + 1)`` per pool (the ReLU scores'
+    product and the head-weighted sum), tiles as the code cuts them."""
+    kp, HI, dI = cfg.index_kpool, cfg.index_n_heads, cfg.index_head_dim
+    n_keys = (S + T) // kp
+    if T == 0 or n_keys == 0:
+        return 0.0
+    g = INDEX_GROUP
+    tile = cfg.indexer_tile_tokens
+    cols = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
+    cols = max(g, min(cols, -(-n_keys // g) * g))
+    R = max(1, min(INDEX_ROW_TILE, T, tile // cols))
+    return 2.0 * HI * (dI + 1) * _tiles(T, R, S, kp)[1]
+
+
+def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[int, int]], grad: bool,
+               ctx: dict) -> None:  # fmt: skip
+    """One DSA layer over this rank's ``pieces``, one call each (``DeepSeekSparseAttention.forward``); under CP the
+    latents and indexer keys projected once more for the gather (``dsa_cp_cache``)."""
+    D, H, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    dqk, dv, qr = cfg.qk_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    HI, dI, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    full = cfg.indexer_types[i] == "full"
+    sparse = cfg.dsa_mode == "sparse"
+    kl = full and grad and cfg.indexer_stage != "off"
+    n = B * sum(T for _, T in pieces)
+    p = "attention_projections"
+    if ctx["cp"]:
+        _mm(t, p, n, D, R, grad)  # latents for the gather
+        if full:
+            _mm(t, p, n, D, 2 * dI, grad and kl, sides=1)  # indexer keys and compress gates (input detached)
+    _mm(t, p, n, D, qr, grad)  # q_a_proj
+    _mm(t, p, n, qr, H * dqk, grad)  # q_b_proj
+    _mm(t, p, n, D, R, grad)  # kv_a_proj_with_mqa
+    _mm(t, p, n, H * dqk, R, grad)  # q W_UK (absorbed; per head dqk -> R)
+    _mm(t, p, n, H * R, dv, grad)  # o_lat W_UV (per head R -> dv)
+    _mm(t, p, n, H * dv, D, grad)  # o_proj
+    if full:  # inputs detached: weight gradients only, and only from the KL
+        _mm(t, p, n, qr, HI * dI, grad and kl, sides=1)  # wq_b
+        _mm(t, p, n, D, dI, grad and kl, sides=1)  # wk
+        _mm(t, p, n, D, dI, grad and kl, sides=1)  # compress gate
+        _mm(t, p, n, D, HI, grad and kl, sides=1)  # weights_proj
+    tail = kp - 1 if cfg.index_kpool_always_select_tail else 0
+    widths = {S: min(cfg.index_topk // kp, (S + T) // kp) for S, T in pieces}  # selected pools per call
+    shared_k = max(widths.values())  # a shared layer under CP: the full layer's selections padded to the widest
+    for S, T in pieces:
+        if not sparse:
+            keys = _dense_keys(cfg, S, T)
+            t.add("dsa_attention", 4.0 * B * H * R * keys, 10.0 * B * H * R * keys if grad else 0.0)
+            if kl and cfg.indexer_stage == "warmup":
+                _warmup_kl(t, cfg, B, S, T)
+            continue
+        Kp = widths[S] if full else shared_k
+        W = Kp * kp + tail
+        nq = B * T
+        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad else 0.0)
+        if full:
+            t.add("dsa_indexer", B * _topk_scoring(cfg, S, T))
+            if kl and cfg.indexer_stage == "sparse":  # target scores, pool scores, and their gradients, in forward
+                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + HI * Kp))
+            elif kl:
+                _warmup_kl(t, cfg, B, S, T)
+
+
+def _dense_keys(cfg: ModelConfig, S: int, T: int) -> float:
+    """(query, key) pairs dense attention's SDPA tiles compute (``DeepSeekSparseAttention._dense``): per tile of
+    ``rows = indexer_tile_tokens // (S + T)`` queries, every key up to the tile's last row."""
+    N = S + T
+    rows = max(1, cfg.indexer_tile_tokens // N)
+    if S == 0 and rows >= T:
+        return float(T * T)
+    return float(_tiles(T, rows, S, 1)[0])
+
+
+def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int) -> None:
+    """The warm-up stage's KL tiles (``_kl_warmup_tile``, checkpointed): dense target scores (no grad) and indexer
+    scores of every visible complete pool (with grad), tiles of ``indexer_tile_tokens // (N H)`` rows."""
+    H, R, HI, dI, kp = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    N = S + T
+    rows = max(1, cfg.indexer_tile_tokens // (N * H))
+    keys, pools = _tiles(T, rows, S, kp)
+    scores = 2.0 * B * HI * dI * pools
+    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, 2 * scores, 1)
+
+
+def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float) -> None:
+    """The feed-forward of layer ``i`` over ``n`` tokens: a dense SwiGLU MLP, or the MoE (router, shared expert,
+    routed experts; each token chunk a checkpoint)."""
+    D = cfg.hidden_size
+    if cfg.mlp_layer_types[i] == "dense":
+        _mm(t, "dense_mlp", n, D, 3 * cfg.intermediate_size, grad)
+        return
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    _mm(t, "experts", n, D, cfg.n_routed_experts, grad, depth=1)  # router
+    if shared:
+        _mm(t, "dense_mlp", n, D, 3 * shared, grad, depth=1)
+    slots = n * cfg.num_experts_per_tok * ep_factor
+    _mm(t, "experts", slots, D, 3 * cfg.moe_intermediate_size, grad, depth=1)
+
+
+def _mhc(t: _Tally, cfg: ModelConfig, n: float, grad: bool) -> None:
+    """Two hyper-connections of a layer: ``x~ fn^T`` ``[nD] -> [(2 + n) n]`` and ``comb^T x`` (``n^2 D``) per token."""
+    m, D = cfg.hc_mult, cfg.hidden_size
+    for _ in range(2):
+        _mm(t, "mhc", n, m * D, (2 + m) * m, grad)
+        _mm(t, "mhc", n, m * m, D, grad)
+
+
+def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None) -> None:
+    """The LM head and loss: the model's own ``lm_head`` (an 8-token vocabulary) or the chunked head of a text base
+    (``genoctx.model.head``: logits recomputed in backward) over ``rows`` softmax rows (default ``vocab_size``)."""
+    D = cfg.hidden_size
+    if cfg.vocab_size == NUCLEOTIDE_VOCAB:
+        _mm(t, "lm_head_loss", n, D, cfg.vocab_size, grad)
+        return
+    V = rows or cfg.vocab_size
+    _mm(t, "lm_head_loss", n, D, V, grad, depth=1)
+
+
+# ------------------------------------------------------------------ the rank's calls
+
+
+def _rank_rounds(L: int, cp: int, cp_layout: str, seq_chunk_tokens: int | None) -> list[list[tuple[int, int]]]:
+    """The busiest rank's pieces ``(start, length)`` per round: one round (the whole window, or under CP its pieces)
+    or, with ``seq_chunk_tokens`` below the rank's share, rounds of ``cp x seq_chunk_tokens`` tokens."""
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens * cp < L
+    size = seq_chunk_tokens * cp if chunked else L
+    mine = cp_pieces(cp, cp_layout)[0 if cp_layout == "zigzag" else cp - 1] if cp > 1 else [0]
+    n_pieces = 2 * cp if cp > 1 and cp_layout == "zigzag" else cp
+    rounds = []
+    for s in range(0, L, size):
+        r = min(L, s + size) - s
+        c = r // n_pieces
+        rounds.append([(s + p * c, c) for p in mine])
+    return rounds
+
+
+def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, ep_factor: float,
+          loss_vocab_rows: int | None) -> _Tally:  # fmt: skip
+    """One forward (with or without grad) over every round of the rank, and what its backward would cost."""
+    t = _Tally()
+    for k, pieces in enumerate(rounds):
+        n = B * sum(T for _, T in pieces)
+        ctx = {"cp": cp > 1, "n_pieces": n_pieces, "carry_in": k > 0, "carry_out": k < len(rounds) - 1}
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == DSA:
+                _dsa_layer(t, cfg, i, B, pieces, grad, ctx)
+            else:
+                _kda_layer(t, cfg, B, pieces, grad, ctx)
+            _ffn_layer(t, cfg, i, n, grad, ep_factor)
+            _mhc(t, cfg, n, grad)
+        _head(t, cfg, n, grad, loss_vocab_rows)
+    return t
+
+
+def _result(components: dict, tokens: int) -> dict:
+    out = {"components": {c: {**{p: components[c][p] for p in PHASES}, "class": CLASSES[c]} for c in COMPONENTS}}
+    for p in PHASES:
+        out[p] = sum(components[c][p] for c in COMPONENTS)
+    out["total"] = out["forward"] + out["recompute"] + out["backward"]
+    out["tokens"] = tokens
+    return out
+
+
+def _check(cfg: ModelConfig, seq_len: int, layout: Layout, batch_size: int, cp_layout: str) -> int:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    cp = layout.cp
+    pieces = 2 * cp if cp > 1 and cp_layout == "zigzag" else cp
+    if seq_len % pieces:
+        raise ValueError(f"seq_len {seq_len} does not split into the {pieces} pieces of cp={cp} ({cp_layout})")
+    return pieces
+
+
+def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, batch_size: int = 1,
+               recompute: bool = True, seq_chunk_tokens: int | None = None, skew: float = 1.0,
+               cp_layout: str = "contiguous", loss_vocab_rows: int | None = None) -> dict:  # fmt: skip
+    """FLOPs of one training step on the busiest rank (forward, recompute, backward), by component (module docstring).
+
+    Args:
+        cfg: the model with its compute knobs (``kda_chunk_size``, ``kda_block_tokens``, ``indexer_tile_tokens``,
+            ``dsa_mode``, ``indexer_stage`` count).
+        seq_len: tokens per window ``L``.
+        layout: the parallel layout; ``cp`` splits each window (the busiest rank holds the last piece), ``ep`` places
+            the routed experts (balanced: a rank runs its own tokens' ``top-k`` slots).
+        batch_size: windows per data-parallel rank per step.
+        recompute: activation checkpointing of every decoder layer (``apply_ac``): one more forward of each layer.
+        seq_chunk_tokens: ``train.seq_chunk_tokens`` (the chunked backward: a no-grad forward sweep first); None,
+            or not below ``L / cp``: one pass.
+        skew: busiest / mean routed-expert load (1 = balanced; ``PUBLISHED_SKEW`` as seen in the published run).
+        cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.layout.cp_pieces``).
+        loss_vocab_rows: softmax rows of the chunked head of a text base (5 for ``loss.vocab: nucleotide``); None =
+            ``vocab_size``. An 8-token model trains on its own logits.
+
+    Returns:
+        ``{"components": {name: {"forward", "recompute", "backward": FLOPs, "class": "matmul" | "attention" |
+        "memory"}}, "forward", "recompute", "backward", "total": FLOPs, "tokens": N}`` for the names of
+        ``COMPONENTS``; ``N = batch_size x seq_len / cp``.
+
+    Raises:
+        ValueError: ``seq_len`` or ``batch_size`` below 1, ``skew`` below 0, or a window that does not split into the
+            CP layout's pieces.
+    """
+    n_pieces = _check(cfg, seq_len, layout, batch_size, cp_layout)
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    rounds = _rank_rounds(seq_len, layout.cp, cp_layout, seq_chunk_tokens)
+    B = batch_size
+    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows).f
+    comps = {c: dict(grad[c]) for c in COMPONENTS}
+    for c in COMPONENTS:
+        if recompute:  # apply_ac: every decoder layer's forward once more (the head is outside the layers)
+            comps[c]["recompute"] += grad[c]["forward"] if c != "lm_head_loss" else 0.0
+    if len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len):
+        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows).f
+        for c in COMPONENTS:
+            comps[c]["recompute"] += sweep[c]["forward"]
+    return _result(comps, B * seq_len // layout.cp)
+
+
+def eval_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, cp_layout: str = "contiguous",
+               loss_vocab_rows: int | None = None) -> dict:  # fmt: skip
+    """FLOPs of scoring one window (forward only, no grad) on the busiest rank, in ``step_flops``' shape (recompute
+    and backward 0). Args and errors as ``step_flops`` (one window)."""
+    n_pieces = _check(cfg, seq_len, layout, 1, cp_layout)
+    rounds = _rank_rounds(seq_len, layout.cp, cp_layout, None)
+    t = _pass(cfg, 1, rounds, False, layout.cp, n_pieces, 1.0, loss_vocab_rows)
+    return _result(t.f, seq_len // layout.cp)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int | None = None) -> dict:
+    """FLOPs per token of one window of ``seq_len`` tokens on one device (what ``genoctx model info`` prints).
+
+    ``train``: forward + backward (model FLOPs, no recomputation); ``train_with_recompute``: what the device runs with
+    activation checkpointing (forward + every recompute + backward); ``forward``: scoring (no grad). Each a dict of
+    ``COMPONENTS`` plus ``total``, FLOPs per token (``step_flops`` / ``eval_flops`` divided by ``seq_len``). With
+    ``active_params``, also ``six_n_active`` = ``6 x active_params`` (the usual estimate, for comparison).
+
+    Raises:
+        ValueError: ``seq_len < 1``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    step = step_flops(cfg, seq_len, recompute=True)
+    ev = eval_flops(cfg, seq_len)
+    L = float(seq_len)
+    train = {c: (v["forward"] + v["backward"]) / L for c, v in step["components"].items()}
+    train["total"] = (step["forward"] + step["backward"]) / L
+    rec = {c: (v["forward"] + v["recompute"] + v["backward"]) / L for c, v in step["components"].items()}
+    rec["total"] = step["total"] / L
+    fwd = {c: v["forward"] / L for c, v in ev["components"].items()}
+    fwd["total"] = ev["forward"] / L
+    out = {"train": train, "train_with_recompute": rec, "forward": fwd}
+    if active_params is not None:
+        out["six_n_active"] = 6.0 * active_params
+    return out
+
+
+__all__ = ["CLASSES", "COMPONENTS", "PUBLISHED_SKEW", "eval_flops", "flops_per_token", "step_flops"]

@@ -1,0 +1,232 @@
+"""The FLOPs formulas (``genoctx.plan.flops``) equal what ``torch.utils.flop_counter.FlopCounterMode`` counts on real
+train steps of the PyTorch path (CPU, fp32), forward and forward + backward (recomputation included), per component
+where the module breakdown separates them; and the CP / EP accounting of the busiest rank, by value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
+
+from genoctx.data.tokenizer import BOS
+from genoctx.model import dsa, kda
+from genoctx.model.config import DSA, preset
+from genoctx.model.model import shift_inputs, token_losses
+from genoctx.parallel.build import build_model
+from genoctx.parallel.layout import Layout
+from genoctx.plan import flops
+from genoctx.plan.flops import PUBLISHED_SKEW, eval_flops, flops_per_token, step_flops
+from genoctx.train.chunked import chunked_forward_backward
+
+
+def _conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                   _output_padding, _groups, output_mask, out_shape, **kwargs):  # fmt: skip
+    """FlopCounterMode's ``convolution_backward`` counts a grouped (depthwise) convolution's weight gradient as a dense
+    one (``groups`` ignored: ``3 H K`` times too many for KDA's short convolution). Each gradient costs what the
+    forward does."""
+    return conv_flop_count(x_shape, w_shape, grad_out_shape, transposed) * (bool(output_mask[0]) + bool(output_mask[1]))
+
+
+def _sdpa_cpu(query_shape, key_shape, value_shape, *args, **kwargs):
+    """FlopCounterMode has no formula for the CPU SDPA kernel (dense DSA attention): ``QK^T`` and ``PV``, every
+    query against every key (masks not discounted, as for the CUDA kernels); key heads broadcast (GQA)."""
+    B, H, Sq, Dq = query_shape
+    return 2 * B * H * Sq * key_shape[-2] * (Dq + value_shape[-1])
+
+
+def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs):
+    """Its backward: 2.5x the forward (scores recomputed, then dV, dP, dQ, dK), FlopCounterMode's rule for the CUDA
+    kernels."""
+    return _sdpa_cpu(query_shape, key_shape, value_shape) * 5 // 2
+
+
+def _counter() -> FlopCounterMode:
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten.convolution_backward: _conv_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+    })  # fmt: skip
+
+
+def _count(name: str, L: int, ac: bool, chunk: int | None = None, **overrides) -> tuple:
+    """One train step of ``forward_backward``'s one-process objective, counted: (cfg, forward counter, backward
+    counter); the chunked backward (``chunk``) counted whole in the second."""
+    torch.manual_seed(0)
+    cfg = preset(name, kernels="torch", kda_kernel="torch", **overrides)
+    model = build_model(cfg, activation_checkpointing=ac)
+    tokens = torch.randint(0, 4, (1, L))
+    inputs, scored = shift_inputs(tokens, BOS), torch.ones(1, L, dtype=torch.bool)
+    if chunk is not None:
+        with _counter() as both:
+            chunked_forward_backward(model, inputs, tokens, scored, chunk, scored.sum())
+        return cfg, None, both
+    with _counter() as fwd:
+        logits, _ = model(inputs)
+        loss = token_losses(logits, tokens, scored).sum() / L
+        aux = model.aux_loss()
+        loss = loss if aux is None else loss + aux
+    with _counter() as bwd:
+        loss.backward()
+    return cfg, fwd, bwd
+
+
+def _module(counts: dict, name: str, ops: tuple[str, ...] | None = None) -> int:
+    """FLOPs counted inside module ``name`` (under ``HybridLM``), of the ops named in ``ops`` (all when None)."""
+    found = counts.get(f"HybridLM.{name}", {}).items()
+    return sum(v for op, v in found if ops is None or str(op).split(".")[-1] in ops)
+
+
+def _forward_by_component(cfg, counts: dict) -> dict:
+    """The counted forward per component (module breakdown; the mHC products run in the layer itself)."""
+    out = dict.fromkeys(("dense_mlp", "experts", "kda_core", "mhc", "mixers_rest", "lm_head_loss"), 0)
+    out["lm_head_loss"] = _module(counts, "lm_head")
+    for i, kind in enumerate(cfg.layer_types):
+        lay = f"layers.{i}"
+        mlp = _module(counts, f"{lay}.mlp")
+        if cfg.mlp_layer_types[i] == "dense":
+            out["dense_mlp"] += mlp
+        else:
+            out["dense_mlp"] += _module(counts, f"{lay}.mlp.shared_experts")
+            out["experts"] += _module(counts, f"{lay}.mlp.gate") + _module(counts, f"{lay}.mlp.experts")
+        attn = _module(counts, f"{lay}.self_attn")
+        if kind == DSA:
+            out["mixers_rest"] += attn
+        else:
+            out["kda_core"] += _module(counts, f"{lay}.self_attn", ("bmm",))
+            out["mixers_rest"] += _module(counts, f"{lay}.self_attn", ("mm", "convolution"))
+        out["mhc"] += _module(counts, lay) - attn - mlp
+    return out
+
+
+CASES = [("tiny", L, ac) for L in (64, 128, 256) for ac in (False, True)]
+CASES += [("cpu-small", L, ac) for L in (128, 256, 512) for ac in (False, True)]
+
+
+@pytest.mark.parametrize("name,L,ac", CASES)
+def test_step_flops_equal_flop_counter(name, L, ac):
+    """tiny (top-16 tokens, KDA chunk 16) at 64/128/256 and cpu-small (top-256, chunk 64) at 128/256/512: the top-k
+    active in the longer ones, KDA over 2 to 16 chunks. Forward per component and the whole step (forward, layer
+    recompute with ``ac``, the always-on KDA/MoE recompute, backward) within 1 % (measured: equal)."""
+    cfg, fwd, bwd = _count(name, L, ac)
+    plan = step_flops(cfg, L, recompute=ac)
+    c = plan["components"]
+    f_total = fwd.get_total_flops()
+    assert plan["forward"] == pytest.approx(f_total, rel=0.01)
+    assert plan["total"] == pytest.approx(f_total + bwd.get_total_flops(), rel=0.01)
+    counted = _forward_by_component(cfg, fwd.get_flop_counts())
+    for key in ("dense_mlp", "experts", "kda_core", "mhc", "lm_head_loss"):
+        assert c[key]["forward"] == pytest.approx(counted[key], rel=0.01), key
+    rest = sum(c[k]["forward"] for k in ("attention_projections", "dsa_indexer", "dsa_attention"))
+    assert rest == pytest.approx(counted["mixers_rest"], rel=0.01)
+    # the DSA layer's own products beyond its projection modules, less the absorbed q / output maps and the indexer's
+    # compress gate (F.linear in the layer): attention, indexer scoring and KL
+    i = cfg.layer_types.index(DSA)
+    own = _module(fwd.get_flop_counts(), f"layers.{i}.self_attn") - sum(
+        _module(fwd.get_flop_counts(), f"layers.{i}.self_attn.{m}")
+        for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "indexer.wq_b", "indexer.wk",
+                  "indexer.weights_proj")
+    )  # fmt: skip
+    absorbed = 2 * L * cfg.num_attention_heads * cfg.kv_lora_rank * (cfg.qk_head_dim + cfg.v_head_dim)
+    gate = 2 * L * cfg.hidden_size * cfg.index_head_dim
+    attention, indexer = c["dsa_attention"]["forward"], c["dsa_indexer"]["forward"]
+    assert attention + indexer == pytest.approx(own - absorbed - gate, rel=0.01)
+    assert indexer > 0.05 * (attention + indexer) and attention > 0.05 * (attention + indexer)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(indexer_stage="warmup", dsa_mode="dense"),  # the indexer warm-up: dense attention, KL over every pool
+        # a shared DSA layer, KDA blocks of 48 tokens, MoE chunks of 50, no indexer KL
+        dict(
+            num_hidden_layers=3,
+            layer_types="KDD",
+            mlp_layer_types="DSS",
+            indexer_types="FFS",
+            indexer_stage="off",
+            kda_block_tokens=48,
+            moe_chunk_tokens=50,
+        ),
+    ],
+)
+def test_step_flops_equal_flop_counter_variants(overrides):
+    """tiny at 136 tokens (not a multiple of the KDA chunk), activation checkpointing on."""
+    cfg, fwd, bwd = _count("tiny", 136, True, **overrides)
+    plan = step_flops(cfg, 136, recompute=True)
+    assert plan["forward"] == pytest.approx(fwd.get_total_flops(), rel=0.01)
+    assert plan["total"] == pytest.approx(fwd.get_total_flops() + bwd.get_total_flops(), rel=0.01)
+
+
+def test_chunked_step_and_eval_equal_flop_counter():
+    """The chunked backward (no-grad sweep, then each chunk again with grad and recompute) and scoring one window."""
+    cfg, _, both = _count("tiny", 256, True, chunk=64)
+    plan = step_flops(cfg, 256, recompute=True, seq_chunk_tokens=64)
+    assert plan["total"] == pytest.approx(both.get_total_flops(), rel=0.01)
+    assert plan["recompute"] > step_flops(cfg, 256, recompute=True)["recompute"]  # the sweep
+    model = build_model(cfg)
+    with torch.no_grad(), _counter() as ev:
+        model(shift_inputs(torch.randint(0, 4, (1, 256)), BOS))
+    assert eval_flops(cfg, 256)["forward"] == pytest.approx(ev.get_total_flops(), rel=0.01)
+
+
+def test_context_and_expert_parallel_accounting():
+    """The busiest rank under cp=2 (the window's last half) against one rank, by value (tiny, L = 256: top-16 tokens,
+    every query of either half sees full selections)."""
+    cfg = preset("tiny")
+    L = 256
+    one, two = step_flops(cfg, L, recompute=False), step_flops(cfg, L, Layout(cp=2), recompute=False)
+    first_half = step_flops(cfg, L // 2, recompute=False)  # rank 0 of cp=2 runs the same calls as a window of L/2
+    assert two["tokens"] == L // 2 and one["tokens"] == L
+    for key in ("dense_mlp", "experts", "mhc", "lm_head_loss", "dsa_attention"):
+        for phase in ("forward", "recompute", "backward"):
+            assert two["components"][key][phase] == pytest.approx(one["components"][key][phase] / 2), (key, phase)
+    # the indexer of the last half (positions 128..255, 64 pools of 4): top-k scoring in two row tiles of 64 (the
+    # code's tiles: 64 key columns) seeing 48 and 64 pools, 2 H_I (d_I + 1) per pair; the KL over 4 selected pools,
+    # 19 token slots (16 + 3 tail): target 2 H R W, pool scores and their gradients 3 x 2 H_I d_I Kp, 2 H_I Kp
+    scoring = 2 * 2 * 9 * (64 * 48 + 64 * 64)
+    kl = 2 * 128 * (2 * 16 * 19 + 3 * 2 * 8 * 4 + 2 * 4)
+    idx = [x["components"]["dsa_indexer"]["forward"] for x in (one, two, first_half)]
+    assert idx[1] == scoring + kl and idx[1] > idx[2] and idx[1] > idx[0] / 2
+    # KDA under CP: the layer's core over 128 tokens, the [L | M] state pass (values V + K wide), the fold of 2 pieces
+    chunk = 4 * 8 * 16 * 8 + 4 * 16 * 8 * 8 + 2 * 16 * 16 * 8 + 2 * 8 * 16 * 8  # C 16, sub 8, K = V = 8
+    chunk_lm = 4 * 8 * 16 * 8 + 4 * 16 * 8 * 16 + 2 * 16 * 16 * 16 + 2 * 8 * 16 * 16  # V + K = 16
+    fold = 2 * 2 * (2 * 8 * 8 * 8)  # 2 pieces x [K, K] @ [K, V] x 2 heads
+    assert one["components"]["kda_core"]["forward"] == 16 * 2 * chunk
+    assert two["components"]["kda_core"]["forward"] == 8 * 2 * chunk + 8 * 2 * chunk_lm + fold
+    # zigzag: rank 0 holds pieces 0 and 3 of 4 and scores what the contiguous busiest rank scores, less
+    zig = step_flops(cfg, L, Layout(cp=2), recompute=False, cp_layout="zigzag")
+    assert zig["components"]["dsa_indexer"]["forward"] < idx[1]
+    # EP: balanced routing keeps the rank's own token-slots; skew scales the routed experts only (not the router)
+    router = 2 * L * cfg.hidden_size * cfg.n_routed_experts  # one MoE layer
+    ep = step_flops(cfg, L, Layout(ep=2), recompute=False)
+    skewed = step_flops(cfg, L, Layout(ep=2), recompute=False, skew=PUBLISHED_SKEW)
+    assert ep["total"] == one["total"] and PUBLISHED_SKEW == 4.0
+    assert skewed["components"]["experts"]["forward"] - router == pytest.approx(
+        4 * (ep["components"]["experts"]["forward"] - router)
+    )
+    assert skewed["components"]["attention_projections"] == ep["components"]["attention_projections"]
+
+
+def test_flops_per_token_and_copied_constants():
+    """``model info``'s numbers are step_flops / eval_flops per token; the tile constants match the code's."""
+    cfg = preset("tiny")
+    f = flops_per_token(cfg, 64, active_params=1000)
+    s, e = step_flops(cfg, 64), eval_flops(cfg, 64)
+    assert f["train"]["total"] == pytest.approx((s["forward"] + s["backward"]) / 64)
+    assert f["train_with_recompute"]["total"] == pytest.approx(s["total"] / 64)
+    assert f["forward"]["total"] == pytest.approx(e["forward"] / 64) and f["six_n_active"] == 6000
+    assert f["train"]["lm_head_loss"] == 6 * cfg.hidden_size * cfg.vocab_size
+    assert set(f["train"]) == set(flops.COMPONENTS) | {"total"}
+    assert (flops.SUB_CHUNK, flops.INDEX_ROW_TILE, flops.INDEX_COL_BLOCK, flops.INDEX_GROUP) == (
+        kda._SUB_CHUNK, dsa.INDEX_ROW_TILE, dsa.INDEX_COL_BLOCK, dsa.INDEX_GROUP,
+    )  # fmt: skip
+    for n, m, a, b in ((0, 3, 1, 1), (7, 4, 3, 5), (50, 16, 64, 129), (13, 1, 0, 2)):  # the tiles' closed forms
+        assert flops._floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n))
+    T, rows, S, kp = 300, 64, 1000, 16
+    tiles = [(min(T, r0 + rows) - r0, S + min(T, r0 + rows)) for r0 in range(0, T, rows)]
+    assert flops._tiles(T, rows, S, kp) == (sum(r * n for r, n in tiles), sum(r * (n // kp) for r, n in tiles))
+    with pytest.raises(ValueError, match="seq_len"):
+        step_flops(cfg, 0)
+    with pytest.raises(ValueError, match="pieces"):
+        step_flops(cfg, 63, Layout(cp=2))
