@@ -102,6 +102,48 @@ def _timed(fn, seconds: float) -> float:
             return dt / n
 
 
+class _CountOps:
+    """A ``TorchDispatchMode`` that counts the aten ops dispatched under it (forward, backward, optimizer)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+
+        return Count()
+
+
+def count_aten_ops(fn) -> int:
+    """Aten ops ``fn()`` dispatches (counted once, untimed)."""
+    with _CountOps() as c:
+        fn()
+    return c.n
+
+
+def _tiny_chain(n: int = 64):
+    """A function running ``n`` autograd-recorded elementwise ops on 16 values, their backward and a parameter update:
+    the per-op host cost (Python, dispatcher, autograd graph) with no work to speak of."""
+    import torch
+
+    w = torch.ones(16, requires_grad=True)
+
+    def run():
+        y = w
+        for _ in range(n):
+            y = y * 1.0001
+        y.sum().backward()
+        with torch.no_grad():
+            w.sub_(w.grad, alpha=1e-6)
+        w.grad = None
+
+    return run
+
+
 def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     """One of ``world`` concurrent ranks: GEMM, batched-product and memory rates with ``spec["threads"]`` threads."""
     import torch
@@ -129,6 +171,9 @@ def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> Non
         dist.barrier()
         s = _timed(lambda: torch.add(x, y, out=z), T)
         res["memory"] = {"bytes": 3.0 * numel * 4, "seconds": s}
+        chain = _tiny_chain()
+        dist.barrier()
+        res["op"] = {"ops": count_aten_ops(chain), "seconds": _timed(chain, T)}
         dist.barrier()
         Path(out, f"compute{rank}.json").write_text(json.dumps(res))
     finally:
@@ -215,18 +260,20 @@ def measure_profile(cfg, ranks: int, *, seconds: float, gemm_rows: int, mem_mib:
     return {"ranks": ranks, "threads": threads, "comm_threads": cspec["threads"], "compute": compute, "comm": comm}
 
 
-def profile_dict(meas: dict, memory_gib: float, cores: int) -> dict:
-    """A ``hardware_from_dict`` mapping from ``measure_profile``'s measurements: every rate the mean over ranks.
+def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict]:
+    """``(seconds per aten op, a hardware_from_dict mapping)`` from ``measure_profile``'s measurements: every rate the
+    mean over ranks.
 
     Args:
         meas: ``{"ranks": R, "threads": t, "compute": [{"gemm": [{"flops", "seconds"}], "bmm": {"flops", "seconds"},
-            "memory": {"bytes", "seconds"}}] per rank, "comm": [{"all_gather": {"wire_bytes", "seconds"},
-            "all_reduce": {...}, "latency_s": s}] per rank}``.
+            "memory": {"bytes", "seconds"}, "op": {"ops", "seconds"}}] per rank, "comm": [{"all_gather":
+            {"wire_bytes", "seconds"}, "all_reduce": {...}, "latency_s": s}] per rank}``.
         memory_gib: this machine's memory (GiB); each rank is given ``memory_gib / R``.
         cores: CPU cores (recorded in the name and sources).
 
     Returns:
-        The profile's keys (``genoctx.plan.hardware`` docstring): FLOP/s, bytes/s, GiB, seconds.
+        Seconds per aten op of a tiny autograd chain (host cost, not a ``Hardware`` key) and the profile's keys
+        (``genoctx.plan.hardware`` docstring): FLOP/s, bytes/s, GiB, seconds.
     """
     R, comp = meas["ranks"], meas["compute"]
 
@@ -236,12 +283,13 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> dict:
     mm = mean([sum(g["flops"] for g in r["gemm"]) / sum(g["seconds"] for g in r["gemm"]) for r in comp])
     bmm = mean([r["bmm"]["flops"] / r["bmm"]["seconds"] for r in comp])
     mem = mean([r["memory"]["bytes"] / r["memory"]["seconds"] for r in comp])
+    op_s = mean([r["op"]["seconds"] / r["op"]["ops"] for r in comp])
     ag = mean([r["all_gather"]["wire_bytes"] / r["all_gather"]["seconds"] for r in meas["comm"]])
     ar = mean([r["all_reduce"]["wire_bytes"] / r["all_reduce"]["seconds"] for r in meas["comm"]])
     lat = mean([r["latency_s"] for r in meas["comm"]])
     t = meas["threads"]
     where = f"bench/step_time_cpu.py on this machine ({cores} cores), {R} concurrent rank(s) x {t} torch thread(s)"
-    return {
+    return op_s, {
         "name": f"cpu-{cores}core-{R}rank",
         "dtype_flops": {"fp32": mm, "bf16": mm},
         "hbm_bytes_per_s": mem,
@@ -282,6 +330,26 @@ def predict(recipe, L: int, layout, hw) -> dict:
                   dtype=t.dtype, seq_chunk_tokens=t.seq_chunk_tokens)  # fmt: skip
     p["no_overlap_s"] = p["compute_s"] + p["memory_bound_s"] + sum(p["comm_s"].values())
     return p
+
+
+def step_aten_ops(recipe, tokens: int) -> int:
+    """Aten ops of one one-process train step of the recipe's model on ``tokens`` tokens of real DNA (after a warm-up
+    step that creates AdamW's state); counted, not timed (``count_aten_ops``)."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from genoctx.data.tokenizer import encode
+    from genoctx.parallel.build import build_model
+    from genoctx.train.loop import build_optimizer, train_step
+
+    torch.manual_seed(0)
+    seq = (HG38 / FASTAS[2]).read_text().split("\n", 1)[1].replace("\n", "")[:tokens]
+    x = torch.from_numpy(encode(seq)[0].astype("int64"))[None]
+    model = build_model(recipe.model, None)
+    opt, sched = build_optimizer(model, recipe.train, recipe.train.steps)
+    train_step(model, opt, sched, x[:, :256], recipe.train, nullcontext())
+    return count_aten_ops(lambda: train_step(model, opt, sched, x, recipe.train, nullcontext()))
 
 
 # ------------------------------------------------------------------ 3. measured
@@ -448,29 +516,34 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     t_start = time.perf_counter()
 
-    hws = {}
+    hws, op_s = {}, {}
     for R in sorted({Layout(**LAYOUT_ARGS[n]).world for n in a.layouts}):
         log(f"profile: {R} rank(s) x {max(1, cores // R)} thread(s)")
         meas = measure_profile(recipe.model, R, seconds=a.seconds, gemm_rows=a.gemm_rows, mem_mib=a.mem_mib,
                                comm_mib=a.comm_mib, cores=cores)  # fmt: skip
-        doc = profile_dict(meas, _memory_gib(), cores)
+        op_s[R], doc = profile_dict(meas, _memory_gib(), cores)
         hws[R] = hardware_from_dict(doc, where=f"measured profile ({R} ranks)")
         if a.save_profiles:
             import yaml
 
             a.save_profiles.mkdir(parents=True, exist_ok=True)
             (a.save_profiles / f"cpu-{R}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-        print(json.dumps({"bench": "step_time_cpu", "kind": "profile", **doc, "measured": meas,
-                          "loadavg_1m": os.getloadavg()[0]}), flush=True)  # fmt: skip
+        print(json.dumps({"bench": "step_time_cpu", "kind": "profile", **doc, "seconds_per_aten_op": op_s[R],
+                          "measured": meas, "loadavg_1m": os.getloadavg()[0]}), flush=True)  # fmt: skip
 
     work = a.work or Path(tempfile.mkdtemp(prefix="step_time_cpu"))
-    cases = []
+    cases, ops = [], {}
     try:
         data = None if a.predict_only else prepare(work, max(lengths))
         for L in lengths:
             for name in a.layouts:
                 layout = Layout(**LAYOUT_ARGS[name])
                 p = predict(recipe, L, layout, hws[layout.world])
+                n = L // layout.cp  # tokens per rank: the mesh's rank counted as one process on its piece
+                if n not in ops:
+                    log(f"counting the aten ops of a one-process step on {n} tokens")
+                    ops[n] = step_aten_ops(recipe, n)
+                host = ops[n] * op_s[layout.world]
                 line = {"bench": "step_time_cpu", "kind": "case", "layout": name, "seq_len": L,
                         "ranks": layout.world, "dtype": recipe.train.dtype, "predicted_s": p["step_s"],
                         "measured_s": None, "ratio": None, "bound": p["bound"],
@@ -479,7 +552,8 @@ def main() -> None:
                         "exposed_comm_s": sum(p["exposed_comm_s"].values()), "comm_s": sum(p["comm_s"].values()),
                         "predicted_no_overlap_s": p["no_overlap_s"],
                         "compute_by_component_s": p["compute_by_component_s"], "flops": p["flops"],
-                        "comm_bytes": p["comm_bytes"]}  # fmt: skip
+                        "comm_bytes": p["comm_bytes"], "aten_ops": ops[n], "host_s": host,
+                        "predicted_plus_host_s": p["step_s"] + host}  # fmt: skip
                 if not a.predict_only:
                     out = work / "runs" / f"{name}-{L}"
                     shutil.rmtree(out, ignore_errors=True)
