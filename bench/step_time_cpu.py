@@ -13,7 +13,9 @@ Prints one JSON line per hardware profile (``"kind": "profile"``), one per measu
 and a final ``"kind": "summary"`` line: the error band (min / max ``ratio`` = predicted / measured), whether the cases
 ranked by step seconds agree between prediction and measurement, and whether the one-process vs FSDP x CP choice at
 each length (by tokens/s) agrees. Progress and the runs' logs go to stderr. The default run (3 lengths x 2 layouts,
-5 steps each) is the one the README's table comes from: about 10 minutes on an idle 2-core machine.
+5 steps each) is the one the README's table comes from: 8 minutes on the 2-core dev machine under a load average of
+4-6 (other jobs), less on an idle one. Every rate and step is wall-clock: run it on an idle machine (a load average
+above the cores is warned about on stderr and recorded in every line as ``loadavg_1m``).
 
 Method:
 
@@ -515,6 +517,8 @@ def main() -> None:
         bad(f"--lengths must be multiples of 4 (CP and FSDP split them) of at least 64, got {a.lengths}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     t_start = time.perf_counter()
+    if os.getloadavg()[0] > cores:
+        log(f"load average {os.getloadavg()[0]:.1f} > {cores} cores: other processes share the CPU, timings are noisy")
 
     hws, op_s = {}, {}
     for R in sorted({Layout(**LAYOUT_ARGS[n]).world for n in a.layouts}):
@@ -574,7 +578,8 @@ def main() -> None:
     finally:
         if a.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({**summary(cases), "wall_s": time.perf_counter() - t_start}), flush=True)
+    print(json.dumps({**summary(cases), "wall_s": time.perf_counter() - t_start, "loadavg_1m": os.getloadavg()[0]}),
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
