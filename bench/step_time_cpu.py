@@ -13,8 +13,8 @@ Prints one JSON line per hardware profile (``"kind": "profile"``), one per measu
 and a final ``"kind": "summary"`` line: the error band (min / max ``ratio`` = predicted / measured), whether the cases
 ranked by step seconds agree between prediction and measurement, and whether the one-process vs FSDP x CP choice at
 each length (by tokens/s) agrees. Progress and the runs' logs go to stderr. The default run (3 lengths x 2 layouts,
-5 steps each) is the one the README's table comes from: 8 minutes on the 2-core dev machine under a load average of
-4-6 (other jobs), less on an idle one. Every rate and step is wall-clock: run it on an idle machine (a load average
+5 steps each) is the one the README's table comes from: about 5 minutes on the 2-core dev machine at a load average
+of 2, 8 minutes at 4-6 (other jobs). Every rate and step is wall-clock: run it on an idle machine (a load average
 above the cores is warned about on stderr and recorded in every line as ``loadavg_1m``).
 
 Method:
