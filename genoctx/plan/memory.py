@@ -1,11 +1,11 @@
-"""Memory planner: bytes per GPU, by component, of one training step (or of scoring one window in evaluation) of a
-config x sequence length x parallel layout.
+"""Memory planner: bytes per GPU, by component, of one training step of a config x sequence length x parallel
+layout.
 
-``plan_memory`` predicts the peak of one optimizer step (forward, backward, AdamW step) on the busiest rank;
-``plan_eval`` the peak of scoring one window in evaluation (forward only, no gradients: its own phases and
-components, section "evaluation" below); ``search_layouts`` plans every layout of a number of GPUs and sorts them;
-``check_fits`` turns a plan that does not fit into a one-line ``GenoctxError``. Units: bytes inside, GiB (2^30
-bytes) in the returned dicts.
+``plan_memory`` predicts the peak of one optimizer step (forward, backward, AdamW step) on the busiest rank. Its
+neighbours in ``genoctx.plan``: ``eval_memory.plan_eval``, the peak of scoring one window in evaluation (forward
+only, no gradients: its own phases and components, its module docstring); ``search.search_layouts`` plans every
+layout of a number of GPUs and sorts them; ``report.check_fits`` turns a plan that does not fit into a one-line
+``GenoctxError``. Units: bytes inside, GiB (2^30 bytes) in the returned dicts.
 
 How the peak is found. Memory is followed through the step as a sequence of phases, and the plan reports the
 phase with the most bytes alive (``peak_phase``), broken down by component (``components_gib``; they add up to
@@ -677,11 +677,10 @@ def plan_memory(
         ``P_e / (ep s_e)``, FSDP2's padding of uneven shards included), "persistent_gib": {"weights",
         "gradients", "optimizer_state", "on_host"} (the sharded state of a whole step: 4, 4 and 8 bytes per local
         parameter; ``on_host`` with offload), "largest_layer_unsharded_gib" (the largest decoder layer's FSDP
-        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "gpu_memory_gib", "dtype",
-        "recompute", "optimizer_offload",
-        "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass), "device"}``. GiB are rounded to 6 decimals
-        (1 KiB); the components add up to the
-        total.
+        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "all_to_all_gib" (what
+        one rank sends by expert all-to-all in the step, ``comms.all_to_all_bytes``), "gpu_memory_gib", "dtype",
+        "recompute", "optimizer_offload", "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass),
+        "device"}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the total.
 
     Components (bytes) and phases: the module docstring.
 
