@@ -46,9 +46,11 @@ sharding one block of experts (every ``ep``-th rank of ``dp_shard x cp``), as ``
 ``wire_bytes``: what the rank puts on the wire with ring / pairwise algorithms: all-gather ``(g - 1)`` x its input
 (``(g - 1) / g`` of the gathered buffer), reduce-scatter ``(g - 1) / g`` of its input, all-reduce ``2 (g - 1) / g``
 of the buffer, all-to-all the rows it does not keep (balanced ``(g - 1) / g``; the busiest rank under ``skew``: its
-sends keep ``skew / ep`` of its rows, its returns ``1 / ep``). Not counted: the per-step ``all_gather_object`` of
-rank metrics (a few hundred bytes of pickled statistics per rank, ``genoctx.train.distributed``), eval's final
-all-reduce of the binned sums (once per evaluation, not per window).
+sends keep ``skew / ep`` of its rows, its returns ``1 / ep``; an all-to-all entry of EP also has
+``recv_wire_bytes``, what the rank receives: ``skew`` x the mean in dispatch, the time model takes the larger of the
+two). Not counted: the per-step ``all_gather_object`` of rank metrics (a few hundred bytes of pickled statistics per
+rank, ``genoctx.train.distributed``), eval's final all-reduce of the binned sums (once per evaluation, not per
+window).
 """
 
 from __future__ import annotations
@@ -301,10 +303,13 @@ def _ep(cfg: ModelConfig, layout: Layout, N: int, a: int, skew: float, passes: d
                               n * moe * chunks * I64 * E,
                               ranks=ranks))  # fmt: skip
         row = width * D * a
-        out.append(_entry(f"ep_dispatch_{phase}", "all_to_all", dims, P, phase, n * moe * R, n * moe * rows * row,
+        sent, returned = n * moe * rows * row, n * moe * skew * rows * row
+        out.append(_entry(f"ep_dispatch_{phase}", "all_to_all", dims, P, phase, n * moe * R, sent,
                           kept=kept_send, ranks=ranks))  # fmt: skip
-        out.append(_entry(f"ep_combine_{phase}", "all_to_all", dims, P, phase, n * moe * R,
-                          n * moe * skew * rows * row, kept=kept_ret, ranks=ranks))  # fmt: skip
+        out[-1]["recv_wire_bytes"] = returned * (1 - kept_ret)  # the busiest rank receives skew x the mean
+        out.append(_entry(f"ep_combine_{phase}", "all_to_all", dims, P, phase, n * moe * R, returned,
+                          kept=kept_ret, ranks=ranks))  # fmt: skip
+        out[-1]["recv_wire_bytes"] = sent * (1 - kept_send)  # its own rows' outputs, back from the other ranks
     return out
 
 
