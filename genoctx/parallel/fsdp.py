@@ -113,6 +113,12 @@ def _islands(layer: nn.Module) -> list[nn.Module]:
     return mods
 
 
+def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
+    """``_islands(layer)`` split into FSDP groups, each all-gathered when one of its modules is called."""
+    mods = _islands(layer)
+    return [[m] for m in mods]
+
+
 def expert_placement(experts: nn.Module, dims: ParallelDims):
     """FSDP2's ``shard_placement_fn`` for a rank's block of routed experts: ``Shard(0)`` (whole experts per shard),
     or, with folded EP where the block's ``n_local_experts`` do not split evenly over the ``efsdp`` ranks (288 / 32
@@ -171,13 +177,13 @@ def apply_fsdp(
         if isinstance(inner.mlp, MoE) and any(is_expert_parameter(p) for p in inner.mlp.experts.parameters()):
             wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload,
                                        shard_placement_fn=expert_placement(inner.mlp.experts, dims)))  # fmt: skip
-        if param_dtype is not None:  # one FSDP group of the layer's island modules (they share its state)
-            islands = _islands(inner)
-            fully_shard(islands, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)
+        if param_dtype is not None:  # the layer's fp32 island modules, in groups of their own (_island_groups)
+            for group in _island_groups(inner):
+                fully_shard(group, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)
+                wrapped.append(group[0])
             for hc in (inner.attn_hc, inner.ffn_hc):  # the layer calls their pre/post, never forward
                 register_fsdp_forward_method(hc, "pre")
                 register_fsdp_forward_method(hc, "post")
-            wrapped.append(islands[0])
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again

@@ -67,8 +67,8 @@ PUBLISHED_SKEW = 4.0  # busiest/mean expert tokens the published 64 x B200 run s
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "step")
 I64 = 8  # bytes of an int64 / fp64 element
-HC_CALLS = 4  # mHC calls per decoder layer (attn_hc.pre/post, ffn_hc.pre/post): each gathers the islands group
-ISLAND_REDUCE_CALLS = 3  # reduce-scatters (and HSDP all-reduces) of an islands group per backward (measured)
+HC_CALLS = 2  # calls of one mHC module per layer forward (pre, post: registered FSDP forward methods), each a gather
+ISLANDS = ("self_attn", "mlp.gate", "attn_hc", "ffn_hc")  # a layer's island modules (fsdp._islands), in its order
 
 
 def all_to_all_bytes(cfg: ModelConfig, tokens: int, layout: Layout, a: int, passes: int) -> float:
@@ -146,15 +146,23 @@ def _param_shapes(key: str) -> tuple:
     return tuple(out)
 
 
+def _island_module(name: str) -> str:
+    """The island module (``ISLANDS``) of an island parameter ``layers.i.<module>.<...>``."""
+    rest = name.split(".", 2)[2]
+    return next(m for m in ISLANDS if rest.startswith(m + "."))
+
+
 def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[dict]:
     """FSDP2's parameter groups as ``apply_fsdp`` makes them, innermost first, with what their collectives carry.
 
     Returns:
         ``[{"name", "mesh" ("dense" | "expert"), "shards" (ranks of the shard group), "nested" (called inside a
-        decoder layer: experts, islands), "root", "islands", "layer" (decoder layer index; None for the root),
-        "gather_bytes" (all-gather input: padded shards in the parameter
-        dtype), "grad_shard_bytes" (padded shard numel x 4: reduce-scatter output, HSDP all-reduce buffer)}]``;
-        empty without FSDP.
+        decoder layer: experts, islands), "root", "island" (under bf16, a group of one fp32 island module:
+        ``"kda"`` (a KDA layer's ``self_attn``), ``"router"`` (``mlp.gate``), ``"mhc"`` (``attn_hc``, ``ffn_hc``);
+        None otherwise), "layer" (decoder layer index; None for the root), "gather_bytes" (all-gather input:
+        padded shards in the parameter dtype), "grad_shard_bytes" (padded shard numel x 4: reduce-scatter output,
+        HSDP all-reduce buffer)}]``; empty without FSDP. Named as FSDP2 names them: ``layers.i``,
+        ``layers.i.experts``, ``layers.i.<island module>``, ``root``.
     """
     if not layout.fsdp:
         return []
@@ -169,7 +177,7 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
             if expert and layout.ep > 1:
                 key, mesh, nested = f"layers.{i}.experts", "expert", True
             elif bf16 and _is_island(cfg, i, name):
-                key, mesh, nested = f"layers.{i}.islands", "dense", True
+                key, mesh, nested = f"layers.{i}.{_island_module(name)}", "dense", True
             else:
                 key, mesh, nested = f"layers.{i}", "dense", False
         else:
@@ -177,49 +185,55 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
         if key not in groups:
             groups[key] = {"name": key, "mesh": mesh, "nested": nested, "root": key == "root",
                            "shards": layout.expert_shard if mesh == "expert" else layout.dense_shard,
-                           "numel": 0, "param_bytes": 4 if (not bf16 or key.endswith(".islands")) else 2}  # fmt: skip
+                           "numel": 0, "param_bytes": 4 if (not bf16 or nested and mesh == "dense") else 2}  # fmt: skip
             order.append(key)
         kind = "expert" if (expert and mesh == "expert") else "dense"
         groups[key]["numel"] += shard_numel([(kind, rows, rest, dim1)], layout)[kind]
-    # innermost first (apply_fsdp's order): experts, islands, the layer; the root last
-    rank = {"experts": 0, "islands": 1}
+    # innermost first (apply_fsdp's order): experts, the island modules, the layer; the root last
+    rank = {"experts": 0, **{m: 1 + j for j, m in enumerate(ISLANDS)}}
+    kinds = {"self_attn": "kda", "mlp.gate": "router", "attn_hc": "mhc", "ffn_hc": "mhc"}
+
+    def sub(k: str) -> str:  # what follows "layers.i." ("" for the layer itself and the root)
+        return k.split(".", 2)[2] if k.count(".") >= 2 else ""
+
     keyed = sorted(order, key=lambda k: (k == "root", int(k.split(".")[1]) if k != "root" else 0,
-                                         rank.get(k.split(".")[-1], 2)))  # fmt: skip
+                                         rank.get(sub(k), len(rank))))  # fmt: skip
     out = []
     for k in keyed:
         g = groups[k]
+        island = kinds[sub(k)] if (g["nested"] and g["mesh"] == "dense") else None
         out.append({**{x: g[x] for x in ("name", "mesh", "shards", "nested", "root")},
-                    "islands": k.endswith(".islands"), "layer": None if k == "root" else int(k.split(".")[1]),
+                    "island": island, "layer": None if k == "root" else int(k.split(".")[1]),
                     "gather_bytes": g["numel"] * g["param_bytes"], "grad_shard_bytes": g["numel"] * F32})  # fmt: skip
     return out
 
 
-def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: str, passes: dict) -> list[dict]:
-    """FSDP2's all-gathers, reduce-scatters and HSDP all-reduces (module docstring). ``passes``: forwards with a
-    graph (``fwd``), forwards without (``nograd``), backwards (``bwd``) of the step."""
+def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, mode: str, window: dict,
+          call_tokens: list[int]) -> list[dict]:  # fmt: skip
+    """FSDP2's all-gathers, reduce-scatters and HSDP all-reduces (module docstring). ``window``: forwards with a
+    graph (``fwd``), forwards without (``nograd``), backwards (``bwd``) of the step, each one model call per entry
+    of ``call_tokens`` (the rank's tokens, all windows, of each call: one, or one per chunk)."""
     groups = fsdp_groups(cfg, layout, dtype)
     if not groups:
         return []
     dense_dims = _dims(layout, ("ep", "dp_shard", "cp"))
     exp_dims = ("efsdp",) if layout.ep_folded else _dims(layout, ("dp_shard", "cp"))
     folded = "stride ep inside dp_shard x cp (ranks holding the same expert block)" if layout.ep_folded else None
-    last = max((g["layer"] for g in groups if g["layer"] is not None), default=None)
+    calls = len(call_tokens)
+    router = sum(math.ceil(n / cfg.moe_chunk_tokens) for n in call_tokens)  # MoE chunks of one pass's calls
 
-    def gathers(g: dict, phase: str) -> int:  # all-gathers of group g per model call (measured, module docstring)
-        if g["islands"]:
-            return {"forward": HC_CALLS, "recompute": 0, "backward": HC_CALLS + (g["layer"] == last)}[phase]
-        if phase == "recompute":
-            return 1 if (recompute and g["nested"]) else 0
-        return 1
+    def gathers(g: dict) -> int:  # all-gathers of group g per pass, forward or backward (module docstring)
+        if g["island"] == "router":  # one per MoE chunk (in backward too: each chunk is checkpointed)
+            return router
+        return calls * (HC_CALLS if g["island"] == "mhc" else 1)
 
-    n_phase = {"forward": passes["fwd"] + passes["nograd"], "recompute": passes["bwd"], "backward": passes["bwd"]}
+    n_phase = {"forward": window["fwd"] + window["nograd"], "backward": window["bwd"]}
     out = []
     for phase, n in n_phase.items():
         if n == 0 or (mode == "eval" and phase != "forward"):
             continue
         for mesh in ("dense", "expert"):
-            gs = [(g, n * gathers(g, phase)) for g in groups if g["mesh"] == mesh and g["shards"] > 1]
-            gs = [(g, c) for g, c in gs if c]
+            gs = [(g, n * gathers(g)) for g in groups if g["mesh"] == mesh and g["shards"] > 1]
             if not gs:
                 continue
             suffix = "" if mesh == "dense" else "_experts"
@@ -227,23 +241,22 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: s
                               else exp_dims, gs[0][0]["shards"], phase, sum(c for _, c in gs),
                               sum(c * g["gather_bytes"] for g, c in gs),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
-    if mode == "eval" or passes["bwd"] == 0:
+    bwd = window["bwd"] * calls  # backwards of the step: every group reduce-scatters once in each
+    if mode == "eval" or bwd == 0:
         return out
     for mesh in ("dense", "expert"):
         gs = [g for g in groups if g["mesh"] == mesh]
-        calls = {g["name"]: passes["bwd"] * (ISLAND_REDUCE_CALLS if g["islands"] else 1) for g in gs}
         suffix = "" if mesh == "dense" else "_experts"
         sharded = [g for g in gs if g["shards"] > 1]
         if sharded:
             sh = sharded[0]["shards"]
             out.append(_entry(f"fsdp_reduce_scatter{suffix}", "reduce_scatter", dense_dims if mesh == "dense"
-                              else exp_dims, sh, "backward", sum(calls[g["name"]] for g in sharded),
-                              passes["bwd"] * sum(sh * g["grad_shard_bytes"] for g in sharded),
+                              else exp_dims, sh, "backward", bwd * len(sharded),
+                              bwd * sum(sh * g["grad_shard_bytes"] for g in sharded),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
         if gs:  # FSDP2 on a 2-D mesh (dp_replicate, shard) all-reduces over dp_replicate, a group of 1 included
             out.append(_entry(f"dp_all_reduce{suffix}", "all_reduce", ("dp_replicate",), layout.dp_replicate,
-                              "backward", sum(calls.values()),
-                              passes["bwd"] * sum(g["grad_shard_bytes"] for g in gs)))  # fmt: skip
+                              "backward", bwd * len(gs), bwd * sum(g["grad_shard_bytes"] for g in gs)))  # fmt: skip
     return out
 
 
@@ -423,8 +436,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         if seq_chunk_tokens is not None and seq_chunk_tokens < T:
             chunks = -(-seq_len // (seq_chunk_tokens * layout.cp))
         B, window = batch_size, {"fwd": 1, "nograd": 1 if chunks > 1 else 0, "bwd": 1}  # forward sweep: no graph
-    passes = {k: v * chunks for k, v in window.items()}  # model calls: every chunk in every pass
-    out = _fsdp(cfg, layout, dtype, recompute, mode, passes)
+    step = seq_len if chunks == 1 else seq_chunk_tokens * layout.cp  # a model call's tokens: window or round
+    call_tokens = [B * (min(step, seq_len - s) // layout.cp) for s in range(0, seq_len, step)]  # the rank's
+    out = _fsdp(cfg, layout, dtype, mode, window, call_tokens)
     out += _replicated_grads(cfg, layout) if mode == "train" else []
     out += _ep(cfg, layout, B * T, a, skew, window, recompute, mode, chunks)
     out += _cp(cfg, layout, B, T, a, window, recompute, mode, cp_layout, chunks)
