@@ -20,9 +20,10 @@ replica sees different tokens) and replicated over ``dp_replicate`` (HSDP); each
 
 Mixed precision (``MixedPrecisionPolicy``): with ``param_dtype=bf16`` the all-gathered parameters are bf16, the
 sharded masters, gradients' reduction (``reduce_dtype``) and optimizer state fp32. The fp32 islands (KDA decay gate,
-short convolution and output norm, MoE router, mHC mixing) are wrapped as their own groups with fp32 parameters, so
-they compute exactly as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under
-autocast).
+short convolution and output norm, MoE router, mHC mixing) are wrapped with fp32 parameters, so they compute exactly
+as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under autocast), each island
+module in an FSDP group of its own (``_island_groups``: a group is all-gathered at each call of one of its modules, so
+the KDA mixer's ~140M parameters per layer are gathered once in forward and once in backward).
 
 Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
 all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
@@ -114,9 +115,26 @@ def _islands(layer: nn.Module) -> list[nn.Module]:
 
 
 def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
-    """``_islands(layer)`` split into FSDP groups, each all-gathered when one of its modules is called."""
-    mods = _islands(layer)
-    return [[m] for m in mods]
+    """``_islands(layer)`` as FSDP2 groups: one module each (``[[self_attn], [mlp.gate], [attn_hc], [ffn_hc]]``).
+
+    FSDP2 all-gathers a group at every call of one of its modules and reshards it after (``reshard_after_forward``),
+    so a module's parameters travel as often as the group's modules are called, not as often as they are used:
+
+    - the KDA mixer (``self_attn``, the big one: ~140M parameters per GLM-5.3-Flash layer, fp32) is called once per
+      layer forward: gathered once in forward, once in backward (none in an activation-checkpointing recompute);
+    - the router (``mlp.gate``, ``E x D``) is called once per ``moe_chunk_tokens`` chunk: gathered per chunk in
+      forward and again per chunk in backward (each chunk is checkpointed);
+    - ``attn_hc`` / ``ffn_hc``: ``pre`` and ``post`` are registered forward methods: two gathers each per forward
+      and two per backward (``fn`` ``(2 + n) n x n D`` parameters, ``base``, ``scale``: small).
+
+    Sharing a group would gather a module's parameters at the other modules' calls too (one group of all four moved
+    the KDA mixer at each of the four mHC calls). A group whose modules do not all run ``forward`` (the mHC
+    modules are only called through ``pre``/``post``) is also left incomplete after the forward: the root then
+    completes it and registers its pre-backward on the model's output, so it is all-gathered again at the start of
+    backward and stays unsharded until its layer's backward (every layer's at once). Groups of one module avoid
+    both.
+    """
+    return [[m] for m in _islands(layer)]
 
 
 def expert_placement(experts: nn.Module, dims: ParallelDims):

@@ -5,21 +5,21 @@ One dict per kind of collective call of one training step (``mode="train"``: for
 of scoring one window (``mode="eval"``: forward only under ``torch.no_grad``), on the busiest rank:
 
 - FSDP2 (``genoctx.parallel.fsdp.apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): groups are each decoder layer,
-  its routed experts under EP (over the expert mesh), under a bf16 ``MixedPrecisionPolicy`` its fp32 islands
-  (``_islands``: a KDA mixer, the MoE router, the mHC mixings), and the root (embedding, final norm, ``lm_head``).
-  Each group's all-gather input is the concatenation of its parameters' padded shards (``ceil(rows / s)`` rows,
-  ``sizes.shard_numel``) in the parameter dtype (bf16, fp32 for the islands; fp32 with ``dtype="fp32"``); its
-  reduce-scatter input the unsharded padded gradients in fp32 (``reduce_dtype``); HSDP all-reduces the
-  reduce-scatter's output (one shard, fp32) over ``dp_replicate`` (FSDP2 on the 2-D mesh issues it over a
-  ``dp_replicate`` group of one rank too: a call, no wire bytes). Calls per model call, as counted in real gloo steps
-  (torch 2.13, ``tests/plan/test_comms.py``): every layer group and the root one all-gather in forward and one in
-  backward (the root is resharded after forward too); activation checkpointing adds none for them (the recompute
-  runs inside the layer's backward, whose pre-backward all-gather it uses) but one more for each routed-experts
-  group (its module is called again in the recompute). An islands group is all-gathered at each of the layer's
-  ``HC_CALLS = 4`` mHC calls (``attn_hc``/``ffn_hc`` ``pre``/``post`` are registered FSDP forward methods: each
-  call unshards and reshards), as many times in backward (one more for the last layer's), none more under
-  recompute, and reduce-scattered in ``ISLAND_REDUCE_CALLS = 3`` calls (the same bytes as one). A group over one
-  rank (folded EP with ``efsdp = 1``) issues no all-gather or reduce-scatter.
+  its routed experts under EP (over the expert mesh), under a bf16 ``MixedPrecisionPolicy`` each of its fp32 island
+  modules (``_island_groups``: a KDA mixer ``self_attn``, the MoE router ``mlp.gate``, the mHC mixings ``attn_hc``
+  and ``ffn_hc``, one group each), and the root (embedding, final norm, ``lm_head``). Each group's all-gather input
+  is the concatenation of its parameters' padded shards (``ceil(rows / s)`` rows, ``sizes.shard_numel``) in the
+  parameter dtype (bf16, fp32 for the islands; fp32 with ``dtype="fp32"``); its reduce-scatter input the unsharded
+  padded gradients in fp32 (``reduce_dtype``); HSDP all-reduces the reduce-scatter's output (one shard, fp32) over
+  ``dp_replicate`` (FSDP2 on the 2-D mesh issues it over a ``dp_replicate`` group of one rank too: a call, no wire
+  bytes). Calls per model call, as counted in real gloo steps (torch 2.13, ``tests/plan/test_comms.py``): every
+  layer group, experts group, KDA island and the root one all-gather in forward and one in backward (the root is
+  resharded after forward too); activation checkpointing adds none (the recompute runs inside the layer's backward,
+  on the parameters its pre-backward gathered). A router is all-gathered once per ``moe_chunk_tokens`` chunk of
+  the call, in forward and again in backward (each chunk is checkpointed); an mHC module ``HC_CALLS = 2`` times in
+  each (its ``pre`` and ``post`` are registered FSDP forward methods: each call unshards and reshards). Every group
+  is reduce-scattered (and HSDP all-reduced) once per backward. A group over one rank (folded EP with
+  ``efsdp = 1``) issues no all-gather or reduce-scatter.
 - Without FSDP (replicas and EP only): after backward, one all-reduce (sum, fp32) of the dense gradients over the
   mesh and one of the routed experts' over the ranks holding the same block (``reduce_gradients``).
 - Chunked training (``seq_chunk_tokens``): every chunk runs a forward without graph (the forward sweep), a forward
@@ -388,8 +388,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         seq_len: tokens per window (``L``); a rank holds ``L / cp`` of each.
         layout: ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.layout.Layout``).
         batch_size: windows per data-parallel rank per step (eval: windows scored, one forward each).
-        recompute: activation checkpointing of every decoder layer (``apply_ac``): FSDP's nested groups, EP and CP
-            exchanges run again in backward.
+        recompute: activation checkpointing of every decoder layer (``apply_ac``): the EP and CP exchanges run
+            again in backward (FSDP's all-gathers do not).
         dtype: ``"bf16"`` (bf16 all-gathered parameters and activations, fp32 islands and gradient reduction) or
             ``"fp32"``.
         skew: rows the busiest EP rank's experts receive over the mean, ``>= 1``, taken as at most ``ep`` (a rank
