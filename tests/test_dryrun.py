@@ -14,6 +14,7 @@ from genoctx import plan as P
 from genoctx.model.config import preset
 from genoctx.model.model import HybridLM
 from genoctx.parallel.layout import Layout
+from genoctx.recipes import load_recipe
 from genoctx.train.dryrun import dry_run, name_class, reuse_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,13 @@ def test_cli_train_dry_run(prepared, tmp_path):
     assert dr["layout"] == {"dp_replicate": 1, "ep": 2, "dp_shard": 2, "cp": 1, "ep_folded": False, "world": 4}
     assert [x["rank"] for x in dr["ranks"]] == [0, 3] and all(x["weights"] > 0 for x in dr["ranks"])
     assert not out.exists()
+    # the planner's step time on the --hardware profile (default B200) and the GPU-hours of the recipe's steps
+    t, steps = dr["time"], load_recipe("recipes/tiny.yaml").train.steps
+    assert t["hardware"] == "B200" and t["steps"] == steps and t["step_s"] > 0
+    assert t["gpu_hours"] == pytest.approx(t["step_s"] * steps * 4 / 3600)
+    assert f"{steps} steps = " in r.stderr and "GPU-hours on 4 GPUs" in r.stderr
+    h100 = json.loads(genoctx(*args, "--num-workers", 4, "--fsdp", 2, "--ep", 2, "--hardware", "h100").stdout)
+    assert h100["dry_run"]["time"]["step_s"] > t["step_s"]  # (the same step on a slower GPU)
     bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fsdp 3" in bad.stderr
     assert not out.exists()

@@ -651,7 +651,10 @@ def test_cli_eval_json():
     want = P.plan_eval(SMALL, 16384, Layout(dp_shard=2, cp=2), gpu_memory_gib=178.0, chunk_tokens=4096, dtype="fp32")
     one = _cli("--eval", "--preset", "cpu-small", "--seq-len", "16k", "--gpus", "4", "--fsdp", "2", "--cp", "2",
                "--chunk-tokens", "4k", "--dtype", "fp32", "--format", "json")  # fmt: skip
-    assert json.loads(one.stdout)["layouts"] == [want]
+    got = json.loads(one.stdout)["layouts"]
+    assert [{k: v for k, v in p.items() if k != "time"} for p in got] == [want]  # (plus the time model's "time")
+    assert got[0]["time"]["step_s"] > 0 and got[0]["time"]["bound"] in ("compute", "memory-bound kernels",
+                                                                         "intra-node", "inter-node")  # fmt: skip
     table = _cli("--eval", "--preset", "glm-5.3-flash", "--seq-len", "512k", "--gpus", "64")
     assert table.exit_code == 0 and "mode eval, chunk whole" in table.stdout and "components of #1" in table.stdout
 

@@ -152,3 +152,48 @@ def test_memory_bound_time_counts_each_pass():
     assert recomputed["hbm_bytes"] / plain["hbm_bytes"] == pytest.approx(8 / 6)  # 2 fwd + 2 recompute + 4 bwd
     assert plain["memory_bound_s"] == pytest.approx(plain["hbm_bytes"] / (1e12 * 0.7))
     assert math.isfinite(plain["step_s"]) and plain["exposed_comm_s"] == {"intra-node": 0.0, "inter-node": 0.0}
+
+
+def _plan(*args):
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    base = ["plan", "--preset", "cpu-small", "--seq-len", "16k", "--gpus", "4"]
+    return CliRunner().invoke(app, [*base, *map(str, args)])
+
+
+def test_cli_plan_times_each_layout_and_ranks_by_throughput(tmp_path):
+    import json
+
+    mem = json.loads(_plan("--format", "json", "--gpu-memory-gib", "8").stdout)
+    thr = json.loads(_plan("--format", "json", "--gpu-memory-gib", "8", "--rank-by", "throughput").stdout)
+    assert mem["hardware"] == "B200" and mem["skew"] == 1.0 and thr["rank_by"] == "throughput"
+    assert sorted(map(json.dumps, mem["layouts"])) == sorted(map(json.dumps, thr["layouts"]))  # the same plans
+    speeds = [p["time"]["tokens_per_s"] for p in thr["layouts"]]
+    assert speeds == sorted(speeds, reverse=True) and len(set(speeds)) > 1
+    assert [p["total_gib"] for p in mem["layouts"]] == sorted(p["total_gib"] for p in mem["layouts"])
+    skewed = json.loads(_plan("--format", "json", "--gpu-memory-gib", "8", "--skew", "published").stdout)
+    assert skewed["skew"] == 4.0
+    by = {json.dumps(p["layout"]): p["time"]["step_s"] for p in mem["layouts"]}
+    for p in skewed["layouts"]:  # a skew slows a layout with EP (the busiest rank's experts), never speeds one up
+        slower = p["time"]["step_s"] > by[json.dumps(p["layout"])]
+        assert slower if p["layout"]["ep"] > 1 else p["time"]["step_s"] >= by[json.dumps(p["layout"])]
+    table = _plan("--gpu-memory-gib", "8", "--hardware", "h100")
+    assert table.exit_code == 0 and "tokens/s" in table.stdout and "time model on H100" in table.stdout
+    # the profile's memory when --gpu-memory-gib is not given
+    assert json.loads(_plan("--format", "json", "--hardware", "h200").stdout)["gpu_memory_gib"] == 139.0
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--hardware", "tpu"], "--hardware tpu: neither a profile"),
+        (["--skew", "0.5"], "--skew: a number >= 1"),
+        (["--skew", "lots"], "--skew: a number >= 1"),
+        (["--rank-by", "speed"], "--rank-by must be memory or throughput"),
+    ],
+)
+def test_cli_plan_bad_speed_flags_are_one_line_exit_2(args, message):
+    r = _plan(*args)
+    assert r.exit_code == 2 and r.stdout == "" and message in r.stderr and len(r.stderr.strip().splitlines()) == 1

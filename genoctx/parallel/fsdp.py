@@ -20,9 +20,10 @@ replica sees different tokens) and replicated over ``dp_replicate`` (HSDP); each
 
 Mixed precision (``MixedPrecisionPolicy``): with ``param_dtype=bf16`` the all-gathered parameters are bf16, the
 sharded masters, gradients' reduction (``reduce_dtype``) and optimizer state fp32. The fp32 islands (KDA decay gate,
-short convolution and output norm, MoE router, mHC mixing) are wrapped as their own groups with fp32 parameters, so
-they compute exactly as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under
-autocast).
+short convolution and output norm, MoE router, mHC mixing) are wrapped with fp32 parameters, so they compute exactly
+as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under autocast), each island
+module in an FSDP group of its own (``_island_groups``: a group is all-gathered at each call of one of its modules, so
+the KDA mixer's ~140M parameters per layer are gathered once in forward and once in backward).
 
 Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
 all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
@@ -113,6 +114,29 @@ def _islands(layer: nn.Module) -> list[nn.Module]:
     return mods
 
 
+def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
+    """``_islands(layer)`` as FSDP2 groups: one module each (``[[self_attn], [mlp.gate], [attn_hc], [ffn_hc]]``).
+
+    FSDP2 all-gathers a group at every call of one of its modules and reshards it after (``reshard_after_forward``),
+    so a module's parameters travel as often as the group's modules are called, not as often as they are used:
+
+    - the KDA mixer (``self_attn``, the big one: ~140M parameters per GLM-5.3-Flash layer, fp32) is called once per
+      layer forward: gathered once in forward, once in backward (none in an activation-checkpointing recompute);
+    - the router (``mlp.gate``, ``E x D``) is called once per ``moe_chunk_tokens`` chunk: gathered per chunk in
+      forward and again per chunk in backward (each chunk is checkpointed);
+    - ``attn_hc`` / ``ffn_hc``: ``pre`` and ``post`` are registered forward methods: two gathers each per forward
+      and two per backward (``fn`` ``(2 + n) n x n D`` parameters, ``base``, ``scale``: small).
+
+    Sharing a group would gather a module's parameters at the other modules' calls too (one group of all four moved
+    the KDA mixer at each of the four mHC calls). A group whose modules do not all run ``forward`` (the mHC
+    modules are only called through ``pre``/``post``) is also left incomplete after the forward: the root then
+    completes it and registers its pre-backward on the model's output, so it is all-gathered again at the start of
+    backward and stays unsharded until its layer's backward (every layer's at once). Groups of one module avoid
+    both.
+    """
+    return [[m] for m in _islands(layer)]
+
+
 def expert_placement(experts: nn.Module, dims: ParallelDims):
     """FSDP2's ``shard_placement_fn`` for a rank's block of routed experts: ``Shard(0)`` (whole experts per shard),
     or, with folded EP where the block's ``n_local_experts`` do not split evenly over the ``efsdp`` ranks (288 / 32
@@ -171,13 +195,13 @@ def apply_fsdp(
         if isinstance(inner.mlp, MoE) and any(is_expert_parameter(p) for p in inner.mlp.experts.parameters()):
             wrapped.append(fully_shard(inner.mlp.experts, mesh=dims.expert_mesh, mp_policy=mp, offload_policy=offload,
                                        shard_placement_fn=expert_placement(inner.mlp.experts, dims)))  # fmt: skip
-        if param_dtype is not None:  # one FSDP group of the layer's island modules (they share its state)
-            islands = _islands(inner)
-            fully_shard(islands, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)
+        if param_dtype is not None:  # the layer's fp32 island modules, in groups of their own (_island_groups)
+            for group in _island_groups(inner):
+                fully_shard(group, mesh=dims.dense_mesh, mp_policy=mp_island, offload_policy=offload)
+                wrapped.append(group[0])
             for hc in (inner.attn_hc, inner.ffn_hc):  # the layer calls their pre/post, never forward
                 register_fsdp_forward_method(hc, "pre")
                 register_fsdp_forward_method(hc, "post")
-            wrapped.append(islands[0])
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again

@@ -5,21 +5,21 @@ One dict per kind of collective call of one training step (``mode="train"``: for
 of scoring one window (``mode="eval"``: forward only under ``torch.no_grad``), on the busiest rank:
 
 - FSDP2 (``genoctx.parallel.fsdp.apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): groups are each decoder layer,
-  its routed experts under EP (over the expert mesh), under a bf16 ``MixedPrecisionPolicy`` its fp32 islands
-  (``_islands``: a KDA mixer, the MoE router, the mHC mixings), and the root (embedding, final norm, ``lm_head``).
-  Each group's all-gather input is the concatenation of its parameters' padded shards (``ceil(rows / s)`` rows,
-  ``sizes.shard_numel``) in the parameter dtype (bf16, fp32 for the islands; fp32 with ``dtype="fp32"``); its
-  reduce-scatter input the unsharded padded gradients in fp32 (``reduce_dtype``); HSDP all-reduces the
-  reduce-scatter's output (one shard, fp32) over ``dp_replicate`` (FSDP2 on the 2-D mesh issues it over a
-  ``dp_replicate`` group of one rank too: a call, no wire bytes). Calls per model call, as counted in real gloo steps
-  (torch 2.13, ``tests/plan/test_comms.py``): every layer group and the root one all-gather in forward and one in
-  backward (the root is resharded after forward too); activation checkpointing adds none for them (the recompute
-  runs inside the layer's backward, whose pre-backward all-gather it uses) but one more for each routed-experts
-  group (its module is called again in the recompute). An islands group is all-gathered at each of the layer's
-  ``HC_CALLS = 4`` mHC calls (``attn_hc``/``ffn_hc`` ``pre``/``post`` are registered FSDP forward methods: each
-  call unshards and reshards), as many times in backward (one more for the last layer's), none more under
-  recompute, and reduce-scattered in ``ISLAND_REDUCE_CALLS = 3`` calls (the same bytes as one). A group over one
-  rank (folded EP with ``efsdp = 1``) issues no all-gather or reduce-scatter.
+  its routed experts under EP (over the expert mesh), under a bf16 ``MixedPrecisionPolicy`` each of its fp32 island
+  modules (``_island_groups``: a KDA mixer ``self_attn``, the MoE router ``mlp.gate``, the mHC mixings ``attn_hc``
+  and ``ffn_hc``, one group each), and the root (embedding, final norm, ``lm_head``). Each group's all-gather input
+  is the concatenation of its parameters' padded shards (``ceil(rows / s)`` rows, ``sizes.shard_numel``) in the
+  parameter dtype (bf16, fp32 for the islands; fp32 with ``dtype="fp32"``); its reduce-scatter input the unsharded
+  padded gradients in fp32 (``reduce_dtype``); HSDP all-reduces the reduce-scatter's output (one shard, fp32) over
+  ``dp_replicate`` (FSDP2 on the 2-D mesh issues it over a ``dp_replicate`` group of one rank too: a call, no wire
+  bytes). Calls per model call, as counted in real gloo steps (torch 2.13, ``tests/plan/test_comms.py``): every
+  layer group, experts group, KDA island and the root one all-gather in forward and one in backward (the root is
+  resharded after forward too); activation checkpointing adds none (the recompute runs inside the layer's backward,
+  on the parameters its pre-backward gathered). A router is all-gathered once per ``moe_chunk_tokens`` chunk of
+  the call, in forward and again in backward (each chunk is checkpointed); an mHC module ``HC_CALLS = 2`` times in
+  each (its ``pre`` and ``post`` are registered FSDP forward methods: each call unshards and reshards). Every group
+  is reduce-scattered (and HSDP all-reduced) once per backward. A group over one rank (folded EP with
+  ``efsdp = 1``) issues no all-gather or reduce-scatter.
 - Without FSDP (replicas and EP only): after backward, one all-reduce (sum, fp32) of the dense gradients over the
   mesh and one of the routed experts' over the ranks holding the same block (``reduce_gradients``).
 - Chunked training (``seq_chunk_tokens``): every chunk runs a forward without graph (the forward sweep), a forward
@@ -46,9 +46,11 @@ sharding one block of experts (every ``ep``-th rank of ``dp_shard x cp``), as ``
 ``wire_bytes``: what the rank puts on the wire with ring / pairwise algorithms: all-gather ``(g - 1)`` x its input
 (``(g - 1) / g`` of the gathered buffer), reduce-scatter ``(g - 1) / g`` of its input, all-reduce ``2 (g - 1) / g``
 of the buffer, all-to-all the rows it does not keep (balanced ``(g - 1) / g``; the busiest rank under ``skew``: its
-sends keep ``skew / ep`` of its rows, its returns ``1 / ep``). Not counted: the per-step ``all_gather_object`` of
-rank metrics (a few hundred bytes of pickled statistics per rank, ``genoctx.train.distributed``), eval's final
-all-reduce of the binned sums (once per evaluation, not per window).
+sends keep ``skew / ep`` of its rows, its returns ``1 / ep``; an all-to-all entry of EP also has
+``recv_wire_bytes``, what the rank receives: ``skew`` x the mean in dispatch, the time model takes the larger of the
+two). Not counted: the per-step ``all_gather_object`` of rank metrics (a few hundred bytes of pickled statistics per
+rank, ``genoctx.train.distributed``), eval's final all-reduce of the binned sums (once per evaluation, not per
+window).
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ PUBLISHED_SKEW = 4.0  # busiest/mean expert tokens the published 64 x B200 run s
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "step")
 I64 = 8  # bytes of an int64 / fp64 element
-HC_CALLS = 4  # mHC calls per decoder layer (attn_hc.pre/post, ffn_hc.pre/post): each gathers the islands group
-ISLAND_REDUCE_CALLS = 3  # reduce-scatters (and HSDP all-reduces) of an islands group per backward (measured)
+HC_CALLS = 2  # calls of one mHC module per layer forward (pre, post: registered FSDP forward methods), each a gather
+ISLANDS = ("self_attn", "mlp.gate", "attn_hc", "ffn_hc")  # a layer's island modules (fsdp._islands), in its order
 
 
 def all_to_all_bytes(cfg: ModelConfig, tokens: int, layout: Layout, a: int, passes: int) -> float:
@@ -144,15 +146,23 @@ def _param_shapes(key: str) -> tuple:
     return tuple(out)
 
 
+def _island_module(name: str) -> str:
+    """The island module (``ISLANDS``) of an island parameter ``layers.i.<module>.<...>``."""
+    rest = name.split(".", 2)[2]
+    return next(m for m in ISLANDS if rest.startswith(m + "."))
+
+
 def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[dict]:
     """FSDP2's parameter groups as ``apply_fsdp`` makes them, innermost first, with what their collectives carry.
 
     Returns:
         ``[{"name", "mesh" ("dense" | "expert"), "shards" (ranks of the shard group), "nested" (called inside a
-        decoder layer: experts, islands), "root", "islands", "layer" (decoder layer index; None for the root),
-        "gather_bytes" (all-gather input: padded shards in the parameter
-        dtype), "grad_shard_bytes" (padded shard numel x 4: reduce-scatter output, HSDP all-reduce buffer)}]``;
-        empty without FSDP.
+        decoder layer: experts, islands), "root", "island" (under bf16, a group of one fp32 island module:
+        ``"kda"`` (a KDA layer's ``self_attn``), ``"router"`` (``mlp.gate``), ``"mhc"`` (``attn_hc``, ``ffn_hc``);
+        None otherwise), "layer" (decoder layer index; None for the root), "gather_bytes" (all-gather input:
+        padded shards in the parameter dtype), "grad_shard_bytes" (padded shard numel x 4: reduce-scatter output,
+        HSDP all-reduce buffer)}]``; empty without FSDP. Named as FSDP2 names them: ``layers.i``,
+        ``layers.i.experts``, ``layers.i.<island module>``, ``root``.
     """
     if not layout.fsdp:
         return []
@@ -167,7 +177,7 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
             if expert and layout.ep > 1:
                 key, mesh, nested = f"layers.{i}.experts", "expert", True
             elif bf16 and _is_island(cfg, i, name):
-                key, mesh, nested = f"layers.{i}.islands", "dense", True
+                key, mesh, nested = f"layers.{i}.{_island_module(name)}", "dense", True
             else:
                 key, mesh, nested = f"layers.{i}", "dense", False
         else:
@@ -175,49 +185,55 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
         if key not in groups:
             groups[key] = {"name": key, "mesh": mesh, "nested": nested, "root": key == "root",
                            "shards": layout.expert_shard if mesh == "expert" else layout.dense_shard,
-                           "numel": 0, "param_bytes": 4 if (not bf16 or key.endswith(".islands")) else 2}  # fmt: skip
+                           "numel": 0, "param_bytes": 4 if (not bf16 or nested and mesh == "dense") else 2}  # fmt: skip
             order.append(key)
         kind = "expert" if (expert and mesh == "expert") else "dense"
         groups[key]["numel"] += shard_numel([(kind, rows, rest, dim1)], layout)[kind]
-    # innermost first (apply_fsdp's order): experts, islands, the layer; the root last
-    rank = {"experts": 0, "islands": 1}
+    # innermost first (apply_fsdp's order): experts, the island modules, the layer; the root last
+    rank = {"experts": 0, **{m: 1 + j for j, m in enumerate(ISLANDS)}}
+    kinds = {"self_attn": "kda", "mlp.gate": "router", "attn_hc": "mhc", "ffn_hc": "mhc"}
+
+    def sub(k: str) -> str:  # what follows "layers.i." ("" for the layer itself and the root)
+        return k.split(".", 2)[2] if k.count(".") >= 2 else ""
+
     keyed = sorted(order, key=lambda k: (k == "root", int(k.split(".")[1]) if k != "root" else 0,
-                                         rank.get(k.split(".")[-1], 2)))  # fmt: skip
+                                         rank.get(sub(k), len(rank))))  # fmt: skip
     out = []
     for k in keyed:
         g = groups[k]
+        island = kinds[sub(k)] if (g["nested"] and g["mesh"] == "dense") else None
         out.append({**{x: g[x] for x in ("name", "mesh", "shards", "nested", "root")},
-                    "islands": k.endswith(".islands"), "layer": None if k == "root" else int(k.split(".")[1]),
+                    "island": island, "layer": None if k == "root" else int(k.split(".")[1]),
                     "gather_bytes": g["numel"] * g["param_bytes"], "grad_shard_bytes": g["numel"] * F32})  # fmt: skip
     return out
 
 
-def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: str, passes: dict) -> list[dict]:
-    """FSDP2's all-gathers, reduce-scatters and HSDP all-reduces (module docstring). ``passes``: forwards with a
-    graph (``fwd``), forwards without (``nograd``), backwards (``bwd``) of the step."""
+def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, mode: str, window: dict,
+          call_tokens: list[int]) -> list[dict]:  # fmt: skip
+    """FSDP2's all-gathers, reduce-scatters and HSDP all-reduces (module docstring). ``window``: forwards with a
+    graph (``fwd``), forwards without (``nograd``), backwards (``bwd``) of the step, each one model call per entry
+    of ``call_tokens`` (the rank's tokens, all windows, of each call: one, or one per chunk)."""
     groups = fsdp_groups(cfg, layout, dtype)
     if not groups:
         return []
     dense_dims = _dims(layout, ("ep", "dp_shard", "cp"))
     exp_dims = ("efsdp",) if layout.ep_folded else _dims(layout, ("dp_shard", "cp"))
     folded = "stride ep inside dp_shard x cp (ranks holding the same expert block)" if layout.ep_folded else None
-    last = max((g["layer"] for g in groups if g["layer"] is not None), default=None)
+    calls = len(call_tokens)
+    router = sum(math.ceil(n / cfg.moe_chunk_tokens) for n in call_tokens)  # MoE chunks of one pass's calls
 
-    def gathers(g: dict, phase: str) -> int:  # all-gathers of group g per model call (measured, module docstring)
-        if g["islands"]:
-            return {"forward": HC_CALLS, "recompute": 0, "backward": HC_CALLS + (g["layer"] == last)}[phase]
-        if phase == "recompute":
-            return 1 if (recompute and g["nested"]) else 0
-        return 1
+    def gathers(g: dict) -> int:  # all-gathers of group g per pass, forward or backward (module docstring)
+        if g["island"] == "router":  # one per MoE chunk (in backward too: each chunk is checkpointed)
+            return router
+        return calls * (HC_CALLS if g["island"] == "mhc" else 1)
 
-    n_phase = {"forward": passes["fwd"] + passes["nograd"], "recompute": passes["bwd"], "backward": passes["bwd"]}
+    n_phase = {"forward": window["fwd"] + window["nograd"], "backward": window["bwd"]}
     out = []
     for phase, n in n_phase.items():
         if n == 0 or (mode == "eval" and phase != "forward"):
             continue
         for mesh in ("dense", "expert"):
-            gs = [(g, n * gathers(g, phase)) for g in groups if g["mesh"] == mesh and g["shards"] > 1]
-            gs = [(g, c) for g, c in gs if c]
+            gs = [(g, n * gathers(g)) for g in groups if g["mesh"] == mesh and g["shards"] > 1]
             if not gs:
                 continue
             suffix = "" if mesh == "dense" else "_experts"
@@ -225,23 +241,22 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, recompute: bool, mode: s
                               else exp_dims, gs[0][0]["shards"], phase, sum(c for _, c in gs),
                               sum(c * g["gather_bytes"] for g, c in gs),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
-    if mode == "eval" or passes["bwd"] == 0:
+    bwd = window["bwd"] * calls  # backwards of the step: every group reduce-scatters once in each
+    if mode == "eval" or bwd == 0:
         return out
     for mesh in ("dense", "expert"):
         gs = [g for g in groups if g["mesh"] == mesh]
-        calls = {g["name"]: passes["bwd"] * (ISLAND_REDUCE_CALLS if g["islands"] else 1) for g in gs}
         suffix = "" if mesh == "dense" else "_experts"
         sharded = [g for g in gs if g["shards"] > 1]
         if sharded:
             sh = sharded[0]["shards"]
             out.append(_entry(f"fsdp_reduce_scatter{suffix}", "reduce_scatter", dense_dims if mesh == "dense"
-                              else exp_dims, sh, "backward", sum(calls[g["name"]] for g in sharded),
-                              passes["bwd"] * sum(sh * g["grad_shard_bytes"] for g in sharded),
+                              else exp_dims, sh, "backward", bwd * len(sharded),
+                              bwd * sum(sh * g["grad_shard_bytes"] for g in sharded),
                               ranks=folded if mesh == "expert" else None))  # fmt: skip
         if gs:  # FSDP2 on a 2-D mesh (dp_replicate, shard) all-reduces over dp_replicate, a group of 1 included
             out.append(_entry(f"dp_all_reduce{suffix}", "all_reduce", ("dp_replicate",), layout.dp_replicate,
-                              "backward", sum(calls.values()),
-                              passes["bwd"] * sum(g["grad_shard_bytes"] for g in gs)))  # fmt: skip
+                              "backward", bwd * len(gs), bwd * sum(g["grad_shard_bytes"] for g in gs)))  # fmt: skip
     return out
 
 
@@ -301,10 +316,13 @@ def _ep(cfg: ModelConfig, layout: Layout, N: int, a: int, skew: float, passes: d
                               n * moe * chunks * I64 * E,
                               ranks=ranks))  # fmt: skip
         row = width * D * a
-        out.append(_entry(f"ep_dispatch_{phase}", "all_to_all", dims, P, phase, n * moe * R, n * moe * rows * row,
+        sent, returned = n * moe * rows * row, n * moe * skew * rows * row
+        out.append(_entry(f"ep_dispatch_{phase}", "all_to_all", dims, P, phase, n * moe * R, sent,
                           kept=kept_send, ranks=ranks))  # fmt: skip
-        out.append(_entry(f"ep_combine_{phase}", "all_to_all", dims, P, phase, n * moe * R,
-                          n * moe * skew * rows * row, kept=kept_ret, ranks=ranks))  # fmt: skip
+        out[-1]["recv_wire_bytes"] = returned * (1 - kept_ret)  # the busiest rank receives skew x the mean
+        out.append(_entry(f"ep_combine_{phase}", "all_to_all", dims, P, phase, n * moe * R, returned,
+                          kept=kept_ret, ranks=ranks))  # fmt: skip
+        out[-1]["recv_wire_bytes"] = sent * (1 - kept_send)  # its own rows' outputs, back from the other ranks
     return out
 
 
@@ -370,8 +388,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         seq_len: tokens per window (``L``); a rank holds ``L / cp`` of each.
         layout: ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.layout.Layout``).
         batch_size: windows per data-parallel rank per step (eval: windows scored, one forward each).
-        recompute: activation checkpointing of every decoder layer (``apply_ac``): FSDP's nested groups, EP and CP
-            exchanges run again in backward.
+        recompute: activation checkpointing of every decoder layer (``apply_ac``): the EP and CP exchanges run
+            again in backward (FSDP's all-gathers do not).
         dtype: ``"bf16"`` (bf16 all-gathered parameters and activations, fp32 islands and gradient reduction) or
             ``"fp32"``.
         skew: rows the busiest EP rank's experts receive over the mean, ``>= 1``, taken as at most ``ep`` (a rank
@@ -418,8 +436,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         if seq_chunk_tokens is not None and seq_chunk_tokens < T:
             chunks = -(-seq_len // (seq_chunk_tokens * layout.cp))
         B, window = batch_size, {"fwd": 1, "nograd": 1 if chunks > 1 else 0, "bwd": 1}  # forward sweep: no graph
-    passes = {k: v * chunks for k, v in window.items()}  # model calls: every chunk in every pass
-    out = _fsdp(cfg, layout, dtype, recompute, mode, passes)
+    step = seq_len if chunks == 1 else seq_chunk_tokens * layout.cp  # a model call's tokens: window or round
+    call_tokens = [B * (min(step, seq_len - s) // layout.cp) for s in range(0, seq_len, step)]  # the rank's
+    out = _fsdp(cfg, layout, dtype, mode, window, call_tokens)
     out += _replicated_grads(cfg, layout) if mode == "train" else []
     out += _ep(cfg, layout, B * T, a, skew, window, recompute, mode, chunks)
     out += _cp(cfg, layout, B, T, a, window, recompute, mode, cp_layout, chunks)

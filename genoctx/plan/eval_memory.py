@@ -1,5 +1,31 @@
-"""Evaluation plans: the peak bytes of scoring one window, forward only (phases and components of their own;
-see ``plan_eval``)."""
+"""Evaluation plans: the peak bytes of scoring one window, forward only (``plan_eval``).
+
+Phases, followed as ``plan_memory`` follows a step, the largest one reported: without CP, for the window's last
+chunk (and the one before a shorter last chunk), each decoder layer's mixer, feed-forward and mHC, then the head
+(``_eval_phases_chunks``); under CP, each layer's state pass, gather, pooling and streamed mixer, then the
+feed-forward, mHC and head over the rank's ``T`` tokens (``_eval_phases_cp``). Components (bytes):
+
+- ``weights`` ``4 P`` (the local fp32 parameters as ``build_model`` makes them: ``shard_numel`` under FSDP, the
+  whole model or its EP block without); ``unsharded_params``: under FSDP the all-gathered root (kept after
+  forward) and the current and prefetched decoder layer (``_eval_params``).
+- ``window_io``: the window's ids, positions and masks, and its float64 losses.
+- ``residual_streams``: the mHC streams and sub-layer inputs and outputs alive (``_eval_layer``); at the head the
+  final hidden states.
+- ``carried_caches``: without CP the cache handed to the chunk and the one being built (``_eval_cache``); under
+  CP a DSA layer's streamed cache (the mixers return none).
+- working sets: ``kda_forward`` (``_kda_eval``), ``dsa_attention`` and ``dsa_indexer_tiles`` (``_dsa_eval``),
+  ``moe_dispatch`` and ``dense_mlp`` (``_ffn_eval``), ``mhc``, ``logits_loss`` (``_head_eval``), ``cp_gather``
+  (``_kda_cp_phases``, ``_dsa_cp_phases``).
+- ``allocator_slack``: as ``plan_memory``'s.
+
+Measured on the CPU (``bench/plan_vs_measured.py``, layouts ``single-eval`` and ``fsdp2-cp2-eval``). On CUDA the
+Triton kernels keep DSA's tiles on chip: the tile terms are upper bounds there.
+
+The code: the sizes of one layer without gradients (``_kda_eval``, ``_dsa_eval``, ``_eval_cache``, ``_ffn_eval``,
+``_head_eval``), then the phases of one layer (``_eval_layer``), of the model-level chunks (``_eval_phases_chunks``,
+``_eval_chunk_call``) and under CP (``_eval_phases_cp``, ``_kda_cp_phases``, ``_dsa_cp_phases``); the peak is
+``plan_memory``'s ``_summary``.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +34,10 @@ import dataclasses
 from ..model.config import KDA, ModelConfig
 from ..parallel.layout import LAYOUTS, Layout, cp_pieces
 from .comms import all_to_all_bytes
-from .memory import _check_model_layout
+from .memory import _check_model_layout, _gib, _slack, _summary
 from .sizes import (
-    ALLOCATOR_SLACK,
     DTYPE_BYTES,
     F32,
-    GIB,
     NUCLEOTIDE_VOCAB,
     SUB_CHUNK,
     _add,
@@ -186,8 +210,6 @@ class _EvalRun:
     head_chunk: int
     cp_layout: str
     params: dict
-
-
 
 
 def _eval_base(ev: _EvalRun, i: int, caches: float, io: float) -> dict:
@@ -410,26 +432,7 @@ def plan_eval(
         and ``optimizer_state`` 0; ``batch_size`` 1; no ``recompute``/``optimizer_offload``) plus ``"mode": "eval"``,
         ``"chunk_tokens"`` and ``"cp_layout"``.
 
-    Phases, followed as ``plan_memory`` follows a step, the largest one reported: without CP, for the window's last
-    chunk (and the one before a shorter last chunk), each decoder layer's mixer, feed-forward and mHC, then the head
-    (``_eval_phases_chunks``); under CP, each layer's state pass, gather, pooling and streamed mixer, then the
-    feed-forward, mHC and head over the rank's ``T`` tokens (``_eval_phases_cp``). Components (bytes):
-
-    - ``weights`` ``4 P`` (the local fp32 parameters as ``build_model`` makes them: ``shard_numel`` under FSDP, the
-      whole model or its EP block without); ``unsharded_params``: under FSDP the all-gathered root (kept after
-      forward) and the current and prefetched decoder layer (``_eval_params``).
-    - ``window_io``: the window's ids, positions and masks, and its float64 losses.
-    - ``residual_streams``: the mHC streams and sub-layer inputs and outputs alive (``_eval_layer``); at the head the
-      final hidden states.
-    - ``carried_caches``: without CP the cache handed to the chunk and the one being built (``_eval_cache``); under
-      CP a DSA layer's streamed cache (the mixers return none).
-    - working sets: ``kda_forward`` (``_kda_eval``), ``dsa_attention`` and ``dsa_indexer_tiles`` (``_dsa_eval``),
-      ``moe_dispatch`` and ``dense_mlp`` (``_ffn_eval``), ``mhc``, ``logits_loss`` (``_head_eval``), ``cp_gather``
-      (``_kda_cp_phases``, ``_dsa_cp_phases``).
-    - ``allocator_slack``: as ``plan_memory``'s.
-
-    Measured on the CPU (``bench/plan_vs_measured.py``, layouts ``single-eval`` and ``fsdp2-cp2-eval``). On CUDA the
-    Triton kernels keep DSA's tiles on chip: the tile terms are upper bounds there.
+    Phases and components (bytes): the module docstring.
 
     Raises:
         ValueError: a bad argument, or a layout this model cannot run (``ep`` not dividing the experts, a window that
@@ -442,18 +445,18 @@ def plan_eval(
     ev = _EvalRun(cfg, s, layout, seq_len, chunk_tokens, loss_vocab_rows, loss_chunk_tokens, cp_layout,
                   _eval_params(cfg, layout, s, device))  # fmt: skip
     phases = _eval_phases_cp(ev) if layout.cp > 1 else _eval_phases_chunks(ev)
-    slack = ALLOCATOR_SLACK if (allocator_slack is None and device == "cuda") else (allocator_slack or 0.0)
-    out = _eval_summary(phases, slack)
+    working = {k: max(c.get(k, 0.0) for _, c in phases) for k in EVAL_WORKING_SETS}
+    out = _summary(phases, _slack(allocator_slack, device), EVAL_COMPONENTS, working)
     pc = param_counts(cfg)
     return {
         "layout": _layout_dict(layout),
         "fits": out["total_gib"] <= gpu_memory_gib,
         **out,
         "tokens_per_rank": seq_len // layout.cp,
-        "all_to_all_gib": round(all_to_all_bytes(cfg, seq_len // layout.cp, layout, s.a, passes=2) / GIB, 6),
+        "all_to_all_gib": _gib(all_to_all_bytes(cfg, seq_len // layout.cp, layout, s.a, passes=2)),
         "params_per_rank": shard_numel(pc["shapes"], layout),
-        "largest_layer_unsharded_gib": round(max(ev.params["blocks"], default=0.0) / GIB, 6),
-        "persistent_gib": {"weights": round(ev.params["weights"] / GIB, 6), "gradients": 0.0, "optimizer_state": 0.0,
+        "largest_layer_unsharded_gib": _gib(max(ev.params["blocks"], default=0.0)),
+        "persistent_gib": {"weights": _gib(ev.params["weights"]), "gradients": 0.0, "optimizer_state": 0.0,
                            "on_host": False},  # fmt: skip
         "seq_len": seq_len,
         "batch_size": 1,
@@ -465,24 +468,3 @@ def plan_eval(
         "cp_layout": cp_layout,
     }
 
-
-def _eval_summary(phases: list, slack: float) -> dict:
-    """``total_gib``, ``components_gib`` (of the largest phase, plus slack), ``peak_phase``, ``next_phases_gib`` and
-    ``working_sets_gib`` (each working set's largest value over the phases) of ``plan_eval``'s phases."""
-    totals = [sum(c.values()) for _, c in phases]
-    order = sorted(range(len(phases)), key=lambda j: -totals[j])
-    name, peak = phases[order[0]]
-    comps = {k: peak.get(k, 0.0) for k in EVAL_COMPONENTS}
-    comps["allocator_slack"] = slack * sum(comps.values())
-
-    def gib(x: float) -> float:
-        return round(x / GIB, 6)
-
-    comps_gib = {k: gib(v) for k, v in comps.items()}
-    return {
-        "total_gib": round(sum(comps_gib.values()), 6),
-        "components_gib": comps_gib,
-        "peak_phase": name,
-        "next_phases_gib": [[phases[j][0], gib(totals[j] * (1 + slack))] for j in order[1:4]],
-        "working_sets_gib": {k: gib(max(c.get(k, 0.0) for _, c in phases)) for k in EVAL_WORKING_SETS},
-    }

@@ -1,11 +1,11 @@
-"""Memory planner: bytes per GPU, by component, of one training step (or of scoring one window in evaluation) of a
-config x sequence length x parallel layout.
+"""Memory planner: bytes per GPU, by component, of one training step of a config x sequence length x parallel
+layout.
 
-``plan_memory`` predicts the peak of one optimizer step (forward, backward, AdamW step) on the busiest rank;
-``plan_eval`` the peak of scoring one window in evaluation (forward only, no gradients: its own phases and
-components, section "evaluation" below); ``search_layouts`` plans every layout of a number of GPUs and sorts them;
-``check_fits`` turns a plan that does not fit into a one-line ``GenoctxError``. Units: bytes inside, GiB (2^30
-bytes) in the returned dicts.
+``plan_memory`` predicts the peak of one optimizer step (forward, backward, AdamW step) on the busiest rank. Its
+neighbours in ``genoctx.plan``: ``eval_memory.plan_eval``, the peak of scoring one window in evaluation (forward
+only, no gradients: its own phases and components, its module docstring); ``search.search_layouts`` plans every
+layout of a number of GPUs and sorts them; ``report.check_fits`` turns a plan that does not fit into a one-line
+``GenoctxError``. Units: bytes inside, GiB (2^30 bytes) in the returned dicts.
 
 How the peak is found. Memory is followed through the step as a sequence of phases, and the plan reports the
 phase with the most bytes alive (``peak_phase``), broken down by component (``components_gib``; they add up to
@@ -19,6 +19,40 @@ phase with the most bytes alive (``peak_phase``), broken down by component (``co
   (KDA core recompute, DSA tiles and key gradients, MoE chunk recompute), gradients of the residual streams,
   and the parameter gradients of the layers already done (i+1..L-1 and the head);
 - the end of backward (FSDP reduce-scatter of the root module) and the optimizer step.
+
+Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = layout.dense_shard``,
+``s_e = layout.expert_shard``; local parameters ``P`` = ``shard_numel`` of every parameter, each dim 0 in
+``ceil(rows / s)`` rows as FSDP2 allocates it, about ``P_d / s_d + P_e / (ep s_e)``):
+
+- ``weights`` ``4 P`` (fp32 masters, sharded), ``gradients`` ``4 x`` the local parameters whose gradient
+  exists in that phase (backward fills them layer by layer), ``optimizer_state`` ``8 P`` (AdamW ``exp_avg``,
+  ``exp_avg_sq``); all three 0 with ``optimizer_offload`` (``_held``).
+- ``unsharded_params``: FSDP's all-gathered blocks in ``a`` bytes (the fp32 islands in 4): the root (kept from
+  forward to the end of backward, FSDP2's root default), the current and the prefetched decoder layer (a layer's
+  routed experts: its ``E / ep`` local ones), and in backward the current layer's unsharded gradient; without FSDP
+  and with bf16, a bf16 copy of the local parameters.
+- ``activations_*``: what the layers alive in the phase keep for backward, by layer type (the per-token sizes
+  of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D a`` residual streams each
+  saves), ``activations_head`` the embedding's ids, final norm and loss). With ``recompute`` only the layer
+  being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D a`` per token).
+  Under CP, KDA layers also keep the state their checkpointed ``[L | M]`` pass leaves (``f H K 2K``) and DSA
+  layers the whole-window tensors of ``_dsa_cp_saved``.
+- ``returned_caches``: until the loss, the caches the layers return: a KDA cache's conv state is a view of
+  the whole pre-convolution input (``3 HK a`` per token, when not already saved), a DSA cache its latents
+  and the incomplete pool's keys; none under CP (the mixers' CP forwards return no cache).
+- working sets (one sub-layer at a time): ``kda_core_recompute`` (``_kda_core_recompute``, one block of the core
+  recomputed, minus the output path; under CP or the recomputed ``[L | M]`` pass, its projections, ``[v | 0]``
+  and core blocks of width ``2K``, once the layer's own graph is freed, whichever is larger),
+  ``dsa_indexer_tiles``, ``dsa_attention`` (tiles, the latents' and queries' gradient ``a Hm R + f R ctx / N``;
+  under CP, once the tiles are freed, the gathered window's gradient instead of them), ``moe_dispatch`` (one
+  chunk, forward or backward), ``stream_gradients`` (the residual streams' gradients, mHC and dense-MLP backward),
+  ``logits_loss`` (an 8-token model: ``[N, 8]`` fp32 logits and log-softmax; a text head: one
+  ``[chunk, rows]`` fp32 logits chunk and the fp32 ``[V, D]`` weight-gradient buffer), ``cp_gather`` (a DSA
+  layer's all-gather output and its concatenation, ``2 L W a`` per window), ``fsdp_reduce_scatter`` (a
+  layer's gradient in fp32 for the reduce-scatter; at the end of backward the root's; without FSDP the
+  flat all-reduce buffer), ``optimizer_step`` (foreach AdamW's temporaries, ``4 P``, on CUDA; two of the
+  largest parameter on CPU).
+- ``allocator_slack``: ``allocator_slack x`` the sum of the others.
 
 Per-token sizes (bytes per token of the rank's ``N = batch_size x seq_len / cp`` tokens) are counted from the
 code, tensor by tensor: what autograd saves in ``genoctx.model`` with its recompute knobs as they are (KDA core,
@@ -58,10 +92,16 @@ Assumptions (each one is a place where a measurement can disagree):
 - CUDA: the caching allocator's slack is ``allocator_slack`` (default ``ALLOCATOR_SLACK`` = 5% of the peak, with
   ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``); the CUDA context and NCCL's own buffers (outside
   PyTorch's allocator, about 1 GiB) are not counted. CPU (``device="cpu"``): no slack, AdamW's per-tensor loop.
+
+The code follows the step: ``_check_args``; ``_step`` (the rank's tokens); ``_held`` (parameter, gradient and
+optimizer bytes); ``_layer`` (one decoder layer's kept activations, cache and working sets: ``_kda_mixer``,
+``_dsa_mixer``, ``_feed_forward``) and ``_head``; the phases (``_forward_phases``, ``_backward_phases`` with
+``_layer_backward``, ``_step_end_phases``); ``_summary`` (the peak, shared with ``plan_eval``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..model.config import DSA, KDA, ModelConfig
@@ -105,6 +145,8 @@ from .sizes import (
     shard_numel,
 )  # fmt: skip
 
+# ---------------------------------------------------------------- argument checks
+
 
 def _check_model_layout(cfg, layout, gpu_memory_gib, dtype, device, loss_vocab_rows, allocator_slack):
     """The checks ``plan_memory`` and ``plan_eval`` share: types, device and dtype, head rows, slack, EP."""
@@ -130,7 +172,9 @@ def _check_model_layout(cfg, layout, gpu_memory_gib, dtype, device, loss_vocab_r
 
 
 def _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
-                allocator_slack, optimizer_offload):  # fmt: skip
+                allocator_slack, optimizer_offload, seq_chunk_tokens):  # fmt: skip
+    """``plan_memory``'s checks: ``_check_model_layout``'s, then the lengths, CP pieces, offload, DSA mode and the
+    sequence chunk (``ValueError``, one line naming the argument)."""
     for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("loss_chunk_tokens", loss_chunk_tokens)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -147,6 +191,439 @@ def _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device,
     if cfg.dsa_mode != "sparse" or cfg.indexer_stage == "warmup":
         raise ValueError("plan_memory models sparse DSA (dsa_mode='sparse', indexer_stage 'sparse' or 'off'), not the "
                          "dense indexer warm-up")  # fmt: skip
+    if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
+        raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
+
+
+# ---------------------------------------------------------------- the step: tokens and parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One ``plan_memory`` call: the model, layout, knobs and the token counts its phases read.
+
+    ``T``: tokens of a window on this rank in one pass (``L / cp``; chunked, one chunk's, under CP this rank's part
+    of a round of ``cp x T`` tokens); ``N = windows x T``; ``ctx``: the keys a DSA query may see on the busiest rank
+    (the window's last piece under CP or its last chunk: ``L``; else ``T``); ``gather_len``: the tokens whose DSA
+    latents/keys a CP layer gathers at once (the window, or chunked one round); ``boundary``: bytes of the state
+    crossing chunk boundaries (``seq_chunk_boundary``, 0 in one pass); ``pc``: ``param_counts(cfg)``."""
+
+    cfg: ModelConfig
+    layout: Layout
+    s: _Sizes
+    dtype: str
+    device: str
+    recompute: bool
+    offload: bool
+    seq_len: int
+    windows: int
+    T: int
+    N: int
+    chunked: bool
+    ctx: int
+    gather_len: int
+    boundary: float
+    pc: dict
+
+
+def _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens) -> _Step:
+    """The ``_Step`` of checked arguments: one pass over ``L / cp`` tokens, or chunks of ``seq_chunk_tokens`` when
+    it is below that."""
+    s = _Sizes(a=DTYPE_BYTES[dtype])
+    cp = layout.cp
+    T = seq_len // cp
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < T
+    if chunked:
+        T = seq_chunk_tokens  # under CP: this rank's part of a round of cp x T tokens
+    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T * cp, batch_size, s.a) if chunked else 0.0
+    return _Step(
+        cfg=cfg, layout=layout, s=s, dtype=dtype, device=device, recompute=recompute, offload=optimizer_offload,
+        seq_len=seq_len, windows=batch_size, T=T, N=batch_size * T, chunked=chunked,
+        ctx=seq_len if (cp > 1 or chunked) else T, gather_len=cp * T if chunked else seq_len, boundary=boundary,
+        pc=param_counts(cfg),
+    )  # fmt: skip
+
+
+def _local(block: dict, layout: Layout) -> float:
+    """Parameters of a block held on this rank: its shapes sharded and padded as FSDP2 allocates them
+    (``shard_numel``), or, for a block given by counts only, ``dense / s_d + expert / (ep s_e)``."""
+    if "shapes" in block:
+        return sum(shard_numel(block["shapes"], layout).values())
+    return block["dense"] / layout.dense_shard + block["expert"] / (layout.ep * layout.expert_shard)
+
+
+def _gathered(block: dict, layout: Layout) -> float:
+    """Parameters of a block once all-gathered on this rank: its dense ones and its ``E / ep`` routed experts'."""
+    return block["dense"] + block["expert"] / layout.ep
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """Parameter bytes the phases hold besides the layers' blocks (module docstring: ``weights`` to
+    ``unsharded_params``). ``P_local``: local parameters (``shard_numel``); ``weights`` ``f P`` and
+    ``optimizer_state`` ``2 f P`` (0 with offload); ``grad_bytes``: bytes per local parameter's gradient (``f``, 0
+    with offload); ``head_local``: local parameters of the final norm and ``lm_head`` (the embedding too when tied);
+    under FSDP ``root_unsharded`` (the all-gathered root in ``a``), ``root_grad`` (its head's unsharded gradient,
+    ``a``) and ``rs_root`` (the root's fp32 gradient for the reduce-scatter); without FSDP and with bf16
+    ``compute_copy`` (``a P``)."""
+
+    P_local: float
+    weights: float
+    optimizer_state: float
+    grad_bytes: float
+    head_local: float
+    root_unsharded: float
+    root_grad: float
+    rs_root: float
+    compute_copy: float
+
+
+def _held(st: _Step) -> _Held:
+    """The ``_Held`` bytes of the step's layout."""
+    a, f, fsdp, pc, lay = st.s.a, st.s.f, st.layout.fsdp, st.pc, st.layout
+    P_local = _local(pc, lay)
+    root = pc["root"]
+    head = {"dense": root["dense"] - pc["embed"], "expert": 0}  # final norm, lm_head (untied)
+    if st.cfg.tie_word_embeddings:
+        head["dense"] += pc["embed"]
+    return _Held(
+        P_local=P_local,
+        weights=0.0 if st.offload else f * P_local,
+        optimizer_state=0.0 if st.offload else 2 * f * P_local,
+        grad_bytes=0.0 if st.offload else f,  # per local parameter
+        head_local=_local(head, lay),
+        root_unsharded=a * _gathered(root, lay) if fsdp else 0.0,
+        root_grad=a * _gathered(head, lay) if fsdp else 0.0,  # the root's unsharded gradient, lm_head's first
+        rs_root=f * _gathered(root, lay) if fsdp else 0.0,
+        compute_copy=a * P_local if (not fsdp and a != f) else 0.0,  # replicated bf16 compute copy
+    )
+
+
+# ---------------------------------------------------------------- one decoder layer, the head
+
+
+def _kda_mixer(st: _Step) -> tuple:
+    """A KDA mixer: ``(saved, w_fwd, w_bwd_mix, cache)``, bytes on this rank. ``saved``: ``_kda`` per token (fla's
+    core: plus ``_fla_saved``; under CP plus the ``[L | M]`` pass's state, ``f H K 2K`` per window); ``w_fwd``:
+    ``kda_core_recompute`` (one block of the core forward); ``w_bwd_mix``: the core recomputed in backward minus the
+    output path (under CP: or the recomputed ``[L | M]`` pass, whichever is larger); ``cache``: the conv state, a view
+    of the pre-convolution input ``3 HK a`` per token (saved anyway in fp32 without recomputation)."""
+    cfg, s, N, windows, T = st.cfg, st.s, st.N, st.windows, st.T
+    a, f = s.a, s.f
+    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    saved = N * _kda(cfg, s)
+    core = _kda_core_recompute(cfg, windows, T, K)
+    w_core = _kda_core_fwd(cfg, s, windows, T, K)
+    if cfg.kda_kernel == "fla" and st.device == "cuda":  # fla's Triton core: its own terms (counted, unmeasured)
+        saved += N * _fla_saved(cfg)
+        core = N * _fla_backward(cfg, s)
+        w_core = N * _fla_forward(cfg, s)
+    core -= N * _kda_out_part(cfg, s)
+    if st.layout.cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
+        # projections again, [v | 0], the core block by block) after the layer's own graph is freed
+        saved += windows * f * H * K * 2 * K
+        state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a)
+        core = max(core, state_pass + _kda_core_recompute(cfg, windows, T, 2 * K) - N * _kda(cfg, s))
+        w_core = max(w_core, state_pass + _kda_core_fwd(cfg, s, windows, T, 2 * K))
+    # KDACache.conv_state is a view of the pre-convolution input (3 HK a), saved only in fp32 without AC
+    cache = N * 3 * H * K * a if (st.recompute or a != f) else 0.0
+    return saved, {"kda_core_recompute": w_core}, {"kda_core_recompute": max(0.0, core)}, cache
+
+
+def _dsa_mixer(st: _Step, full: bool) -> tuple:
+    """A DSA mixer (``full``: with its own indexer): ``(saved, w_fwd, w_bwd_mix, cache)``, bytes on this rank.
+    ``saved``: ``_dsa`` per token (under CP plus ``_dsa_cp_saved`` over the gathered tokens); ``w_fwd``:
+    ``dsa_attention`` (tiles and output latents), ``dsa_indexer_tiles`` (full), ``cp_gather`` (CP: the all-gather's
+    output and its concatenation, ``2 W a`` per gathered token); ``w_bwd_mix``: ``dsa_attention`` (tiles and the
+    latents' and queries' gradient ``a Hm R + f R ctx / N``; under CP, once the tiles are freed, the gathered
+    window's gradient if larger); ``cache``: the latents, the incomplete pool's keys and gates, the pooled keys."""
+    cfg, s, N, windows, T = st.cfg, st.s, st.N, st.windows, st.T
+    a, f, cp = s.a, s.f, st.layout.cp
+    Hm, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    saved = N * _dsa(cfg, s, full)
+    if cp > 1:
+        saved += windows * st.gather_len * _dsa_cp_saved(cfg, s, full)
+    tile_b = _dsa_tiles_bwd(cfg, T)
+    grads = N * (a * Hm * R - _dsa_out_part(cfg, s))
+    grads += windows * st.ctx * f * R if (cp > 1 or st.chunked) else N * f * R
+    w_bwd = {"dsa_attention": tile_b + grads}
+    if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
+        W = _dsa_gather_width(cfg, full)
+        window_grads = windows * st.gather_len * (2 * R * a + 2 * W * a)
+        w_bwd["dsa_attention"] = max(tile_b, window_grads) + grads
+    w_fwd = {"dsa_attention": _dsa_tiles_fwd(cfg, s, T) + N * a * Hm * R}
+    if full:
+        w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, st.ctx)
+    if cp > 1:
+        w_fwd["cp_gather"] = windows * st.gather_len * 2 * _dsa_gather_width(cfg, full) * a
+    # DSACache: the latents (saved anyway without AC; under CP the concatenation with the earlier ones), the
+    # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys (fp32)
+    dI, rc = cfg.index_head_dim, st.recompute
+    cache = N * (a * (R * rc + full * dI * (1 + rc)) + full * f * dI / cfg.index_kpool)
+    return saved, w_fwd, w_bwd, cache
+
+
+def _feed_forward(st: _Step, moe: bool) -> tuple:
+    """The feed-forward half (MoE or dense MLP): ``(saved, w_fwd, w_bwd_ffn)``. ``saved``: ``_moe`` or ``_mlp`` per
+    token; ``w_fwd``: one MoE dispatch chunk (``_moe_fwd``); ``w_bwd_ffn``: one chunk's backward (``_moe_bwd``) or the
+    dense MLP's ``(2 Id + D) a``, and ``stream_gradients``: the streams' gradients (two of ``n D a``) and the layer
+    output's gradient (``D a``), on top of the sub-layer's working set."""
+    cfg, s, N, ep = st.cfg, st.s, st.N, st.layout.ep
+    D, a = cfg.hidden_size, s.a
+    if moe:
+        saved = N * _moe(cfg, s)
+        w_fwd = {"moe_dispatch": _moe_fwd(cfg, s, N, ep)}
+        w_bwd = {"moe_dispatch": _moe_bwd(cfg, s, N, ep)}
+    else:
+        saved = N * _mlp(cfg, s)
+        w_fwd = {}
+        w_bwd = {"stream_gradients": N * (2 * cfg.intermediate_size + D) * a}
+    stream = cfg.hc_mult * D * a
+    w_bwd["stream_gradients"] = w_bwd.get("stream_gradients", 0.0) + N * (2 * stream + D * a)
+    return saved, w_fwd, w_bwd
+
+
+def _layer(st: _Step, i: int, mixer: str, ffn: str, indexer: str) -> dict:
+    """Decoder layer ``i``, bytes on this rank: ``saved`` (what it keeps for backward, by layer type: ``kda``,
+    ``dsa``, ``moe``, ``dense_mlp``, ``mhc``, two mHC maps ``_hc`` and their ``n D a`` streams), ``ffn_part`` (what
+    the mixer's backward no longer holds: the feed-forward half's mHC, streams, norm, MLP/MoE), ``input`` (``n D a``
+    per token: all it keeps under recomputation), ``cache`` (what it returns; none under CP), the working sets of its
+    forward (``w_fwd``) and of the backward of its feed-forward (``w_bwd_ffn``), mHC (``w_bwd_hc``, ``_hc_bwd``) and
+    mixer (``w_bwd_mix``, plus the streams' gradient ``n D a + D a``), and its parameters: ``block`` all-gathered,
+    ``local``, ``block_bytes`` (all-gathered bytes, the fp32 islands in ``f``)."""
+    cfg, s, N, lay = st.cfg, st.s, st.N, st.layout
+    stream, hc = cfg.hc_mult * cfg.hidden_size * s.a, _hc(cfg, s)
+    saved = dict.fromkeys(("kda", "dsa", "moe", "dense_mlp", "mhc"), 0.0)
+    saved["mhc"] = N * 2 * (stream + hc)
+    if mixer == KDA:
+        saved["kda"], w_fwd, w_bwd_mix, cache = _kda_mixer(st)
+    else:
+        saved["dsa"], w_fwd, w_bwd_mix, cache = _dsa_mixer(st, mixer == DSA and indexer == "full")
+    if lay.cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context); chunked, the round's cache,
+        # views of the kept boundary state (DSA latents: join_latents) and small copies (KDA state and tail)
+        cache = 0.0
+    ffn_saved, ffn_fwd, w_bwd_ffn = _feed_forward(st, ffn == "sparse")
+    saved["moe" if ffn == "sparse" else "dense_mlp"] = ffn_saved
+    w_fwd.update(ffn_fwd)
+    w_bwd_mix["stream_gradients"] = N * (stream + cfg.hidden_size * s.a)
+    params = st.pc["layers"][i]
+    return {
+        "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
+        "saved": saved, "ffn_part": ffn_saved + N * (stream + hc), "input": N * stream, "cache": cache,
+        "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": N * _hc_bwd(cfg, s),
+        "block": _gathered(params, lay), "local": _local(params, lay),
+        "block_bytes": s.a * _gathered(params, lay) + (s.f - s.a) * params["island"],
+    }  # fmt: skip
+
+
+def _layers(st: _Step) -> list[dict]:
+    """Every decoder layer's ``_layer``."""
+    cfg = st.cfg
+    kinds = zip(cfg.layer_types, cfg.mlp_layer_types, cfg.indexer_types, strict=True)
+    return [_layer(st, i, mixer, ffn, ind) for i, (mixer, ffn, ind) in enumerate(kinds)]
+
+
+def _head(st: _Step, loss_vocab_rows: int | None, loss_chunk_tokens: int) -> dict:
+    """The head (embedding ids, final norm, loss): ``saved`` (kept until its backward), ``fwd`` and ``bwd`` (its
+    ``logits_loss`` working set in forward and backward). An 8-token model: its own ``[N, V]`` logits; a text
+    vocabulary: ``genoctx.model.head``'s chunks of ``loss_chunk_tokens`` over ``loss_vocab_rows`` rows, the fp32
+    weight-gradient buffer ``rows D f`` and (bf16 or nucleotide rows) a ``[V, D]`` gradient in ``a``."""
+    cfg, s, N = st.cfg, st.s, st.N
+    a, f, V, D = s.a, s.f, cfg.vocab_size, cfg.hidden_size
+    saved = N * (8 + _norm(s, D))  # embedding indices; final RMSNorm (its output feeds lm_head)
+    if V <= NUCLEOTIDE_VOCAB:  # the model's own logits
+        saved += N * (f * (V + 2) + 8)  # log-softmax, targets, masked losses
+        fwd = N * V * (a + s.c)  # logits and their fp32 copy (the log-softmax is saved)
+        bwd = N * (2 * V * f + D * a + D * f)  # logits and log-softmax gradients, the hidden state's
+    else:  # genoctx.model.head: chunked logits, fp32 weight-gradient buffer
+        rows = loss_vocab_rows or V
+        C_head = min(loss_chunk_tokens, N)
+        saved += N * (8 + 1 + 2 * f)  # targets, mask, log-sum-exp, losses
+        fwd = C_head * rows * (f + s.ca)
+        bwd = C_head * rows * (f + s.ca) + rows * D * f + (V * D * a if (a != f or rows != V) else 0) + N * D * a
+    return {"saved": saved, "fwd": fwd, "bwd": bwd}
+
+
+# ---------------------------------------------------------------- the phases of the step
+
+
+def _phase(st: _Step, p: _Held, name: str, comps: dict, carried: bool = True) -> tuple[str, dict]:
+    """A phase ``(name, components)``: the sharded ``weights`` and ``optimizer_state`` held all through, the state
+    crossing chunk boundaries (``seq_chunk_boundary``, kept until the last chunk's backward) when ``carried``, then
+    the phase's own non-zero components."""
+    base = {"weights": p.weights, "optimizer_state": p.optimizer_state}
+    if carried:
+        base["seq_chunk_boundary"] = st.boundary
+    return name, {**base, **{k: v for k, v in comps.items() if v}}
+
+
+def _kept(st: _Step, layers: list, upto: int) -> dict:
+    """Activations layers ``0..upto-1`` keep until their backward: by type, or under recomputation their inputs."""
+    out = dict.fromkeys(("activations_kda", "activations_dsa", "activations_moe", "activations_dense_mlp",
+                         "activations_mhc", "layer_inputs"), 0.0)  # fmt: skip
+    for x in layers[:upto]:
+        if st.recompute:
+            out["layer_inputs"] += x["input"]
+        else:
+            for k, v in x["saved"].items():
+                out[f"activations_{k}"] += v
+    return out
+
+
+def _own(x: dict, minus: float = 0.0) -> dict:
+    """Layer ``x``'s own activations (all of them; under recomputation rebuilt), less ``minus`` bytes of its consumed
+    feed-forward half (taken from its MoE/MLP, the rest from its mHC)."""
+    out = {f"activations_{k}": v for k, v in x["saved"].items()}
+    if minus:
+        ffn_key = "activations_moe" if x["kind"].endswith("moe") else "activations_dense_mlp"
+        ffn_amt = x["saved"]["moe" if x["kind"].endswith("moe") else "dense_mlp"]
+        out[ffn_key] -= ffn_amt
+        out["activations_mhc"] -= minus - ffn_amt
+    return out
+
+
+def _largest(w: dict) -> dict:
+    """The largest of a forward's working sets (a forward phase counts only that one), as a one-entry dict."""
+    return dict([max(w.items(), key=lambda kv: kv[1])]) if w else {}
+
+
+def _blocks(st: _Step, layers: list, i: int, j: int | None) -> float:
+    """Under FSDP, layer ``i``'s all-gathered block and the prefetched layer ``j``'s (if any); else 0."""
+    if not st.layout.fsdp:
+        return 0.0
+    L = len(layers)
+    return layers[i]["block_bytes"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L else 0.0)
+
+
+def _grads_after(st: _Step, p: _Held, layers: list, i: int) -> float:
+    """Gradients of layers i+1.. (sharded ones under FSDP) and of the head (without FSDP: lm_head and the final
+    norm get theirs first; under FSDP the root's stays unsharded until the end of backward)."""
+    done = sum(x["local"] for x in layers[i + 1 :])
+    return p.grad_bytes * (done + (0.0 if st.layout.fsdp else p.head_local))
+
+
+def _forward_phases(st: _Step, p: _Held, layers: list, head: dict) -> list:
+    """Forward of each layer ``i`` (the activations of layers ``0..i-1`` and the caches they returned, layer ``i``'s
+    activations, or under recomputation its input and the streams alive, its largest working set, the root and the
+    current and prefetched block), then the end of forward (every layer's, the head's logits and loss)."""
+    a, D = st.s.a, st.cfg.hidden_size
+    stream = st.cfg.hc_mult * D * a
+    out, caches = [], 0.0
+    for i, x in enumerate(layers):
+        # under AC only the input stays, plus the streams alive while the layer runs (the mid stream, a sub-layer's
+        # output)
+        this = {"layer_inputs": x["input"], "activations_mhc": st.N * (stream + D * a)} if st.recompute else _own(x)
+        params = p.root_unsharded + p.compute_copy + _blocks(st, layers, i, i + 1)
+        comps = _add(_kept(st, layers, i), this, {"returned_caches": caches, "unsharded_params": params},
+                     _largest(x["w_fwd"]))  # fmt: skip
+        out.append(_phase(st, p, f"forward layer {i} ({x['kind']})", comps))
+        caches += x["cache"]
+    out.append(_phase(st, p, "end of forward (logits, loss)", _add(_kept(st, layers, len(layers)), {
+        "returned_caches": caches, "activations_head": head["saved"], "logits_loss": head["fwd"],
+        "unsharded_params": p.root_unsharded + p.compute_copy})))  # fmt: skip
+    return out
+
+
+def _layer_backward(st: _Step, p: _Held, layers: list, i: int) -> list:
+    """Backward of layer ``i``: (under recomputation its forward again, activations kept), its feed-forward, its mHC
+    and its mixer, each over the activations of layers ``0..i-1``, the gradients of the layers done, the root, the
+    current and prefetched (``i - 1``) block and the current one's unsharded gradient, the fp32 gradient of layer
+    ``i + 1`` in its reduce-scatter."""
+    x, fsdp = layers[i], st.layout.fsdp
+    common = {
+        "gradients": _grads_after(st, p, layers, i),
+        "unsharded_params": p.root_unsharded + p.compute_copy + _blocks(st, layers, i, i - 1)
+        + (x["block_bytes"] if fsdp else 0),
+        "fsdp_reduce_scatter": st.s.f * layers[i + 1]["block"] if (fsdp and i + 1 < len(layers)) else 0.0,
+    }
+    common["unsharded_params"] += p.root_grad  # waits for the end of backward
+    base = _add(_kept(st, layers, i), common)
+    name = f"backward layer {i} ({x['kind']})"
+    out = []
+    if st.recompute:  # the layer's forward again, its activations kept this time
+        out.append(_phase(st, p, f"{name}: recompute", _add(base, _own(x), _largest(x["w_fwd"]))))
+    out.append(_phase(st, p, f"{name}: feed-forward", _add(base, _own(x), x["w_bwd_ffn"])))
+    out.append(_phase(st, p, f"{name}: mHC", _add(base, _own(x), {"stream_gradients": x["w_bwd_hc"]})))
+    out.append(_phase(st, p, f"{name}: mixer", _add(base, _own(x, x["ffn_part"]), x["w_bwd_mix"])))
+    return out
+
+
+def _backward_phases(st: _Step, p: _Held, layers: list, head: dict) -> list:
+    """The head's backward (every layer's activations, the head's, its logits' gradients), then each layer's
+    (``_layer_backward``), last to first."""
+    out = [_phase(st, p, "head backward", _add(_kept(st, layers, len(layers)), {
+        "activations_head": head["saved"], "logits_loss": head["bwd"], "gradients": _grads_after(st, p, layers,
+        len(layers) - 1), "unsharded_params": p.root_unsharded + p.compute_copy + p.root_grad}))]  # fmt: skip
+    for i in reversed(range(len(layers))):
+        out += _layer_backward(st, p, layers, i)
+    return out
+
+
+def _step_end_phases(st: _Step, p: _Held, layers: list) -> list:
+    """The end of backward (every gradient; under FSDP the root's all-gathered parameters and unsharded gradient and
+    its fp32 reduce-scatter; without FSDP on several ranks the flat all-reduce buffer ``f P``) and the optimizer step
+    (foreach AdamW's temporaries ``f P`` on CUDA, two of the largest parameter on CPU; none with offload)."""
+    fsdp, f, P_local = st.layout.fsdp, st.s.f, p.P_local
+    end = {"gradients": p.grad_bytes * P_local if not fsdp else _grads_after(st, p, layers, -1)}
+    if fsdp:
+        end.update(unsharded_params=2 * p.root_unsharded, fsdp_reduce_scatter=p.rs_root)
+    else:
+        end["unsharded_params"] = p.compute_copy
+        if st.layout.world > 1:
+            end["fsdp_reduce_scatter"] = f * P_local  # reduce_gradients' flat all-reduce buffer
+    per_tensor = 2 * f * st.pc["largest"] / (st.layout.dense_shard if fsdp else 1)  # CPU: two of the largest
+    step_tmp = 0.0 if st.offload else (f * P_local if st.device == "cuda" else per_tensor)
+    return [_phase(st, p, "end of backward (gradient reduction)", end, carried=False),
+            _phase(st, p, "optimizer step", {"gradients": p.grad_bytes * P_local, "optimizer_step": step_tmp},
+                   carried=False)]  # fmt: skip
+
+
+# ---------------------------------------------------------------- the peak
+
+
+def _gib(x: float) -> float:
+    """Bytes in GiB, rounded to 6 decimals (1 KiB)."""
+    return round(x / GIB, 6)
+
+
+def _slack(allocator_slack: float | None, device: str) -> float:
+    """The allocator slack fraction: as given, or ``ALLOCATOR_SLACK`` on CUDA and 0 on CPU when None."""
+    return ALLOCATOR_SLACK if (allocator_slack is None and device == "cuda") else (allocator_slack or 0.0)
+
+
+def _summary(phases: list, slack: float, components: tuple, working: dict) -> dict:
+    """``total_gib``, ``components_gib`` (of the largest phase, over ``components``, plus slack), ``peak_phase``,
+    ``next_phases_gib`` (the three next largest, slack included) and ``working_sets_gib`` (``working``: bytes by
+    name) of a plan's phases; the rounded components add up to the total. ``plan_memory`` and ``plan_eval`` share
+    it."""
+    totals = [sum(c.values()) for _, c in phases]
+    order = sorted(range(len(phases)), key=lambda j: -totals[j])
+    name, peak = phases[order[0]]
+    comps = {k: peak.get(k, 0.0) for k in components}
+    comps["allocator_slack"] = slack * sum(comps.values())
+    comps_gib = {k: _gib(v) for k, v in comps.items()}
+    return {
+        "total_gib": round(sum(comps_gib.values()), 6),
+        "components_gib": comps_gib,
+        "peak_phase": name,
+        "next_phases_gib": [[phases[j][0], _gib(totals[j] * (1 + slack))] for j in order[1:4]],
+        "working_sets_gib": {k: _gib(v) for k, v in working.items()},
+    }
+
+
+def _working_sets(phases: list, layers: list) -> dict:
+    """Each training working set's largest value over the phases and (a forward phase counts only its largest) over
+    every layer's forward and backward working sets, in bytes."""
+    working = {name: max(c.get(name, 0.0) for _, c in phases) for name in WORKING_SETS}
+    for x in layers:
+        for d in (x["w_fwd"], x["w_bwd_ffn"], x["w_bwd_mix"]):
+            for name, v in d.items():
+                if name in working:
+                    working[name] = max(working[name], v)
+    return working
+
+
+# ---------------------------------------------------------------- the plan
 
 
 def plan_memory(
@@ -200,47 +677,12 @@ def plan_memory(
         ``P_e / (ep s_e)``, FSDP2's padding of uneven shards included), "persistent_gib": {"weights",
         "gradients", "optimizer_state", "on_host"} (the sharded state of a whole step: 4, 4 and 8 bytes per local
         parameter; ``on_host`` with offload), "largest_layer_unsharded_gib" (the largest decoder layer's FSDP
-        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "gpu_memory_gib", "dtype",
-        "recompute", "optimizer_offload",
-        "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass), "device"}``. GiB are rounded to 6 decimals
-        (1 KiB); the components add up to the
-        total.
+        all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "all_to_all_gib" (what
+        one rank sends by expert all-to-all in the step, ``comms.all_to_all_bytes``), "gpu_memory_gib", "dtype",
+        "recompute", "optimizer_offload", "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass),
+        "device"}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the total.
 
-    Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = layout.dense_shard``,
-    ``s_e = layout.expert_shard``; local parameters ``P`` = ``shard_numel`` of every parameter, each dim 0 in
-    ``ceil(rows / s)`` rows as FSDP2 allocates it, about ``P_d / s_d + P_e / (ep s_e)``):
-
-    - ``weights`` ``4 P`` (fp32 masters, sharded), ``gradients`` ``4 x`` the local parameters whose gradient
-      exists in that phase (backward fills them layer by layer), ``optimizer_state`` ``8 P`` (AdamW ``exp_avg``,
-      ``exp_avg_sq``); all three 0 with ``optimizer_offload``.
-    - ``unsharded_params``: FSDP's all-gathered blocks in ``a`` bytes (the fp32 islands in 4): the root (kept from
-    forward to the end of
-      backward, FSDP2's root default), the current and the prefetched decoder layer (a layer's routed experts:
-      its ``E / ep`` local ones), and in backward the current layer's unsharded gradient; without FSDP and with
-      bf16, a bf16 copy of the local parameters.
-    - ``activations_*``: what the layers alive in the phase keep for backward, by layer type (the per-token sizes
-      of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D a`` residual streams each
-      saves), ``activations_head`` the embedding's ids, final norm and loss). With ``recompute`` only the layer
-      being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D a`` per token).
-      Under CP, KDA layers also keep the state their checkpointed ``[L | M]`` pass leaves (``f H K 2K``) and DSA
-      layers the whole-window tensors of ``_dsa_cp_saved``.
-    - ``returned_caches``: until the loss, the caches the layers return: a KDA cache's conv state is a view of
-      the whole pre-convolution input (``3 HK a`` per token, when not already saved), a DSA cache its latents
-      and the incomplete pool's keys; none under CP (the mixers' CP forwards return no cache).
-    - working sets (one sub-layer at a time): ``kda_core_recompute`` (``_kda_core_recompute``, one block of the core
-      recomputed, minus the output path; under CP or the recomputed ``[L | M]`` pass, its projections, ``[v | 0]``
-      and core blocks of width ``2K``, once the layer's own graph is freed, whichever is larger),
-      ``dsa_indexer_tiles``, ``dsa_attention`` (tiles, the latents' and queries' gradient ``a Hm R + f R ctx / N``;
-      under CP, once the tiles are freed, the gathered window's gradient instead of them), ``moe_dispatch`` (one
-      chunk, forward
-      or backward), ``stream_gradients`` (the residual streams' gradients, mHC and dense-MLP backward),
-      ``logits_loss`` (an 8-token model: ``[N, 8]`` fp32 logits and log-softmax; a text head: one
-      ``[chunk, rows]`` fp32 logits chunk and the fp32 ``[V, D]`` weight-gradient buffer), ``cp_gather`` (a DSA
-      layer's all-gather output and its concatenation, ``2 L W a`` per window), ``fsdp_reduce_scatter`` (a
-      layer's gradient in fp32 for the reduce-scatter; at the end of backward the root's; without FSDP the
-      flat all-reduce buffer), ``optimizer_step`` (foreach AdamW's temporaries, ``4 P``, on CUDA; two of the
-      largest parameter on CPU).
-    - ``allocator_slack``: ``allocator_slack x`` the sum of the others.
+    Components (bytes) and phases: the module docstring.
 
     Raises:
         ValueError: a bad argument or a layout this model cannot run (``ep`` not dividing the experts, ``cp`` not
@@ -248,274 +690,42 @@ def plan_memory(
             (the indexer warm-up), which is not modelled.
     """
     _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
-                allocator_slack, optimizer_offload)  # fmt: skip
-    s = _Sizes(a=DTYPE_BYTES[dtype])
-    a, f = s.a, s.f
-    ep, cp = layout.ep, layout.cp
-    T = seq_len // cp
-    chunked = seq_chunk_tokens is not None and seq_chunk_tokens < T
-    if seq_chunk_tokens is not None and seq_chunk_tokens < 1:
-        raise ValueError(f"seq_chunk_tokens must be >= 1, got {seq_chunk_tokens}")
-    if chunked:
-        T = seq_chunk_tokens  # under CP: this rank's part of a round of cp x T tokens
-    N = batch_size * T
-    windows = batch_size
-    # keys a DSA query may see on the busiest rank: the window's last piece (CP) or last chunk
-    ctx = seq_len if (cp > 1 or chunked) else T
-    # tokens whose DSA latents/keys a CP layer gathers at once: the window, or (chunked) one round
-    gather_len = cp * T if chunked else seq_len
-    boundary = seq_len * seq_chunk_boundary_bytes(cfg, T * cp, batch_size, a) if chunked else 0.0
-    fsdp = layout.fsdp
-    pc = param_counts(cfg)
-    sd, se = layout.dense_shard, layout.expert_shard
+                allocator_slack, optimizer_offload, seq_chunk_tokens)  # fmt: skip
+    st = _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens)
+    p, layers, head = _held(st), _layers(st), _head(st, loss_vocab_rows, loss_chunk_tokens)
+    phases = _forward_phases(st, p, layers, head) + _backward_phases(st, p, layers, head)
+    phases += _step_end_phases(st, p, layers)
+    out = _summary(phases, _slack(allocator_slack, device), COMPONENTS, _working_sets(phases, layers))
+    return _result(st, p, layers, out, gpu_memory_gib)
 
-    def local(block: dict) -> float:  # parameters of a block held (sharded, padded: shard_numel) on this rank
-        if "shapes" in block:
-            return sum(shard_numel(block["shapes"], layout).values())
-        return block["dense"] / sd + block["expert"] / (ep * se)
 
-    def gathered(block: dict) -> float:  # parameters of a block once all-gathered on this rank
-        return block["dense"] + block["expert"] / ep
-
-    P_local = local(pc)
-    offload = optimizer_offload
-    weights = 0.0 if offload else f * P_local
-    optimizer_state = 0.0 if offload else 2 * f * P_local
-    grad_bytes = 0.0 if offload else f  # per local parameter
-
-    # ---- per-layer sizes
-    n, D = cfg.hc_mult, cfg.hidden_size
-    stream = n * D * a
-    hc = _hc(cfg, s)
-    layers = []
-    for i, (mixer, ffn, ind) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types, cfg.indexer_types, strict=True)):
-        full = mixer == DSA and ind == "full"
-        saved = dict.fromkeys(("kda", "dsa", "moe", "dense_mlp", "mhc"), 0.0)
-        saved["mhc"] = N * 2 * (stream + hc)
-        w_fwd, w_bwd_mix = {}, {}
-        cache = 0.0
-        if mixer == KDA:
-            H, K = cfg.linear_num_heads, cfg.linear_head_dim
-            saved["kda"] = N * _kda(cfg, s)
-            core = _kda_core_recompute(cfg, batch_size, T, K)
-            w_fwd["kda_core_recompute"] = _kda_core_fwd(cfg, s, batch_size, T, K)
-            if cfg.kda_kernel == "fla" and device == "cuda":  # fla's Triton core: its own terms (counted, unmeasured)
-                saved["kda"] += N * _fla_saved(cfg)
-                core = N * _fla_backward(cfg, s)
-                w_fwd["kda_core_recompute"] = N * _fla_forward(cfg, s)
-            core -= N * _kda_out_part(cfg, s)
-            if cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
-                # projections again, [v | 0], the core block by block) after the layer's own graph is freed
-                saved["kda"] += batch_size * f * H * K * 2 * K
-                state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a)
-                core = max(core, state_pass + _kda_core_recompute(cfg, batch_size, T, 2 * K) - N * _kda(cfg, s))
-                w_fwd["kda_core_recompute"] = max(
-                    w_fwd["kda_core_recompute"], state_pass + _kda_core_fwd(cfg, s, batch_size, T, 2 * K)
-                )
-            w_bwd_mix["kda_core_recompute"] = max(0.0, core)
-            # KDACache.conv_state is a view of the pre-convolution input (3 HK a), saved only in fp32 without AC
-            cache = N * 3 * H * K * a if (recompute or a != f) else 0.0
-        else:
-            saved["dsa"] = N * _dsa(cfg, s, full)
-            if cp > 1:
-                saved["dsa"] += windows * gather_len * _dsa_cp_saved(cfg, s, full)
-            tile_b = _dsa_tiles_bwd(cfg, T)
-            grads = N * (a * cfg.num_attention_heads * cfg.kv_lora_rank - _dsa_out_part(cfg, s))
-            grads += windows * ctx * f * cfg.kv_lora_rank if (cp > 1 or chunked) else N * f * cfg.kv_lora_rank
-            w_bwd_mix["dsa_attention"] = tile_b + grads
-            if cp > 1:  # after the attention's backward (its tiles freed): the gathered window's gradient
-                W = _dsa_gather_width(cfg, full)
-                window_grads = windows * gather_len * (2 * cfg.kv_lora_rank * a + 2 * W * a)
-                w_bwd_mix["dsa_attention"] = max(tile_b, window_grads) + grads
-            w_fwd["dsa_attention"] = _dsa_tiles_fwd(cfg, s, T) + N * a * cfg.num_attention_heads * cfg.kv_lora_rank
-            if full:
-                w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, ctx)
-            if cp > 1:
-                w_fwd["cp_gather"] = windows * gather_len * 2 * _dsa_gather_width(cfg, full) * a
-            # DSACache: the latents (saved anyway without AC; under CP the concatenation with the earlier ones), the
-            # incomplete pool's keys and gates (views of the whole chunk's) and the pooled keys (fp32)
-            dI, R = cfg.index_head_dim, cfg.kv_lora_rank
-            cache = N * (a * (R * recompute + full * dI * (1 + recompute)) + full * f * dI / cfg.index_kpool)
-        if cp > 1:  # under CP the mixers return no cache (genoctx.parallel.context); chunked, the round's cache,
-            # views of the kept boundary state (DSA latents: join_latents) and small copies (KDA state and tail)
-            cache = 0.0
-        if ffn == "sparse":
-            saved["moe"] = N * _moe(cfg, s)
-            w_fwd["moe_dispatch"] = _moe_fwd(cfg, s, N, ep)
-            w_bwd_ffn = {"moe_dispatch": _moe_bwd(cfg, s, N, ep)}
-            ffn_saved = saved["moe"]
-        else:
-            saved["dense_mlp"] = N * _mlp(cfg, s)
-            w_bwd_ffn = {"stream_gradients": N * (2 * cfg.intermediate_size + D) * a}
-            ffn_saved = saved["dense_mlp"]
-        # backward of the feed-forward half: the streams' gradients (two of n D a) and the layer output's
-        # gradient come on top of the sub-layer's working set
-        w_bwd_ffn["stream_gradients"] = w_bwd_ffn.get("stream_gradients", 0.0) + N * (2 * stream + D * a)
-        w_bwd_mix["stream_gradients"] = N * (stream + D * a)
-        # what the mixer's backward no longer holds: the feed-forward half (its mHC, streams, norm, MLP/MoE)
-        ffn_part = ffn_saved + N * (stream + hc)
-        w_bwd_hc = N * _hc_bwd(cfg, s)
-        layers.append({
-            "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
-            "saved": saved, "ffn_part": ffn_part, "input": N * stream, "cache": cache,
-            "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": w_bwd_hc,
-            "block": gathered(pc["layers"][i]), "local": local(pc["layers"][i]),
-            "block_bytes": a * gathered(pc["layers"][i]) + (f - a) * pc["layers"][i]["island"],
-        })  # fmt: skip
-    L = len(layers)
-
-    # ---- head (embedding ids, final norm, loss)
-    V = cfg.vocab_size
-    head_saved = N * (8 + _norm(s, D))  # embedding indices; final RMSNorm (its output feeds lm_head)
-    if V <= NUCLEOTIDE_VOCAB:  # the model's own logits
-        head_saved += N * (f * (V + 2) + 8)  # log-softmax, targets, masked losses
-        head_fwd = N * V * (a + s.c)  # logits and their fp32 copy (the log-softmax is saved)
-        head_bwd = N * (2 * V * f + D * a + D * f)  # logits and log-softmax gradients, the hidden state's
-    else:  # genoctx.model.head: chunked logits, fp32 weight-gradient buffer
-        rows = loss_vocab_rows or V
-        C_head = min(loss_chunk_tokens, N)
-        head_saved += N * (8 + 1 + 2 * f)  # targets, mask, log-sum-exp, losses
-        head_fwd = C_head * rows * (f + s.ca)
-        head_bwd = C_head * rows * (f + s.ca) + rows * D * f + (V * D * a if (a != f or rows != V) else 0) + N * D * a
-    root = pc["root"]
-    head_params = {"dense": root["dense"] - pc["embed"], "expert": 0}  # final norm, lm_head (untied)
-    if cfg.tie_word_embeddings:
-        head_params["dense"] += pc["embed"]
-    root_unsharded = a * gathered(root) if fsdp else 0.0
-    compute_copy = a * P_local if (not fsdp and a != f) else 0.0  # replicated bf16 compute copy
-
-    def fsdp_params(i: int, j: int | None) -> float:  # current and prefetched block, all-gathered
-        if not fsdp:
-            return 0.0
-        return layers[i]["block_bytes"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L else 0.0)
-
-    def grads_after(i: int) -> float:
-        """Gradients of layers i+1.. (sharded ones under FSDP) and of the head (without FSDP: lm_head and the final
-        norm get theirs first; under FSDP the root's stays unsharded until the end of backward)."""
-        done = sum(x["local"] for x in layers[i + 1 :])
-        return grad_bytes * (done + (0.0 if fsdp else local(head_params)))
-
-    # ---- phases
-    phases = []
-
-    def phase(name: str, comps: dict, carried: bool = True) -> None:
-        base = {"weights": weights, "optimizer_state": optimizer_state}
-        if carried:  # chunked: the state crossing chunk boundaries, kept until the last chunk's backward
-            base["seq_chunk_boundary"] = boundary
-        phases.append((name, {**base, **{k: v for k, v in comps.items() if v}}))
-
-    def kept(upto: int) -> dict:  # activations layers 0..upto-1 keep until their backward
-        out = dict.fromkeys(("activations_kda", "activations_dsa", "activations_moe", "activations_dense_mlp",
-                             "activations_mhc", "layer_inputs"), 0.0)  # fmt: skip
-        for x in layers[:upto]:
-            if recompute:
-                out["layer_inputs"] += x["input"]
-            else:
-                for k, v in x["saved"].items():
-                    out[f"activations_{k}"] += v
-        return out
-
-    def own(x: dict, minus: float = 0.0) -> dict:  # layer x's own activations (all of them; under AC rebuilt)
-        out = {f"activations_{k}": v for k, v in x["saved"].items()}
-        if minus:  # take the consumed feed-forward half out of its owners, mHC first
-            ffn_key = "activations_moe" if x["kind"].endswith("moe") else "activations_dense_mlp"
-            ffn_amt = x["saved"]["moe" if x["kind"].endswith("moe") else "dense_mlp"]
-            out[ffn_key] -= ffn_amt
-            out["activations_mhc"] -= minus - ffn_amt
-        return out
-
-    add = _add
-
-    caches = 0.0
-    for i, x in enumerate(layers):
-        w = max(x["w_fwd"].items(), key=lambda kv: kv[1]) if x["w_fwd"] else None
-        # under AC only the input stays, plus the streams alive while the layer runs (the mid stream, a sub-layer's
-        # output)
-        this = {"layer_inputs": x["input"], "activations_mhc": N * (stream + D * a)} if recompute else own(x)
-        comps = add(kept(i), this, {"returned_caches": caches, "unsharded_params": root_unsharded + compute_copy
-                                    + fsdp_params(i, i + 1)}, dict([w]) if w else {})  # fmt: skip
-        phase(f"forward layer {i} ({x['kind']})", comps)
-        caches += x["cache"]
-    phase("end of forward (logits, loss)", add(kept(L), {
-        "returned_caches": caches, "activations_head": head_saved, "logits_loss": head_fwd,
-        "unsharded_params": root_unsharded + compute_copy}))  # fmt: skip
-    root_grad = a * gathered(head_params) if fsdp else 0.0  # the root's unsharded gradient, lm_head's first
-    phase("head backward", add(kept(L), {
-        "activations_head": head_saved, "logits_loss": head_bwd, "gradients": grads_after(L - 1),
-        "unsharded_params": root_unsharded + compute_copy + root_grad}))  # fmt: skip
-    rs_root = f * gathered(root) if fsdp else 0.0
-    for i in reversed(range(L)):
-        x = layers[i]
-        common = {
-            "gradients": grads_after(i),
-            "unsharded_params": root_unsharded + compute_copy + fsdp_params(i, i - 1)
-            + (x["block_bytes"] if fsdp else 0),
-            "fsdp_reduce_scatter": f * layers[i + 1]["block"] if (fsdp and i + 1 < L) else 0.0,
-        }
-        common["unsharded_params"] += root_grad  # waits for the end of backward
-        base_i = add(kept(i), common)
-        if recompute:  # the layer's forward again, its activations kept this time
-            w = max(x["w_fwd"].items(), key=lambda kv: kv[1]) if x["w_fwd"] else None
-            phase(f"backward layer {i} ({x['kind']}): recompute", add(base_i, own(x), dict([w]) if w else {}))
-        phase(f"backward layer {i} ({x['kind']}): feed-forward", add(base_i, own(x), x["w_bwd_ffn"]))
-        phase(f"backward layer {i} ({x['kind']}): mHC", add(base_i, own(x), {"stream_gradients": x["w_bwd_hc"]}))
-        phase(f"backward layer {i} ({x['kind']}): mixer", add(base_i, own(x, x["ffn_part"]), x["w_bwd_mix"]))
-    end = {"gradients": grad_bytes * P_local if not fsdp else grads_after(-1)}
-    if fsdp:
-        end.update(unsharded_params=2 * root_unsharded, fsdp_reduce_scatter=rs_root)
-    else:
-        end["unsharded_params"] = compute_copy
-        if layout.world > 1:
-            end["fsdp_reduce_scatter"] = f * P_local  # reduce_gradients' flat all-reduce buffer
-    phase("end of backward (gradient reduction)", end, carried=False)
-    step_tmp = 0.0 if offload else (f * P_local if device == "cuda" else 2 * f * pc["largest"] / (sd if fsdp else 1))
-    phase("optimizer step", {"gradients": grad_bytes * P_local, "optimizer_step": step_tmp}, carried=False)
-
-    totals = [(name, sum(c.values())) for name, c in phases]
-    order = sorted(range(len(phases)), key=lambda j: -totals[j][1])
-    k = order[0]
-    peak_name, peak = phases[k]
-    slack = ALLOCATOR_SLACK if (allocator_slack is None and device == "cuda") else (allocator_slack or 0.0)
-    comps = {name: peak.get(name, 0.0) for name in COMPONENTS}
-    comps["allocator_slack"] = slack * sum(comps.values())
-    working = {name: max(c.get(name, 0.0) for _, c in phases) for name in WORKING_SETS}
-    for x in layers:  # a forward phase counts only its largest working set: list every one
-        for d in (x["w_fwd"], x["w_bwd_ffn"], x["w_bwd_mix"]):
-            for name, v in d.items():
-                if name in working:
-                    working[name] = max(working[name], v)
-
-    def gib(x: float) -> float:
-        return round(x / GIB, 6)
-
-    comps_gib = {k: gib(v) for k, v in comps.items()}
-    total_gib = round(sum(comps_gib.values()), 6)  # the rounded components add up to the total
+def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float) -> dict:
+    """``plan_memory``'s dict (its Returns): the layout, ``fits``, the peak (``_summary``), and what the plan counted
+    (tokens, all-to-all bytes, local parameters, the largest all-gathered layer, the persistent state, the knobs)."""
+    lay, f, P_local = st.layout, st.s.f, p.P_local
+    # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
+    a2a = all_to_all_bytes(st.cfg, st.windows * st.seq_len // lay.cp if st.chunked else st.N, lay, st.s.a,
+                           passes=(8 if st.recompute else 6) + 2 * st.chunked)  # fmt: skip
     return {
-        "layout": _layout_dict(layout),
-        "fits": total_gib <= gpu_memory_gib,
-        "total_gib": total_gib,
-        "components_gib": comps_gib,
-        "peak_phase": peak_name,
-        "next_phases_gib": [[totals[j][0], gib(totals[j][1] * (1 + slack))] for j in order[1:4]],
-        "working_sets_gib": {k: gib(v) for k, v in working.items()},
-        "tokens_per_rank": N,
-        # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
-        "all_to_all_gib": round(all_to_all_bytes(cfg, batch_size * seq_len // cp if chunked else N, layout, a,
-                                                 passes=(8 if recompute else 6) + 2 * chunked) / GIB, 6),
-        "params_per_rank": shard_numel(pc["shapes"], layout),
-        "largest_layer_unsharded_gib": gib(max(x["block_bytes"] for x in layers) if fsdp and layers else 0.0),
+        "layout": _layout_dict(lay),
+        "fits": out["total_gib"] <= gpu_memory_gib,
+        **out,
+        "tokens_per_rank": st.N,
+        "all_to_all_gib": _gib(a2a),
+        "params_per_rank": shard_numel(st.pc["shapes"], lay),
+        "largest_layer_unsharded_gib": _gib(max(x["block_bytes"] for x in layers) if lay.fsdp and layers else 0.0),
         "persistent_gib": {
-            "weights": gib(f * P_local),
-            "gradients": gib(f * P_local),
-            "optimizer_state": gib(2 * f * P_local),
-            "on_host": offload,
-        },  # fmt: skip
-        "seq_len": seq_len,
-        "seq_chunk_tokens": T if chunked else None,
-        "batch_size": batch_size,
+            "weights": _gib(f * P_local),
+            "gradients": _gib(f * P_local),
+            "optimizer_state": _gib(2 * f * P_local),
+            "on_host": st.offload,
+        },
+        "seq_len": st.seq_len,
+        "seq_chunk_tokens": st.T if st.chunked else None,
+        "batch_size": st.windows,
         "gpu_memory_gib": gpu_memory_gib,
-        "dtype": dtype,
-        "device": device,
-        "recompute": recompute,
-        "optimizer_offload": optimizer_offload,
+        "dtype": st.dtype,
+        "device": st.device,
+        "recompute": st.recompute,
+        "optimizer_offload": st.offload,
     }

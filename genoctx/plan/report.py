@@ -42,6 +42,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     p0 = plans[0]
     unit, scale = ("GiB", 1) if p0["total_gib"] >= 1 else ("MiB", 1024)
     chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
+    timed = all("time" in p for p in plans[:limit])
     if p0.get("mode") == "eval":
         how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
         how += f", cp layout {p0['cp_layout']}" if p0.get("cp_layout", "contiguous") != "contiguous" else ""
@@ -53,7 +54,9 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         "",
         f"{'#':>3}  {'dp_replicate':>12} {'ep':>4} {'dp_shard':>8} {'cp':>4}  {'tokens/rank':>11}  "
         + (f"{'chunk':>7}  " if chunks else "")
-        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  peak at",
+        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  "
+        + (f"{'step s':>8} {'tokens/s':>9} {'MFU':>6}  {'bound':<20}  " if timed else "")
+        + "peak at",
     ]
     for j, p in enumerate(plans[:limit], 1):
         lay = p["layout"]
@@ -62,12 +65,16 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lines.append(
             f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
             f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
-            f"{'yes' if p['fits'] else 'no ':<4}  {p['peak_phase']}"
+            f"{'yes' if p['fits'] else 'no ':<4}  {_time_cells(p) if timed else ''}{p['peak_phase']}"
         )
     if len(plans) > limit:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
     lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
                  "sends per step, balanced routing)")
+    if timed:
+        t = p0["time"]
+        lines.append(f"     (step s, tokens/s, MFU, bound: the time model on {t['hardware']}, expert skew "
+                     f"{t['skew']:g}; genoctx.plan.time; --rank-by throughput orders by tokens/s)")  # fmt: skip
     if chunks:
         lines.append("     (chunk: train.seq_chunk_tokens, the window trained in chunks of this many tokens by the "
                      "exact chunked backward; tokens/rank: one chunk's)")
@@ -76,8 +83,20 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         if v:
             lines.append(f"  {k:<24} {v * scale:>9.3f}")
     lines.append(f"  {'total':<24} {p0['total_gib'] * scale:>9.3f}")
+    if timed:
+        t = p0["time"]
+        exposed = ", ".join(f"{k} {v:.2f}" for k, v in t["exposed_comm_s"].items())
+        lines.append(f"time of #1, s per step: compute {t['compute_s']:.2f}, memory-bound kernels "
+                     f"{t['memory_bound_s']:.2f}, exposed communication: {exposed} (of {sum(t['comm_s'].values()):.2f} "
+                     "in all)")  # fmt: skip
     others = {k: v for k, v in p0["working_sets_gib"].items() if v and not p0["components_gib"].get(k)}
     if others:
         lines.append(f"largest working sets of other phases ({unit}): "
                      + ", ".join(f"{k} {v * scale:.3f}" for k, v in others.items()))  # fmt: skip
     return "\n".join(lines)
+
+
+def _time_cells(p: dict) -> str:
+    """The time columns of a plan's row: step seconds, tokens/s, MFU (%), what bounds it."""
+    t = p["time"]
+    return f"{t['step_s']:>8.2f} {t['tokens_per_s']:>9.0f} {100 * t['mfu']:>5.1f}%  {t['bound']:<20}  "

@@ -11,10 +11,12 @@ The model (every term is a place where a measurement can disagree):
   bytes, not FLOPs: the activation bytes per token each layer writes (the planner's per-token sizes,
   ``genoctx.plan.sizes``, as kept without recompute) are written and read once in each forward (2x), read, and
   their gradients written and read in backward (4x), at ``hbm_bytes_per_s x efficiency["memory"]``.
-- **Communication.** Each collective of ``step_comms`` takes ``wire_bytes / (bandwidth x efficiency["collective"])
-  + calls x latency``; the bandwidth is NVLink's when every rank of its group is in one node (mesh rank order
-  ``dp_replicate x ep x dp_shard x cp``, cp fastest, ``gpus_per_node`` consecutive ranks a node), else the NIC's;
-  an all-to-all over nodes sends its in-node share over NVLink and the rest over the NIC, at the same time.
+- **Communication.** Each collective of ``step_comms`` takes ``wire_bytes / (bandwidth x efficiency["collective"]) +
+  calls x latency`` (an all-to-all: the larger of what the rank sends and receives, ``recv_wire_bytes``; the busiest
+  expert rank receives ``skew`` x the mean); the bandwidth is NVLink's when every rank of its group is in one node
+  (mesh rank order ``dp_replicate x ep x dp_shard x cp``, cp fastest, ``gpus_per_node`` consecutive ranks a node),
+  else the NIC's; an all-to-all over nodes sends its in-node share over NVLink and the rest over the NIC, at the
+  same time.
 - **Overlap.** FSDP2's all-gathers and reduce-scatters and HSDP's gradient all-reduce (names ``fsdp_*``,
   ``dp_*``) run on their own streams beside compute (prefetch one layer ahead): only what exceeds the step's
   compute is exposed, plus one unit's gather and one reduce-scatter at the ends of the step that nothing hides.
@@ -74,7 +76,7 @@ def group_ranks(dims, layout: Layout, size: int | None = None) -> list[int]:
 def collective_seconds(entry: dict, layout: Layout, hw: Hardware) -> tuple[float, str]:
     """``(seconds, "intra-node" | "inter-node")`` of one ``step_comms`` entry on ``hw`` (module docstring)."""
     g = int(entry.get("group_size", 1))
-    wire = float(entry.get("wire_bytes", 0.0))
+    wire = max(float(entry.get("wire_bytes", 0.0)), float(entry.get("recv_wire_bytes", 0.0)))  # (sends and receives)
     if g <= 1 or wire <= 0:
         return 0.0, "intra-node"
     ranks = group_ranks(entry.get("dims", ()), layout, g)

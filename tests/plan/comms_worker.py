@@ -1,7 +1,8 @@
 """Run by tests/plan/test_comms.py: four gloo ranks run one real training step (or one evaluation forward) of a tiny
 model in each layout of ``CASES``, counting every collective the step issues (``Collectives``, a
 ``TorchDispatchMode`` that sees the ``c10d::`` ops FSDP2, EP, CP and the loop call). Each rank writes
-``OUT/rank{r}.pt``: per case, ``[(collective, group size, in backward, input bytes)]`` and the EP rows it received.
+``OUT/rank{r}.pt``: per case, ``[(collective, group size, in backward, input bytes)]``, the EP rows it received and
+the names of the model's FSDP groups (``genoctx.train.dryrun._fsdp_groups``).
 """
 
 import sys
@@ -20,16 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from cp_worker import THREE_LAYERS  # noqa: E402
 
 L = 128  # window tokens (CP=2: pieces of 64)
-CHUNK = 32  # seq_chunk_tokens of the chunked case: CP=2 rounds of 64 tokens, two rounds
+CHUNK = 48  # seq_chunk_tokens of the chunked case: CP=2 rounds of 96 and 32 tokens (48 and 16 a rank: MoE chunks 2 + 1)
 # name -> (init_parallel kwargs, bf16, activation checkpointing, mode, extra)
 CASES = {
-    "hsdp_bf16_ac": ({"dp_shard": 2}, True, True, "train", {}),  # dp_replicate 2 x dp_shard 2, islands group
+    "hsdp_bf16_ac": ({"dp_shard": 2}, True, True, "train", {}),  # dp_replicate 2 x dp_shard 2, island groups
     "hsdp_bf16": ({"dp_shard": 2}, True, False, "train", {}),
     "fsdp_cp_ac": ({"dp_shard": 2, "cp": 2}, False, True, "train", {}),
     "fsdp_fep_bf16_ac": ({"dp_shard": 4, "ep": 2, "ep_folded": True}, True, True, "train", {}),
     "ep_fsdp_skew": ({"dp_shard": 2, "ep": 2}, False, False, "train", {"skew_bias": 0.15}),
     "dp2_ep2": ({"ep": 2}, False, False, "train", {}),  # no FSDP: gradients all-reduced (replicas and EP only)
-    "fsdp_cp_chunk": ({"dp_shard": 2, "cp": 2}, False, False, "train", {"seq_chunk_tokens": CHUNK}),
+    "fsdp_cp_chunk_bf16": ({"dp_shard": 2, "cp": 2}, True, False, "train", {"seq_chunk_tokens": CHUNK}),
     "eval_fep_cp": ({"dp_shard": 2, "cp": 2, "ep": 2, "ep_folded": True}, False, False, "eval", {"chunk": 32}),
 }
 # c10d op -> (collective, index of the input argument): what a wrapper around the collective sees
@@ -100,6 +101,7 @@ def run_case(name: str, windows: torch.Tensor) -> dict:
     from genoctx.parallel.fsdp import apply_parallel
     from genoctx.parallel.mesh import init_parallel
     from genoctx.recipes import TrainConfig
+    from genoctx.train.dryrun import _fsdp_groups
     from genoctx.train.loop import build_optimizer, train_step
 
     kw, bf16, ac, mode, extra = CASES[name]
@@ -125,7 +127,8 @@ def run_case(name: str, windows: torch.Tensor) -> dict:
         with count:
             train_step(model, opt, sched, tokens, cfg, autocast, dims)
     received = [int((getattr(layer.mlp, "stats", None) or {}).get("ep_received_rows", 0)) for layer in model.layers]
-    return {"records": count.records, "received": received, "layout": dims.layout.to_dict()}
+    groups = [g["module"] for g in _fsdp_groups(model)] if dims.fsdp else []
+    return {"records": count.records, "received": received, "layout": dims.layout.to_dict(), "groups": groups}
 
 
 def run(rank: int, world: int, init_file: str, out_dir: str, cases: list[str]) -> None:

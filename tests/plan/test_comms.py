@@ -2,12 +2,13 @@
 
 One run of four gloo ranks (``comms_worker.py``, forked from the preloaded server) takes one real training step of a
 tiny model (KDA, a full and a shared DSA layer; two MoE layers of 8 experts) in each layout of ``CASES``: HSDP with
-bf16 parameters (the fp32 islands their own FSDP group) and activation checkpointing, FSDP x CP, FSDP with folded EP
-(bf16), EP x FSDP with routing forced onto one EP rank's experts, FSDP x CP trained in chunks, and one evaluation
-forward on FSDP x CP with folded EP. A ``TorchDispatchMode`` counts every ``c10d::`` collective (input bytes, group
-size, inside backward or not). Per (collective, group size, backward or not): the formula's payload bytes equal the
-counted ones within 5% and its calls equal theirs (all-to-all rounds within 25%: they follow the routing), on the
-busiest EP rank with its measured skew; every formula entry matters (dropping any one fails the comparison).
+bf16 parameters (each fp32 island module its own FSDP group) and activation checkpointing, FSDP x CP, FSDP with
+folded EP (bf16), EP x FSDP with routing forced onto one EP rank's experts, FSDP x CP trained in chunks (bf16), and
+one evaluation forward on FSDP x CP with folded EP. A ``TorchDispatchMode`` counts every ``c10d::`` collective
+(input bytes, group size, inside backward or not). Per (collective, group size, backward or not): the formula's
+payload bytes equal the counted ones within 5% and its calls equal theirs (all-to-all rounds within 25%: they follow
+the routing), on the busiest EP rank with its measured skew; every formula entry matters (dropping any one fails the
+comparison); the planner's FSDP groups are the built model's.
 """
 
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from genoctx.parallel.layout import Layout
-from genoctx.plan.comms import PUBLISHED_SKEW, all_to_all_bytes, step_comms, total_bytes, wire_bytes
+from genoctx.plan.comms import PUBLISHED_SKEW, all_to_all_bytes, fsdp_groups, step_comms, total_bytes, wire_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
@@ -86,6 +87,20 @@ def test_formula_equals_counted_bytes(counted, case):
     if case == "ep_fsdp_skew":
         assert skew > 1.1, skew  # the router bias made one EP rank the busiest
     assert _mismatches(_formula(case, layout, skew), measured, layout.ep > 1) == []
+
+
+def test_fsdp_groups_are_the_built_ones(counted):
+    """``fsdp_groups`` names the groups ``apply_fsdp`` made (under bf16 one per fp32 island module: the KDA mixer,
+    router and mHC mixings of a layer, each gathered at its own calls only)."""
+    for case in CASES:
+        res = counted[case][0]
+        _, bf16, _, _, _ = CASES[case]
+        planned = [g["name"].replace(".experts", ".mlp.experts").replace("root", "<root>")
+                   for g in fsdp_groups(config(), Layout(**res["layout"]), "bf16" if bf16 else "fp32")]  # fmt: skip
+        assert sorted(planned) == sorted(res["groups"]), case
+    islands = {g["name"]: g["island"] for g in fsdp_groups(config(), Layout(dp_shard=2, dp_replicate=2))}
+    assert islands["layers.0.self_attn"] == "kda" and islands["layers.1.mlp.gate"] == "router"
+    assert islands["layers.2.attn_hc"] == islands["layers.2.ffn_hc"] == "mhc" and islands["layers.1"] is None
 
 
 def test_every_formula_entry_is_needed(counted):
