@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from genoctx.model.config import preset
-    from genoctx.plan.comms import PUBLISHED_SKEW
+    from genoctx.plan.flops import PUBLISHED_SKEW
     from genoctx.plan.hardware import load_hardware
 
     hw = load_hardware(args.hardware)

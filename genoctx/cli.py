@@ -1417,7 +1417,7 @@ def _hardware_and_skew(hardware: str, skew: str):
     Raises:
         GenoctxError: an unknown profile or a bad file (``genoctx.plan.hardware.load_hardware``), a bad skew.
     """
-    from .plan.comms import PUBLISHED_SKEW
+    from .plan.flops import PUBLISHED_SKEW
     from .plan.hardware import load_hardware
 
     hw = load_hardware(hardware)

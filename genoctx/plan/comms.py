@@ -63,7 +63,6 @@ from ..model.config import DSA, ModelConfig
 from ..parallel.layout import DIMS, Layout
 from .sizes import DTYPE_BYTES, F32, _is_island, shard_numel
 
-PUBLISHED_SKEW = 4.0  # busiest/mean expert tokens the published 64 x B200 run saw on real DNA
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "step")
 I64 = 8  # bytes of an int64 / fp64 element
@@ -393,8 +392,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         dtype: ``"bf16"`` (bf16 all-gathered parameters and activations, fp32 islands and gradient reduction) or
             ``"fp32"``.
         skew: rows the busiest EP rank's experts receive over the mean, ``>= 1``, taken as at most ``ep`` (a rank
-            receives at most every row) (``PUBLISHED_SKEW``: the busiest/mean expert load of the published run, an
-            upper bound of the per-rank skew when a rank holds several experts).
+            receives at most every row) (``genoctx.plan.flops.PUBLISHED_SKEW``: the busiest/mean expert load of the
+            published run, an upper bound of the per-rank skew when a rank holds several experts).
         seq_chunk_tokens: ``train.seq_chunk_tokens`` (train only): windows trained in chunks (under CP, rounds of
             ``cp x`` this many tokens): every chunk runs a forward without graph, a forward with graph and a
             backward, each with its own FSDP all-gathers and reduce-scatters; EP and CP move the same bytes per

@@ -386,6 +386,8 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
     n_pieces = _check(cfg, seq_len, layout, batch_size, cp_layout)
     if skew < 0:
         raise ValueError(f"skew must be >= 0, got {skew}")
+    # a rank without EP runs its own rows; with EP at most every row of its group (ep x the mean), as comms takes it
+    skew = min(skew, float(layout.ep)) if layout.ep > 1 else 1.0
     rounds = _rank_rounds(seq_len, layout.cp, cp_layout, seq_chunk_tokens)
     B = batch_size
     grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows).f

@@ -220,7 +220,7 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
         seq_len: tokens per window; batch_size: windows per data-parallel rank.
         layout: the parallel layout; hw: the hardware profile (``load_hardware``).
         recompute: activation checkpointing of the decoder layers; dtype: "bf16" or "fp32".
-        skew: busiest / mean expert rows of a rank (1 balanced; ``genoctx.plan.comms.PUBLISHED_SKEW`` ~4 on real DNA).
+        skew: busiest / mean expert rows of a rank (1 balanced; ``genoctx.plan.flops.PUBLISHED_SKEW`` ~4 on real DNA).
         seq_chunk_tokens: the chunked backward's chunk (``train.seq_chunk_tokens``), or None for one pass.
         mode: "train" or "eval".
 

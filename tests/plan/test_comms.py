@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from genoctx.parallel.layout import Layout
-from genoctx.plan.comms import PUBLISHED_SKEW, all_to_all_bytes, fsdp_groups, step_comms, total_bytes, wire_bytes
+from genoctx.plan.comms import all_to_all_bytes, fsdp_groups, step_comms, total_bytes, wire_bytes
+from genoctx.plan.flops import PUBLISHED_SKEW
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))

@@ -199,8 +199,11 @@ def test_context_and_expert_parallel_accounting():
     assert zig["components"]["dsa_indexer"]["forward"] < idx[1]
     # EP: balanced routing keeps the rank's own token-slots; skew scales the routed experts only (not the router)
     router = 2 * L * cfg.hidden_size * cfg.n_routed_experts  # one MoE layer
-    ep = step_flops(cfg, L, Layout(ep=2), recompute=False)
-    skewed = step_flops(cfg, L, Layout(ep=2), recompute=False, skew=PUBLISHED_SKEW)
+    ep = step_flops(cfg, L, Layout(ep=8), recompute=False)
+    skewed = step_flops(cfg, L, Layout(ep=8), recompute=False, skew=PUBLISHED_SKEW)
+    capped = step_flops(cfg, L, Layout(ep=2), recompute=False, skew=PUBLISHED_SKEW)  # at most ep x the mean
+    assert capped["total"] == step_flops(cfg, L, Layout(ep=2), recompute=False, skew=2.0)["total"] > ep["total"]
+    assert step_flops(cfg, L, Layout(), recompute=False, skew=PUBLISHED_SKEW)["total"] == one["total"]  # no EP
     assert ep["total"] == one["total"] and PUBLISHED_SKEW == 4.0
     assert skewed["components"]["experts"]["forward"] - router == pytest.approx(
         4 * (ep["components"]["experts"]["forward"] - router)
