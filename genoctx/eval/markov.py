@@ -113,6 +113,39 @@ class MarkovModel:
             model.counts.append(table)
         return model
 
+    def token_probs(self, tokens: np.ndarray) -> np.ndarray:
+        """Next-base distribution at every position of one window (the same back-off as :meth:`token_losses`).
+
+        Args:
+            tokens: integer [W] window token ids (context never reaches before position 0 nor across a non-ACGT id).
+
+        Returns:
+            float64 [W, 4] ``P(b | longest clean seen context of <= K bases)`` for b = A, C, G, T; every row sums to 1
+            (rows of non-ACGT targets too: the distribution depends on the context only).
+        """
+        t = np.asarray(tokens).astype(np.int64, copy=False)
+        W = t.shape[0]
+        run = clean_run(t)
+        codes = context_codes(t, self.order)
+        out = np.zeros((W, 4), dtype=np.float64)
+        todo = np.ones(W, dtype=bool)
+        for k in range(self.order, -1, -1):
+            sel = np.flatnonzero(todo & (run >= k))
+            if sel.size == 0:
+                continue
+            ctx = self.contexts[k]
+            code = codes[k][sel]
+            j = np.searchsorted(ctx, code)
+            j_ok = np.minimum(j, max(ctx.shape[0] - 1, 0))
+            found = (j < ctx.shape[0]) & (ctx[j_ok] == code) if ctx.shape[0] else np.zeros(sel.size, bool)
+            if k == 0:
+                found[:] = True
+            hit = sel[found]
+            rows = self.counts[k][j_ok[found]].astype(np.float64)
+            out[hit] = (rows + self.alpha) / (rows.sum(1, keepdims=True) + 4 * self.alpha)
+            todo[hit] = False
+        return out
+
     def token_losses(self, tokens: np.ndarray) -> np.ndarray:
         """Next-base loss of every position of one window, in nats; 0 where not scored (non-ACGT target).
 
