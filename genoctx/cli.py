@@ -819,6 +819,20 @@ def eval_(
         int | None, typer.Option(help="Also score an order-K Markov chain fitted on the train split.")
     ] = None,
     markov_alpha: Annotated[float, typer.Option(help="Add-alpha pseudo-count of the Markov chain.")] = 1.0,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME",
+            help="Also score a reference that uses far context without a network: repeat (context models fitted "
+            "on the train split, mixed with experts copying earlier forward and reverse-complement repeats in the "
+            "window); every other model's rows get their change vs it.",
+        ),
+    ] = None,
+    # defaults: genoctx.eval.repeat's ORDER, KMER, EXPERTS (literals here so that --help imports no numpy or torch;
+    # a test holds them equal)
+    repeat_order: Annotated[int, typer.Option(help="Order of the repeat reference's context models.")] = 12,
+    repeat_kmer: Annotated[int, typer.Option(help="Seed length of the repeat reference's experts (bases).")] = 12,
+    repeat_experts: Annotated[int, typer.Option(help="Most repeat experts alive at once.")] = 16,
     reverse_complement: Annotated[
         bool, typer.Option("--reverse-complement", help="Also score the reverse-complement strand.")
     ] = False,
@@ -928,6 +942,7 @@ def eval_(
       genoctx eval --by-position --checkpoint runs/init --checkpoint runs/demo --data prepared --markov 8
       genoctx eval --by-position --checkpoint runs/demo --baseline runs/init --data prepared --format json
       genoctx eval --by-position --markov 12 --data prepared --reverse-complement --split-by softmask
+      genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --reference repeat
       genoctx eval --by-position --checkpoint runs/demo --data prepared --markov 8 --copy-probe
       genoctx eval --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4 --fsdp 2 --cp 2
     """
@@ -965,6 +980,10 @@ def eval_(
             device=_device(device),
             markov=markov,
             markov_alpha=markov_alpha,
+            reference=reference,
+            repeat_order=repeat_order,
+            repeat_kmer=repeat_kmer,
+            repeat_experts=repeat_experts,
             reverse_complement=reverse_complement,
             split_by=split_by,
             resamples=resamples,

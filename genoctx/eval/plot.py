@@ -76,6 +76,15 @@ def _mid(b: dict) -> float:
     return max(1.0, math.sqrt(max(b["start"], 1) * b["end"]))
 
 
+# line styles by model kind: references dashed (Markov chain) and dotted (repeat reference), models solid
+_STYLES = {"markov": "s--", "reference": "^:"}
+
+
+def _style(m: dict) -> str:
+    """The matplotlib format string of a model entry's line (:data:`_STYLES`, else ``"o-"``)."""
+    return _STYLES.get(m.get("kind"), "o-")
+
+
 def _plot_copy_probe(ax, doc: dict, models: list[dict]) -> None:
     """The copy probe panel: per model, the gain (in-place loss minus loss on the copy, nats per base) against the
     copy's distance (log 2 axis) with its bootstrap band; the reach threshold as a dotted line."""
@@ -84,7 +93,7 @@ def _plot_copy_probe(ax, doc: dict, models: list[dict]) -> None:
         if not rows:
             continue
         xs = [r["distance"] for r in rows]
-        style = "s--" if m.get("kind") == "markov" else "o-"
+        style = _style(m)
         (line,) = ax.plot(xs, [r["gain"] for r in rows], style, color=f"C{i}", label=m["name"])
         cis = [r.get("gain_ci") for r in rows]
         if all(cis):
@@ -132,7 +141,7 @@ def _plot_bins(ax, doc: dict, models: list[dict], metric: str) -> None:
         if not rows:
             continue
         xs = [_mid(b) for b in rows]
-        style = "s--" if m.get("kind") == "markov" else "o-"
+        style = _style(m)
         label = m["name"] + (" (baseline)" if m.get("baseline") else "")
         (line,) = ax.plot(xs, [scale * b[key] for b in rows], style, color=f"C{i}", label=label)
         cis = [b.get(ci_key) for b in rows]
@@ -162,9 +171,10 @@ def _plot_bins(ax, doc: dict, models: list[dict], metric: str) -> None:
 
 def plot(doc: dict, path: str | Path, metric: str = "loss") -> Path:
     """Write the plot (PNG, or the format of the suffix), one panel each of :func:`plot_panels`: ``metric`` by
-    position, one line per model (checkpoints, Markov reference) at the bins' geometric centres on a log-2 position
-    axis with the bootstrap interval as a shaded band; with a baseline, the change of every other model vs it; with
-    a copy probe in ``doc``, each model's gain on the copy by distance (``_plot_copy_probe``).
+    position, one line per model (checkpoints solid, Markov chain dashed, repeat reference dotted: ``_style``) at the
+    bins' geometric centres on a log-2 position axis with the bootstrap interval as a shaded band; with a baseline,
+    the change of every other model vs it; with a copy probe in ``doc``, each model's gain on the copy by distance
+    (``_plot_copy_probe``).
 
     Args:
         doc: a document of :func:`genoctx.eval.position.evaluate` (or the bare ``bins``/``overall`` form).

@@ -8,8 +8,10 @@ same in bits per base (nats / ln 2), and a percentile-bootstrap interval over wi
 Several models are scored on the same windows: checkpoints (the first one is the baseline; every other model
 gets its absolute and relative change against it, with a paired-bootstrap interval) and optionally an
 order-K Markov chain fitted on the training split (``markov.py``), the reference a model that learned to use
-long context must beat. Any object with the chunk contract ``model(inputs [B, T], cache) -> (logits
-[B, T, V], cache)`` can be scored.
+long context must beat, and optionally the repeat reference (``repeat.py``: context models mixed with experts that
+copy earlier forward and reverse-complement occurrences in the window), how much far context can give on this DNA
+without a network. Every other model's rows carry its change vs each reference (``markov_*``, ``reference_*``). Any
+object with the chunk contract ``model(inputs [B, T], cache) -> (logits [B, T, V], cache)`` can be scored.
 
 Views: with ``reverse_complement`` every window is also scored on its reverse-complement strand (positions
 count from the start of that strand); with ``split_by="softmask"`` soft-masked (repeat) and unmasked bases
@@ -41,6 +43,7 @@ from .bootstrap import percentile_interval, ratio_samples, resample_weights
 from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
 from .markov import MAX_ORDER, fit_markov
 from .plot import plot
+from .repeat import EXPERTS, KMER, ORDER, check_repeat_args, fit_repeat
 from .scoring import (  # noqa: F401 -- the scoring names stay importable from here
     MAIN_VIEW,
     MASKS,
@@ -258,6 +261,10 @@ def evaluate(
     copy_distances_n: int = 8,
     mesh=None,
     verify: bool = True,
+    reference: str | None = None,
+    repeat_order: int = ORDER,
+    repeat_kmer: int = KMER,
+    repeat_experts: int = EXPERTS,
 ) -> dict:
     """Position-binned held-out loss of one or more checkpoints (and references) on ``split`` of ``data_dir``.
 
@@ -272,6 +279,10 @@ def evaluate(
         markov: also fit an order-K Markov chain on the ``train`` split and score the same tokens; with no
             checkpoint at all it is the only (reported) model.
         markov_alpha: its add-α pseudo-count.
+        reference: ``"repeat"`` to also score the repeat reference (``genoctx.eval.repeat``: its static context
+            models fitted on the ``train`` split with ``repeat_order``, repeat experts of ``repeat_kmer``-base seeds,
+            at most ``repeat_experts`` alive) on the same windows, views and copy probe, in this process (also with
+            ``mesh``); None for none. With no checkpoint it is the reported model (rather than the Markov chain).
         reverse_complement: also score the reverse-complement strand of every window (views ``reverse/*``,
             ``both/*``).
         split_by: ``"softmask"`` to report soft-masked and unmasked bases separately (views ``*/softmasked``,
@@ -300,11 +311,13 @@ def evaluate(
         GenoctxError: no model to score, a missing checkpoint, an HF model whose vocabulary is not the
             nucleotide one, data prepared with another vocabulary or
             without a soft-mask channel (with ``split_by="softmask"``), an empty split, bins beyond the
-            window, no scored token in the windows, bad bootstrap or Markov parameters; with ``mesh``, a layout the
-            models or the window cannot take, a plan that does not fit, the copy probe, a failed worker group.
+            window, no scored token in the windows, bad bootstrap, Markov or repeat-reference parameters (an unknown
+            ``reference``); with ``mesh``, a layout the models or the window cannot take, a plan that does not fit,
+            the copy probe, a failed worker group.
     """
     data_dir = Path(data_dir)
     _check_eval_args(data_dir, split_by, level, resamples, max_windows, chunk_tokens, seed, markov, markov_alpha)
+    _check_reference_args(reference, repeat_order, repeat_kmer, repeat_experts)
     if mesh is not None and (copy_probe or models):
         raise GenoctxError(
             "--copy-probe needs one process (omit --num-workers): it continues every edited tail from a cached "
@@ -321,8 +334,8 @@ def evaluate(
         for given, ck in zip(ckpts_in, ckpts, strict=True):
             if (ck / "state.json").is_file():
                 refuse_unverified(ck, given, run_of(given), "--checkpoint", "evaluate it")
-    if not ckpts and markov is None and not models:
-        raise GenoctxError("nothing to evaluate: give --checkpoint (one or more) or --markov K")
+    if not ckpts and markov is None and reference is None and not models:
+        raise GenoctxError("nothing to evaluate: give --checkpoint (one or more), --markov K or --reference repeat")
     ds = WindowDataset(data_dir, split)
     edges = parse_bins(bins, ds.window)
     views = view_names(reverse_complement, split_by == "softmask")
@@ -359,12 +372,16 @@ def evaluate(
         scored.append(_Scored({"name": name, "kind": "model", "path": None}, res, probe(score, tails)))
     if scored and scored[0].views[MAIN_VIEW].count.sum() == 0:
         raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
-    mk = None
+    # the references are scored here whatever the checkpoints ran on (with a mesh too): numpy on the host
+    mk = ref = None
     if markov is not None:
         mk = _score_markov(data_dir, markov, markov_alpha, ds, edges, max_windows, views, probe)
-        if mk.views[MAIN_VIEW].count.sum() == 0:
+    if reference is not None:
+        ref = _score_repeat(data_dir, repeat_order, repeat_kmer, repeat_experts, ds, edges, max_windows, views, probe)
+    for r in (mk, ref):
+        if r is not None and r.views[MAIN_VIEW].count.sum() == 0:
             raise GenoctxError(f"{data_dir}: the {n} {split} windows scored have no A/C/G/T base")
-    doc = _document(scored, mk, views, n, resamples, seed, level)
+    doc = _document(scored, mk, views, n, resamples, seed, level, ref)
     doc.update(split=split, windows=n, window=ds.window, edges=list(edges))
     doc = {k: doc[k] for k in _DOC_ORDER if k in doc}
     if copy_probe:
@@ -404,6 +421,14 @@ def _check_eval_args(data_dir, split_by, level, resamples, max_windows, chunk_to
         raise GenoctxError(f"--markov-alpha {markov_alpha}: must be a finite number >= 0")
 
 
+def _check_reference_args(reference, repeat_order, repeat_kmer, repeat_experts):
+    """The reference flags' checks (one-line ``GenoctxError`` naming the flag), before anything is loaded; the repeat
+    reference's parameters are checked even without ``reference`` (as ``--markov-alpha`` without ``--markov``)."""
+    if reference not in (None, "repeat"):
+        raise GenoctxError(f"--reference {reference!r}: the only reference is 'repeat'")
+    check_repeat_args(repeat_order, repeat_kmer, repeat_experts)
+
+
 def _entry(path: Path, taken: set[str], vocab: str | None) -> dict:
     """A checkpoint's identity in the document's ``models``."""
     return {"name": _label(path, taken), "kind": "checkpoint", "path": str(path), "loss_vocab": vocab}
@@ -436,14 +461,26 @@ def _score_markov(data_dir, markov, markov_alpha, ds, edges, max_windows, views,
     return _Scored(entry, res, probe(markov_scorer(chain)))
 
 
+def _score_repeat(data_dir, order, kmer, experts, ds, edges, max_windows, views, probe) -> _Scored:
+    """The repeat reference (static part fitted on the train split), scored on the same windows from the preceding
+    bases of each window only, and by the copy probe."""
+    log.info("fitting the repeat reference (order %d, %d-base seeds, %d experts) on the train split of %s", order,
+             kmer, experts, data_dir)  # fmt: skip
+    model = fit_repeat(data_dir, order, kmer, experts)
+    res = score_windows(model.token_losses, ds, edges, max_windows, views, label=model.name)
+    entry = {"name": model.name, "kind": "reference", "path": None, **model.describe()}
+    return _Scored(entry, res, probe(model.token_losses))
+
+
 def _document(scored: list[_Scored], mk: _Scored | None, views: list[str], n: int, resamples: int, seed: int,
-              level: float) -> dict:  # fmt: skip
+              level: float, ref: _Scored | None = None) -> dict:  # fmt: skip
     """The statistics of every model from its per-window sums: intervals (bootstrap over the ``n`` windows, paired
-    across models), changes vs the baseline (the first checkpoint when there are two or more) and vs the Markov
-    chain, ``last_vs_first_bin``; the top-level ``bins``/``overall`` report the last checkpoint."""
-    all_models = scored + ([mk] if mk else [])
+    across models), changes vs the baseline (the first checkpoint when there are two or more), vs the Markov
+    chain ``mk`` and vs the repeat reference ``ref``, ``last_vs_first_bin``; the top-level ``bins``/``overall``
+    report the last checkpoint (without one: the repeat reference, else the Markov chain)."""
+    all_models = scored + [m for m in (mk, ref) if m is not None]
     base = scored[0] if len(scored) >= 2 else None
-    reported = scored[-1] if scored else mk
+    reported = scored[-1] if scored else ref or mk
     weights = resample_weights(n, resamples, seed)
     if weights is None and resamples:
         log.warning("%d window(s): no bootstrap interval (needs at least 2 windows)", n)
@@ -460,6 +497,8 @@ def _document(scored: list[_Scored], mk: _Scored | None, views: list[str], n: in
             refs.append(("baseline", base.views[v], samples[id(base), v]))
         if mk is not None and m is not mk:
             refs.append(("markov", mk.views[v], samples[id(mk), v]))
+        if ref is not None and m is not ref:
+            refs.append(("reference", ref.views[v], samples[id(ref), v]))
         return _annotate(b, m.views[v], samples[id(m), v], level, refs)
 
     entries = []
@@ -601,7 +640,7 @@ CSV_COLUMNS = [
     "start", "end", "tokens", "loss", "bits_per_base", "baseline_loss", "relative_change",
     "loss_ci_low", "loss_ci_high", "difference", "difference_ci_low", "difference_ci_high",
     "relative_change_ci_low", "relative_change_ci_high", "markov_loss", "markov_relative_change",
-    "model", "view",
+    "reference_loss", "reference_relative_change", "model", "view",
 ]  # fmt: skip
 
 

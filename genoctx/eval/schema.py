@@ -24,6 +24,9 @@ _STATS = {
     "markov_loss": _NUM,
     "markov_relative_change": _NUM,
     "markov_relative_change_ci": _CI,
+    "reference_loss": _NUM,
+    "reference_relative_change": _NUM,
+    "reference_relative_change_ci": _CI,
 }
 
 BIN = {
@@ -67,11 +70,13 @@ MODEL = {
     "required": ["name", "kind", "path", "baseline", "reported", "bins", "overall"],
     "properties": {
         "name": {"type": "string"},
-        "kind": {"enum": ["checkpoint", "markov", "model"]},
+        "kind": {"enum": ["checkpoint", "markov", "reference", "model"]},
         "path": {"type": ["string", "null"]},
         "order": {"type": "integer", "minimum": 0},
         "alpha": {"type": "number", "minimum": 0},
         "train_tokens": {"type": "integer", "minimum": 0},
+        "kmer": {"type": "integer", "minimum": 1},
+        "experts": {"type": "integer", "minimum": 1},
         "loss_vocab": {"enum": ["full", "nucleotide", None]},
         "baseline": {"type": "boolean"},
         "reported": {"type": "boolean"},
