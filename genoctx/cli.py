@@ -830,7 +830,9 @@ def eval_(
     ] = None,
     # defaults: genoctx.eval.repeat's ORDER, KMER, EXPERTS (literals here so that --help imports no numpy or torch;
     # a test holds them equal)
-    repeat_order: Annotated[int, typer.Option(help="Order of the repeat reference's context models.")] = 12,
+    repeat_order: Annotated[
+        int, typer.Option(help="Order of the repeat reference's static context model (fitted on the train split).")
+    ] = 10,
     repeat_kmer: Annotated[int, typer.Option(help="Seed length of the repeat reference's experts (bases).")] = 12,
     repeat_experts: Annotated[int, typer.Option(help="Most repeat experts alive at once.")] = 16,
     reverse_complement: Annotated[

@@ -32,8 +32,8 @@ scored, as for every model).
 
 :func:`score_window` is the fast path (numba, O(W * (experts + candidates)) per window, tables reused across windows
 and reset by walking what the window touched: memory is bounded by the window plus fixed tables of ``4**kmer``
-int32; 4**kmer is 64 MiB at the default); :func:`score_window_reference` is the slow, obviously-correct one (plain Python, a naive
-scan for occurrences), which the tests hold equal on small windows.
+int32, 64 MiB at the default); :func:`score_window_reference` is the slow, obviously-correct one (plain Python, a
+naive scan for occurrences), which the tests hold equal on small windows.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _score_window_nb(t, static_p, kmer, max_experts, orders, alphas, counts, hea
     for i in range(W):
         x = t[i]
         valid = x >= 0 and x <= 3
-        # spawn experts from earlier occurrences of the k-mer before i (ending at <= i - 2) and of its reverse complement
+        # spawn experts from earlier occurrences (ending at <= i - 2) of the k-mer before i and of its reverse compl.
         if run >= kmer:
             fcode = code & kmask
             alive = 0
@@ -344,7 +344,8 @@ def score_window_reference(tokens: np.ndarray, static_p: np.ndarray, kmer: int =
                     if j < 0 or any(s is not None and s["dir"] == d and s["pos"] == j for s in slots):
                         continue
                     free = slots.index(None)
-                    slots[free] = {"pos": j, "dir": d, "hits": 0, "n": 0, "history": [], "score": best - NEW_EXPERT_PENALTY}
+                    score = best - NEW_EXPERT_PENALTY
+                    slots[free] = {"pos": j, "dir": d, "hits": 0, "n": 0, "history": [], "score": score}
         x = t[i]
         p_ctx = [list(static_p[i])]
         for a, k in enumerate(ADAPTIVE_ORDERS):
