@@ -44,11 +44,11 @@ $G train --data "$OUT/data" --recipe recipes/cpu-small.yaml --out "$OUT/post" $(
   --steps "$POST_STEPS" --set model.preset=null --set train.seq_len=null --set train.batch_size=1 \
   --set train.lr="$POST_LR" --set train.warmup_steps=5 --set train.seed="$SEED" \
   --set train.checkpoint_every=20 --set train.log_every=5 >&2
-log "3. eval: base vs post-trained on chr22, order-8 Markov alongside -> $OUT/eval.json, $OUT/by_position.png"
+log "3. eval: base vs post-trained on chr22, order-8 Markov and the repeat reference alongside -> $OUT/eval.json, $OUT/by_position.png"
 PROBE=()
 if [ "$COPY_PROBE" = 1 ]; then PROBE=(--copy-probe --copy-distances 6); fi
 $G eval --by-position --data "$OUT/data" --checkpoint "$OUT/base" --checkpoint "$OUT/post" --markov 8 \
-  "${PROBE[@]}" --seed "$SEED" --plot "$OUT/by_position.png" --format json > "$OUT/eval.json.tmp"
+  --reference repeat "${PROBE[@]}" --seed "$SEED" --plot "$OUT/by_position.png" --format json > "$OUT/eval.json.tmp"
 mv "$OUT/eval.json.tmp" "$OUT/eval.json"
 .venv/bin/python -c 'import json, sys; from genoctx.eval.position import to_table; print(to_table(json.load(open(sys.argv[1]))))' \
   "$OUT/eval.json"
