@@ -29,6 +29,8 @@ from ..data.dataset import WindowDataset
 from ..errors import GenoctxError
 
 MAX_ORDER = 16  # codes of K + 1 bases fit in int64 up to K = 30; 16 keeps the count tables reasonable
+FIT_BLOCK = 1 << 22  # bases counted at a time when fitting (memory: about 30 x 8 bytes x (K + 1) per base of a block)
+DENSE_MAX = 1 << 24  # orders with at most this many (context, base) cells are counted in a dense table
 
 
 def clean_run(tokens: np.ndarray) -> np.ndarray:
@@ -89,26 +91,47 @@ class MarkovModel:
             raise GenoctxError(f"--markov {order}: the order must be between 0 and {MAX_ORDER}")
         if alpha < 0 or not math.isfinite(alpha):
             raise GenoctxError(f"--markov-alpha {alpha}: must be a finite number >= 0")
-        keys: list[list[np.ndarray]] = [[] for _ in range(order + 1)]
+        total = sum(len(seg) for seg in segments)
+        # orders whose 4**(k+1) table is small (and not much larger than the data) are counted densely; higher ones
+        # as sorted unique keys per block, merged at the end (memory: a block, the tables, the distinct contexts)
+        dense = [np.zeros(4 ** (k + 1), dtype=np.int64) if 4 ** (k + 1) <= min(DENSE_MAX, 16 * total) else None
+                 for k in range(order + 1)]  # fmt: skip
+        parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(order + 1)]
         seen = 0
         for seg in segments:
-            seg = np.asarray(seg).astype(np.int64, copy=False)
-            ok = (seg >= 0) & (seg <= 3)
-            seen += int(ok.sum())
-            run = clean_run(seg)
-            codes = context_codes(seg, order)
-            for k in range(order + 1):
-                sel = ok & (run >= k)
-                keys[k].append(codes[k][sel] * 4 + seg[sel])
+            for b0 in range(0, len(seg), FIT_BLOCK):
+                lo = max(0, b0 - order)  # the block's first bases take their context from the bases before it
+                piece = np.asarray(seg[lo : b0 + FIT_BLOCK]).astype(np.int64)
+                own = np.arange(piece.shape[0]) >= b0 - lo
+                ok = (piece >= 0) & (piece <= 3) & own
+                seen += int(ok.sum())
+                run = clean_run(piece)
+                codes = context_codes(piece, order)
+                for k in range(order + 1):
+                    sel = ok & (run >= k)
+                    key = codes[k][sel] * 4 + piece[sel]
+                    if dense[k] is not None:
+                        dense[k] += np.bincount(key, minlength=dense[k].shape[0])
+                    else:
+                        parts[k].append(np.unique(key, return_counts=True))
         if seen == 0:
             raise GenoctxError("the training split has no A/C/G/T base to fit the Markov model on")
         model = cls(order=order, alpha=float(alpha), tokens_seen=seen)
         for k in range(order + 1):
-            uniq, n = np.unique(np.concatenate(keys[k]), return_counts=True)
+            if dense[k] is not None:
+                table = dense[k].reshape(-1, 4)
+                contexts = np.flatnonzero(table.sum(1))
+                model.contexts.append(contexts.astype(np.int64))
+                model.counts.append(table[contexts])
+                continue
+            keys = np.concatenate([u for u, _ in parts[k]]) if parts[k] else np.zeros(0, np.int64)
+            ns = np.concatenate([n for _, n in parts[k]]) if parts[k] else np.zeros(0, np.int64)
+            uniq, inv = np.unique(keys, return_inverse=True)
+            n = np.bincount(inv, weights=ns, minlength=uniq.shape[0]).astype(np.int64)
             ctx, sym = uniq >> 2, uniq & 3
-            contexts, inv = np.unique(ctx, return_inverse=True)
+            contexts, cinv = np.unique(ctx, return_inverse=True)
             table = np.zeros((contexts.shape[0], 4), dtype=np.int64)
-            table[inv, sym] = n
+            table[cinv, sym] = n
             model.contexts.append(contexts)
             model.counts.append(table)
         return model
