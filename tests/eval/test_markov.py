@@ -99,3 +99,19 @@ def test_bad_order_and_empty_training():
         MarkovModel.fit([np.zeros(10, np.uint8)], 99)
     with pytest.raises(GenoctxError):
         MarkovModel.fit([np.full(10, 4, np.uint8)], 2)
+
+
+def test_fit_in_blocks_equals_one_pass(monkeypatch):
+    """Counting in blocks (with the context carried over block edges, N runs inside) gives the same tables."""
+    import genoctx.eval.markov as mk
+
+    rng = np.random.default_rng(5)
+    segs = [rng.integers(0, 5, n).astype(np.uint8) for n in (3000, 17, 9000)]
+    whole = mk.MarkovModel.fit(segs, 12)
+    monkeypatch.setattr(mk, "FIT_BLOCK", 7)
+    monkeypatch.setattr(mk, "DENSE_MAX", 4**6)  # orders 6..12 through the sparse merge
+    blocked = mk.MarkovModel.fit(segs, 12)
+    assert blocked.tokens_seen == whole.tokens_seen == int(sum((s <= 3).sum() for s in segs))
+    for k in range(13):
+        np.testing.assert_array_equal(blocked.contexts[k], whole.contexts[k])
+        np.testing.assert_array_equal(blocked.counts[k], whole.counts[k])
