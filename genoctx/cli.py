@@ -1255,6 +1255,25 @@ def plan(
     offload_optimizer: Annotated[
         bool, typer.Option("--offload-optimizer", help="Masters, gradients and AdamW state in host memory (FSDP2).")
     ] = False,
+    optimizer_state_dtype: Annotated[
+        str | None,
+        typer.Option(help="AdamW moments in fp32 or bf16 (train.optimizer_state_dtype; default the recipe's or fp32)."),
+    ] = None,
+    offload_activations: Annotated[
+        bool,
+        typer.Option("--offload-activations", help="The checkpointed layers' inputs in host memory (train."
+                     "offload_activations; needs recompute)."),  # fmt: skip
+    ] = False,
+    knobs: Annotated[
+        str,
+        typer.Option(help="none, or auto: each layout with the first memory knobs that make it fit (activation "
+                     "offload, bf16 AdamW moments, both, optimizer offload; genoctx.plan.search.KNOB_COMBOS)."),
+    ] = "none",  # fmt: skip
+    host_memory_gib: Annotated[
+        float | None,
+        typer.Option(help="Host memory per GPU in GiB that offloaded state must fit in (default the --hardware "
+                     "profile's, e.g. 238 on a DGX B200)."),  # fmt: skip
+    ] = None,
     batch_size: Annotated[
         int | None, typer.Option(help="Windows per data-parallel rank per step (default the recipe's or 1).")
     ] = None,
@@ -1312,6 +1331,7 @@ def plan(
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --seq-chunk auto
       genoctx plan --preset glm-5.3-flash --seq-len 256k --gpus 64 --rank-by throughput --skew published
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --hardware h200 --gpu-memory-gib 139
+      genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 32 --gpu-memory-gib 178 --knobs auto
     """
     from .plan import (
         best_seq_chunk,
@@ -1322,6 +1342,7 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
+    from .plan.search import plan_with_knobs
     from .plan.time import add_time, rank_by_throughput
 
     _setup_logging(False)
@@ -1352,6 +1373,10 @@ def plan(
         (chunk_tokens, chunk_flag), seq_chunk = _alias("--seq-chunk", seq_chunk, "--chunk-tokens", chunk_tokens), None
     kwargs = _plan_kwargs(rec, eval_, gpu_memory_gib, no_recompute, offload_optimizer, batch_size, dtype, dry_run,
                           chunk_tokens, cp_layout, chunk_flag)  # fmt: skip
+    if knobs not in ("none", "auto"):
+        raise GenoctxError(f"--knobs must be none or auto, got {knobs!r}")
+    kwargs.update(_knob_kwargs(rec, eval_, hw, optimizer_state_dtype, offload_activations, host_memory_gib, knobs,
+                               no_recompute, seq_chunk))  # fmt: skip
     if not eval_:
         if seq_chunk is None:
             chunk = rec.train.seq_chunk_tokens if rec is not None else None
@@ -1370,6 +1395,8 @@ def plan(
             if auto:
                 kwargs.pop("seq_chunk_tokens")
                 plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
+            elif knobs == "auto":
+                plans = [plan_with_knobs(cfg, L, layout, **kwargs)]
             else:
                 plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
@@ -1377,7 +1404,8 @@ def plan(
         doc["layouts"] = add_time(plans, cfg, hw, skew=skew_x)
         shown = plans
     else:
-        plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train", **kwargs)
+        plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train",
+                               **({"knobs": knobs} if not eval_ else {}), **kwargs)  # fmt: skip
         if not plans:
             piece = "CP pieces of >= linear_conv_kernel_dim - 1" if eval_ else f"pieces of >= {cfg.kda_chunk_size}"
             raise GenoctxError(
@@ -1430,6 +1458,35 @@ def plan(
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
+
+
+def _knob_kwargs(rec, eval_, hw, optimizer_state_dtype, offload_activations, host_memory_gib, knobs, no_recompute,
+                 seq_chunk) -> dict:  # fmt: skip
+    """``plan_memory``'s memory-knob arguments from ``genoctx plan``'s flags, the recipe and the hardware profile.
+
+    Raises:
+        GenoctxError: a knob flag with --eval, a bad --optimizer-state-dtype or --host-memory-gib, activation offload
+            with --no-recompute, --knobs auto with --seq-chunk.
+    """
+    given = optimizer_state_dtype is not None or offload_activations or knobs != "none"
+    if eval_:
+        if given:
+            raise GenoctxError("--optimizer-state-dtype, --offload-activations and --knobs are about a training step; "
+                               "--eval plans scoring one window")  # fmt: skip
+        return {}
+    t = rec.train if rec is not None else None
+    osd = optimizer_state_dtype or getattr(t, "optimizer_state_dtype", None) or "fp32"
+    if osd not in ("fp32", "bf16"):
+        raise GenoctxError(f"--optimizer-state-dtype must be fp32 or bf16, got {osd!r}")
+    off = offload_activations or bool(getattr(t, "offload_activations", False))
+    if off and no_recompute:
+        raise GenoctxError("--offload-activations offloads the checkpointed layers' inputs: not with --no-recompute")
+    if knobs == "auto" and seq_chunk is not None:
+        raise GenoctxError("--knobs auto plans one pass per layout: not with --seq-chunk")
+    host = hw.host_memory_gib if host_memory_gib is None else host_memory_gib
+    if host is not None and not 0 < host < float("inf"):
+        raise GenoctxError(f"--host-memory-gib: must be a positive number of GiB, got {host}")
+    return dict(optimizer_state_dtype=osd, offload_activations=off, host_memory_gib=host)
 
 
 def _hardware_and_skew(hardware: str, skew: str):

@@ -36,6 +36,7 @@ EFFICIENCY = {
     "attention": 0.15,
     "memory": 0.7,
     "collective": 0.7,
+    "host_copy": 0.8,
 }
 EFFICIENCY_REASONS = {
     "matmul": "large bf16 GEMMs reach 60-75% of the datasheet dense peak in cuBLAS; 0.6 for the smaller, uneven "
@@ -45,11 +46,14 @@ EFFICIENCY_REASONS = {
     "the forward's FLOPs gives 3 / (1/0.65 + 2/0.11) = 0.15 over a step",
     "memory": "elementwise and reduction kernels (norms, gates, mHC mixing, Sinkhorn, softmax) stream device memory "
     "at 70-90% of its peak; 0.7 for unfused PyTorch ops",
+    "host_copy": "pinned cudaMemcpyAsync over PCIe Gen5 x16 reaches ~50-55 of its 64 GB/s each way (nvbandwidth "
+    "host_to_device_memcpy_ce on H100/B200 nodes); 0.8",
     "collective": "NCCL's bus bandwidth for messages of tens to hundreds of MB: ~80% of NVLink (nccl-tests "
     "all_reduce ~360 of 450 GB/s on H100) and ~90% of InfiniBand line rate; 0.7 for per-layer FSDP buckets and "
     "chunked all-to-alls",
 }
 COLLECTIVE_LATENCY_S = 3.0e-5  # seconds per collective call (NCCL launch + sync, tens of microseconds)
+HOST_KEYS = ("host_memory_gib", "host_device_bytes_per_s", "host_memory_bytes_per_s")  # optional
 _KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node", "intra_node_bytes_per_s",
          "inter_node_bytes_per_s")  # fmt: skip
 
@@ -57,7 +61,10 @@ _KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node"
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """One GPU and its node. Rates are per GPU: FLOP/s by dtype (dense), bytes/s of device memory, bytes/s each way
-    to a GPU of the same node and to one of another node; ``efficiency`` by work class (``EFFICIENCY`` keys)."""
+    to a GPU of the same node and to one of another node; ``efficiency`` by work class (``EFFICIENCY`` keys). The
+    host (optional keys; None: not checked or timed): ``host_memory_gib`` the node's memory per GPU,
+    ``host_device_bytes_per_s`` each way between a GPU and host memory (its PCIe link), ``host_memory_bytes_per_s``
+    the node's DRAM bandwidth per GPU (what a CPU optimizer step streams at)."""
 
     name: str
     dtype_flops: dict
@@ -66,6 +73,9 @@ class Hardware:
     gpus_per_node: int
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
+    host_memory_gib: float | None = None
+    host_device_bytes_per_s: float | None = None
+    host_memory_bytes_per_s: float | None = None
     sources: dict = dataclasses.field(default_factory=dict)
     efficiency: dict = dataclasses.field(default_factory=lambda: dict(EFFICIENCY))
     collective_latency_s: float = COLLECTIVE_LATENCY_S
@@ -99,7 +109,7 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
     """
     if not isinstance(doc, dict):
         raise GenoctxError(f"{where}: a hardware profile is a mapping of {', '.join(_KEYS)}")
-    known = set(_KEYS) | {"sources", "efficiency", "collective_latency_s"}
+    known = set(_KEYS) | set(HOST_KEYS) | {"sources", "efficiency", "collective_latency_s"}
     for key in doc:
         if key not in known:
             raise GenoctxError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -128,6 +138,7 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
         gpus_per_node=gpn,
         intra_node_bytes_per_s=_positive(where, "intra_node_bytes_per_s", doc["intra_node_bytes_per_s"]),
         inter_node_bytes_per_s=_positive(where, "inter_node_bytes_per_s", doc["inter_node_bytes_per_s"]),
+        **{k: (_positive(where, k, doc[k]) if doc.get(k) is not None else None) for k in HOST_KEYS},
         sources=dict(doc.get("sources") or {}),
         efficiency=eff,
         collective_latency_s=_positive(where, "collective_latency_s",

@@ -145,6 +145,9 @@ from .sizes import (
     shard_numel,
 )  # fmt: skip
 
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # train.optimizer_state_dtype -> bytes per AdamW moment element
+MOMENT_DTYPE = {v: k for k, v in MOMENT_BYTES.items()}
+
 # ---------------------------------------------------------------- argument checks
 
 
@@ -224,6 +227,8 @@ class _Step:
     gather_len: int
     boundary: float
     pc: dict
+    moment_bytes: int = 4  # bytes of each AdamW moment element (train.optimizer_state_dtype)
+    offload_act: bool = False  # train.offload_activations
 
 
 def _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens) -> _Step:
@@ -289,7 +294,7 @@ def _held(st: _Step) -> _Held:
     return _Held(
         P_local=P_local,
         weights=0.0 if st.offload else f * P_local,
-        optimizer_state=0.0 if st.offload else 2 * f * P_local,
+        optimizer_state=0.0 if st.offload else 2 * st.moment_bytes * P_local,
         grad_bytes=0.0 if st.offload else f,  # per local parameter
         head_local=_local(head, lay),
         root_unsharded=a * _gathered(root, lay) if fsdp else 0.0,
@@ -458,12 +463,14 @@ def _phase(st: _Step, p: _Held, name: str, comps: dict, carried: bool = True) ->
 
 
 def _kept(st: _Step, layers: list, upto: int) -> dict:
-    """Activations layers ``0..upto-1`` keep until their backward: by type, or under recomputation their inputs."""
+    """Activations layers ``0..upto-1`` keep until their backward: by type, or under recomputation their inputs (with
+    ``offload_activations`` only layer ``upto - 1``'s: its copy to host, or from host for the next recompute, in
+    flight)."""
     out = dict.fromkeys(("activations_kda", "activations_dsa", "activations_moe", "activations_dense_mlp",
                          "activations_mhc", "layer_inputs"), 0.0)  # fmt: skip
-    for x in layers[:upto]:
-        if st.recompute:
-            out["layer_inputs"] += x["input"]
+    for j, x in enumerate(layers[:upto]):
+        if st.recompute:  # offloaded: on the device only the copy in flight, the last layer's before the phase
+            out["layer_inputs"] += x["input"] if (not st.offload_act or j == upto - 1) else 0.0
         else:
             for k, v in x["saved"].items():
                 out[f"activations_{k}"] += v
@@ -573,6 +580,8 @@ def _step_end_phases(st: _Step, p: _Held, layers: list) -> list:
             end["fsdp_reduce_scatter"] = f * P_local  # reduce_gradients' flat all-reduce buffer
     per_tensor = 2 * f * st.pc["largest"] / (st.layout.dense_shard if fsdp else 1)  # CPU: two of the largest
     step_tmp = 0.0 if st.offload else (f * P_local if st.device == "cuda" else per_tensor)
+    if st.moment_bytes != f and not st.offload:  # low-precision moments: one parameter's upcast at a time
+        step_tmp = 3 * f * st.pc["largest"] / (st.layout.dense_shard if fsdp else 1)
     return [_phase(st, p, "end of backward (gradient reduction)", end, carried=False),
             _phase(st, p, "optimizer step", {"gradients": p.grad_bytes * P_local, "optimizer_step": step_tmp},
                    carried=False)]  # fmt: skip
@@ -641,6 +650,9 @@ def plan_memory(
     device: str = "cuda",
     allocator_slack: float | None = None,
     seq_chunk_tokens: int | None = None,
+    optimizer_state_dtype: str = "fp32",
+    offload_activations: bool = False,
+    host_memory_gib: float | None = None,
 ) -> dict:
     """Predicted peak memory of one training step on the busiest rank of ``layout``.
 
@@ -667,6 +679,15 @@ def plan_memory(
             before it (indexer tiles over ``L``, the latents' gradient over ``L``; under CP the gathered tensors of
             one round), plus ``seq_chunk_boundary`` (``seq_chunk_boundary_bytes x L``, the same on every CP rank)
             until the end of backward. None, or not below ``L / cp``: one pass.
+        optimizer_state_dtype: ``train.optimizer_state_dtype``: AdamW's ``exp_avg`` and ``exp_avg_sq`` in ``"fp32"``
+            (8 bytes per local parameter) or ``"bf16"`` (4; DeepSeek-V3 section 3.3; the step upcasts one parameter's
+            moments at a time: ``optimizer_step`` ``3 f`` x the largest local parameter).
+        offload_activations: ``train.offload_activations`` (needs ``recompute``): each checkpointed decoder layer's
+            input is copied to host memory after its forward and back before its recompute; on the device only the
+            copy in flight stays (the last layer's input before the phase: ``layer_inputs`` of one layer), on the
+            host all of them (``host_gib``).
+        host_memory_gib: host memory per GPU (the node's, divided by its GPUs); with it, ``fits`` also needs
+            ``host_gib`` to fit there. None: the host is not checked.
 
     Returns:
         ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,
@@ -680,7 +701,13 @@ def plan_memory(
         all-gathered parameters, routed experts: the rank's ``E / ep``; 0 without FSDP), "all_to_all_gib" (what
         one rank sends by expert all-to-all in the step, ``comms.all_to_all_bytes``), "gpu_memory_gib", "dtype",
         "recompute", "optimizer_offload", "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass),
-        "device"}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the total.
+        "device", "optimizer_state_dtype", "offload_activations", "knobs" (the memory knobs on, by recipe name),
+        "host_gib" (host memory the step holds per GPU: the
+        offloaded layer inputs, and with ``optimizer_offload`` the sharded masters, gradients and AdamW state),
+        "host_fits" (``host_gib <= host_memory_gib``, None without it), "host_device_bytes" ({"to_host",
+        "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
+        ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
+        written back)}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the total.
 
     Components (bytes) and phases: the module docstring.
 
@@ -691,24 +718,29 @@ def plan_memory(
     """
     _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
                 allocator_slack, optimizer_offload, seq_chunk_tokens)  # fmt: skip
+    _check_knobs(optimizer_state_dtype, offload_activations, recompute, host_memory_gib)
     st = _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens)
+    st = dataclasses.replace(st, moment_bytes=MOMENT_BYTES[optimizer_state_dtype], offload_act=offload_activations)
     p, layers, head = _held(st), _layers(st), _head(st, loss_vocab_rows, loss_chunk_tokens)
     phases = _forward_phases(st, p, layers, head) + _backward_phases(st, p, layers, head)
     phases += _step_end_phases(st, p, layers)
     out = _summary(phases, _slack(allocator_slack, device), COMPONENTS, _working_sets(phases, layers))
-    return _result(st, p, layers, out, gpu_memory_gib)
+    return _result(st, p, layers, out, gpu_memory_gib, host_memory_gib)
 
 
-def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float) -> dict:
+def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
+            host_memory_gib: float | None = None) -> dict:  # fmt: skip
     """``plan_memory``'s dict (its Returns): the layout, ``fits``, the peak (``_summary``), and what the plan counted
     (tokens, all-to-all bytes, local parameters, the largest all-gathered layer, the persistent state, the knobs)."""
     lay, f, P_local = st.layout, st.s.f, p.P_local
     # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
     a2a = all_to_all_bytes(st.cfg, st.windows * st.seq_len // lay.cp if st.chunked else st.N, lay, st.s.a,
                            passes=(8 if st.recompute else 6) + 2 * st.chunked)  # fmt: skip
+    host, moved = _host(st, layers, P_local)
+    host_fits = None if host_memory_gib is None else _gib(host) <= host_memory_gib
     return {
         "layout": _layout_dict(lay),
-        "fits": out["total_gib"] <= gpu_memory_gib,
+        "fits": out["total_gib"] <= gpu_memory_gib and host_fits is not False,
         **out,
         "tokens_per_rank": st.N,
         "all_to_all_gib": _gib(a2a),
@@ -717,7 +749,7 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float)
         "persistent_gib": {
             "weights": _gib(f * P_local),
             "gradients": _gib(f * P_local),
-            "optimizer_state": _gib(2 * f * P_local),
+            "optimizer_state": _gib(2 * st.moment_bytes * P_local),
             "on_host": st.offload,
         },
         "seq_len": st.seq_len,
@@ -728,4 +760,31 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float)
         "device": st.device,
         "recompute": st.recompute,
         "optimizer_offload": st.offload,
+        "optimizer_state_dtype": MOMENT_DTYPE[st.moment_bytes],
+        "offload_activations": st.offload_act,
+        "knobs": [k for k, on in (("offload_activations", st.offload_act), ("optimizer_state_dtype=bf16",
+                  st.moment_bytes == 2), ("optimizer_offload", st.offload)) if on],  # fmt: skip
+        "host_gib": _gib(host),
+        "host_fits": host_fits,
+        "host_device_bytes": moved,
     }
+
+
+def _host(st: _Step, layers: list, P_local: float) -> tuple[float, dict]:
+    """Host bytes per GPU the step holds and the bytes it copies each way (``plan_memory``'s Returns)."""
+    f, acts = st.s.f, sum(x["input"] for x in layers) if (st.offload_act and st.recompute) else 0.0
+    held = acts + ((2 * f + 2 * st.moment_bytes) * P_local if st.offload else 0.0)
+    to_device = acts + (2 * f * P_local if st.offload else 0.0)  # the shards read at each all-gather (fwd, bwd)
+    to_host = acts + (f * P_local if st.offload else 0.0)  # the reduced gradients
+    return held, {"to_host": to_host, "to_device": to_device}
+
+
+def _check_knobs(optimizer_state_dtype, offload_activations, recompute, host_memory_gib) -> None:
+    """The memory knobs' checks (``ValueError``, one line naming the argument)."""
+    if optimizer_state_dtype not in MOMENT_BYTES:
+        raise ValueError(f"optimizer_state_dtype must be one of {', '.join(MOMENT_BYTES)}, "
+                         f"got {optimizer_state_dtype!r}")  # fmt: skip
+    if offload_activations and not recompute:
+        raise ValueError("offload_activations needs recompute (it offloads the checkpointed layers' inputs)")
+    if host_memory_gib is not None and not host_memory_gib > 0:
+        raise ValueError(f"host_memory_gib must be > 0, got {host_memory_gib!r}")

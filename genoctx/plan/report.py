@@ -43,6 +43,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     unit, scale = ("GiB", 1) if p0["total_gib"] >= 1 else ("MiB", 1024)
     chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
     timed = all("time" in p for p in plans[:limit])
+    knobbed = any(p.get("knobs") for p in plans[:limit])
     if p0.get("mode") == "eval":
         how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
         how += f", cp layout {p0['cp_layout']}" if p0.get("cp_layout", "contiguous") != "contiguous" else ""
@@ -56,6 +57,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         + (f"{'chunk':>7}  " if chunks else "")
         + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  "
         + (f"{'step s':>8} {'tokens/s':>9} {'MFU':>6}  {'bound':<20}  " if timed else "")
+        + (f"{'knobs':<28}  " if knobbed else "")
         + "peak at",
     ]
     for j, p in enumerate(plans[:limit], 1):
@@ -65,7 +67,8 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lines.append(
             f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
             f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
-            f"{'yes' if p['fits'] else 'no ':<4}  {_time_cells(p) if timed else ''}{p['peak_phase']}"
+            f"{'yes' if p['fits'] else 'no ':<4}  {_time_cells(p) if timed else ''}"
+            f"{(_knob_cell(p) + '  ') if knobbed else ''}{p['peak_phase']}"
         )
     if len(plans) > limit:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
@@ -75,6 +78,9 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         t = p0["time"]
         lines.append(f"     (step s, tokens/s, MFU, bound: the time model on {t['hardware']}, expert skew "
                      f"{t['skew']:g}; genoctx.plan.time; --rank-by throughput orders by tokens/s)")  # fmt: skip
+    if knobbed:
+        lines.append("     (knobs: offload-act train.offload_activations, bf16-moments train.optimizer_state_dtype: "
+                     "bf16, offload-opt train.offload_optimizer)")  # fmt: skip
     if chunks:
         lines.append("     (chunk: train.seq_chunk_tokens, the window trained in chunks of this many tokens by the "
                      "exact chunked backward; tokens/rank: one chunk's)")
@@ -89,6 +95,8 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lines.append(f"time of #1, s per step: compute {t['compute_s']:.2f}, memory-bound kernels "
                      f"{t['memory_bound_s']:.2f}, exposed communication: {exposed} (of {sum(t['comm_s'].values()):.2f} "
                      "in all)")  # fmt: skip
+    if p0.get("host_gib"):
+        lines.append(_host_line(p0))
     others = {k: v for k, v in p0["working_sets_gib"].items() if v and not p0["components_gib"].get(k)}
     if others:
         lines.append(f"largest working sets of other phases ({unit}): "
@@ -100,3 +108,25 @@ def _time_cells(p: dict) -> str:
     """The time columns of a plan's row: step seconds, tokens/s, MFU (%), what bounds it."""
     t = p["time"]
     return f"{t['step_s']:>8.2f} {t['tokens_per_s']:>9.0f} {100 * t['mfu']:>5.1f}%  {t['bound']:<20}  "
+
+
+KNOB_SHORT = {"offload_activations": "offload-act", "optimizer_state_dtype=bf16": "bf16-moments",
+              "optimizer_offload": "offload-opt"}  # fmt: skip
+
+
+def _knob_cell(p: dict) -> str:
+    """The plan's memory knobs, short names, comma-joined (``-`` for none), 28 wide."""
+    return f"{','.join(KNOB_SHORT.get(k, k) for k in p.get('knobs') or []) or '-':<28}"
+
+
+def _host_line(p: dict) -> str:
+    """Host memory and host-device traffic of a plan with offload knobs, and what they add to its step."""
+    moved = p["host_device_bytes"]
+    fit = {True: "fits", False: "does not fit", None: "not checked"}[p.get("host_fits")]
+    line = (f"host of #1: {p['host_gib']:.1f} GiB per GPU held ({fit}), {moved['to_host'] / 2**30:.1f} GiB to host "
+            f"and {moved['to_device'] / 2**30:.1f} GiB to the device per step")  # fmt: skip
+    t = p.get("time", {}).get("host_s")
+    if t:
+        cost = ", ".join(f"{k} {v:.2f} s" if v is not None else f"{k} (no host rates)" for k, v in t.items())
+        line += f"; added to the step: {cost}"
+    return line

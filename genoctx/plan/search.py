@@ -60,12 +60,47 @@ def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offloa
     return out
 
 
+# the memory knobs ``knobs="auto"`` tries on each layout, in this order (the first that fits is kept): the exact
+# ones that cost little time first (activation offload: copies beside compute), then bf16 moments (changes numbers,
+# costs nothing), then the optimizer on the host (exact, but AdamW on the CPU every step)
+KNOB_COMBOS = (
+    {},
+    {"offload_activations": True},
+    {"optimizer_state_dtype": "bf16"},
+    {"optimizer_state_dtype": "bf16", "offload_activations": True},
+    {"optimizer_offload": True},
+    {"optimizer_offload": True, "offload_activations": True},
+)
+
+
+def plan_with_knobs(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
+    """The plan of ``layout`` with the first of ``KNOB_COMBOS`` (on top of the knobs given in ``kwargs``) that fits;
+    none fitting, the one with the least memory. Combinations the layout cannot take (activation offload without
+    ``recompute``, optimizer offload without FSDP) are skipped.
+
+    Raises:
+        ValueError: as ``plan_memory``.
+    """
+    best = None
+    for combo in KNOB_COMBOS:
+        kw = {**kwargs, **combo}
+        if (kw.get("offload_activations") and not kw.get("recompute", True)) or (
+                kw.get("optimizer_offload") and not layout.fsdp):  # fmt: skip
+            continue
+        p = plan_memory(cfg, seq_len, layout, **kw)
+        if p["fits"]:
+            return p
+        best = p if best is None or p["total_gib"] < best["total_gib"] else best
+    return best
+
+
 def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, mode: str = "train",
-                   **kwargs) -> list[dict]:  # fmt: skip
+                   knobs: str = "none", **kwargs) -> list[dict]:  # fmt: skip
     """``plan_memory`` (``mode="eval"``: ``plan_eval``) of every layout of ``valid_layouts``, best first.
 
-    Order: layouts that fit first; then ascending ``total_gib`` (the most headroom first); ties by fewer CP ranks,
-    then fewer EP ranks, then more data-parallel replicas (less communication for the same memory).
+    Order: layouts that fit first; with ``knobs="auto"`` then by ``knob_rank``; then ascending ``total_gib`` (the
+    most headroom first); ties by fewer CP ranks, then fewer EP ranks, then more data-parallel replicas (less
+    communication for the same memory).
 
     Args:
         cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
@@ -75,6 +110,9 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
             ``seq_chunk_tokens`` applies to every layout (under CP, to each rank's piece); ``"auto"`` plans each of
             them by ``best_seq_chunk`` (one pass when it fits), so the list says whether chunking a whole window per
             rank beats spreading it over CP ranks, or both together.
+        knobs: ``"none"`` (the knobs in ``kwargs`` only) or ``"auto"`` (train, one pass: each layout with the first
+            of ``KNOB_COMBOS`` that fits, ``plan_with_knobs``; its ``"knobs"`` lists them; the layouts that fit
+            ordered by their knobs' place in ``KNOB_COMBOS`` first, then by memory).
 
     Returns:
         The plans (``plan_memory`` or ``plan_eval`` dicts); empty when no layout is valid.
@@ -89,17 +127,35 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
         chunk = kwargs.pop("seq_chunk_tokens", None)
         lays = valid_layouts(cfg, seq_len, gpus, optimizer_offload=kwargs.get("optimizer_offload", False), mode=mode)
         plans = []
+        if knobs not in ("none", "auto"):
+            raise ValueError(f"knobs must be none or auto, got {knobs!r}")
+        if knobs == "auto" and chunk is not None:
+            raise ValueError("knobs='auto' plans one pass: not with seq_chunk_tokens")
+        lays = lays if knobs == "none" else valid_layouts(cfg, seq_len, gpus, mode=mode)
         for lay in lays:
-            if chunk is None:
+            if knobs == "auto":
+                plans.append(plan_with_knobs(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
+            elif chunk is None:
                 plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
             elif chunk == "auto":
                 plans.append(best_seq_chunk(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, **kwargs))
             else:
                 plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunk_tokens=chunk,
                                          **kwargs))  # fmt: skip
-    plans.sort(key=lambda p: (not p["fits"], p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
+    cost = knob_rank if knobs == "auto" else (lambda p: 0)
+    plans.sort(key=lambda p: (not p["fits"], cost(p), p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
                               -p["layout"]["dp_replicate"]))  # fmt: skip
     return plans
+
+
+def knob_rank(plan: dict) -> int:
+    """The position in ``KNOB_COMBOS`` of a plan's knobs (``knobs="auto"`` lists the layouts that fit with the
+    fewest, cheapest knobs first)."""
+    on = {k.split("=")[0] for k in plan.get("knobs") or []}
+    for i, combo in enumerate(KNOB_COMBOS):
+        if set(combo) == on:
+            return i
+    return len(KNOB_COMBOS)
 
 
 SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens

@@ -38,7 +38,7 @@ from ..parallel.layout import Layout
 from .hardware import Hardware
 from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _norm, _Sizes
 
-BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node")
+BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node", "host")
 OVERLAPPED_PREFIXES = ("fsdp_", "dp_")  # collectives FSDP2 / HSDP run beside compute (module docstring)
 _FP32_COMPONENTS_TORCH_KDA = ("kda_core",)
 _FP32_COMPONENTS = ("mhc",)
@@ -246,7 +246,44 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
     per_token = flops_per_token(cfg, seq_len)["train" if mode == "train" else "forward"]["total"]
     out = step_time(fl, comms, cfg, layout, hw, dtype=dtype, seq_len=seq_len,
                     batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token)  # fmt: skip
-    out.update(hardware=hw.name, skew=skew, flops=fl["total"], comm_bytes=sum(e["wire_bytes"] for e in comms))
+    out.update(hardware=hw.name, skew=skew, flops=fl["total"], comm_bytes=sum(e["wire_bytes"] for e in comms),
+               forward_share=fl["forward"] / fl["total"] if fl["total"] else 1.0)  # fmt: skip
+    return out
+
+
+def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
+    """Seconds the memory knobs add to a training step (``plan_memory``'s ``plan`` with ``plan_time``'s ``t``).
+
+    - Copies between host and device (``plan["host_device_bytes"]``: the offloaded layer inputs, and under
+      ``optimizer_offload`` the fp32 shards each all-gather reads and the gradients written back) run on copy
+      engines beside compute: the copies to host overlap the forward (its share of the busy time, by FLOPs), those to
+      the device the recompute and backward; what exceeds them is exposed
+      (``host_device_bytes_per_s x efficiency["host_copy"]``).
+    - ``optimizer_offload``: AdamW runs on the host over the rank's shard, streaming the fp32 master and gradient and
+      both moments in and the master and moments out (``12 + 4 m`` bytes per local parameter, ``m`` a moment's
+      element size) at ``host_memory_bytes_per_s x efficiency["memory"]``, after the backward: all exposed.
+    - AdamW moments in bf16 on the device: no cost here (the optimizer step is not modelled, ``step_time``).
+
+    Returns:
+        ``{"copies": s, "cpu_optimizer": s}`` (0 without the knobs; None where the profile has no host rates).
+    """
+    moved = plan.get("host_device_bytes") or {"to_host": 0.0, "to_device": 0.0}
+    out = {"copies": 0.0, "cpu_optimizer": 0.0}
+    if moved["to_host"] or moved["to_device"]:
+        if hw.host_device_bytes_per_s is None:
+            out["copies"] = None
+        else:
+            bw = hw.host_device_bytes_per_s * hw.efficiency["host_copy"]
+            busy = t["compute_s"] + t["memory_bound_s"]
+            fwd = busy * t.get("forward_share", 1.0)
+            out["copies"] = max(0.0, moved["to_host"] / bw - fwd) + max(0.0, moved["to_device"] / bw - (busy - fwd))
+    if plan.get("optimizer_offload"):
+        if hw.host_memory_bytes_per_s is None:
+            out["cpu_optimizer"] = None
+        else:
+            m = 2 if plan.get("optimizer_state_dtype") == "bf16" else 4
+            params = sum(plan["params_per_rank"].values())
+            out["cpu_optimizer"] = (12 + 4 * m) * params / (hw.host_memory_bytes_per_s * hw.efficiency["memory"])
     return out
 
 
@@ -256,7 +293,7 @@ def gpu_hours(step_s: float, steps: int, world: int) -> float:
 
 
 TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "exposed_comm_s", "comm_s",
-             "hardware", "skew")  # fmt: skip
+             "hardware", "skew", "host_s")  # fmt: skip
 
 
 def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:
@@ -272,6 +309,15 @@ def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float =
         t = plan_time(cfg, p["seq_len"], lay, hw, batch_size=p.get("batch_size", 1), dtype=p["dtype"], skew=skew,
                       recompute=p.get("recompute", False), seq_chunk_tokens=p.get("seq_chunk_tokens"),
                       mode=mode)  # fmt: skip
+        t["host_s"] = host_seconds(p, t, hw) if mode == "train" else {"copies": 0.0, "cpu_optimizer": 0.0}
+        extra = sum(v for v in t["host_s"].values() if v)
+        if extra:  # the knobs' host time, added to the step (module docstring: host_seconds)
+            scale = t["step_s"] / (t["step_s"] + extra)
+            t["step_s"] += extra
+            t["tokens_per_s"] *= scale
+            t["mfu"] *= scale
+            if extra > max(t["compute_s"], t["memory_bound_s"], *t["exposed_comm_s"].values()):
+                t["bound"] = "host"
         p["time"] = {k: t[k] for k in TIME_KEYS}
     return plans
 
