@@ -1446,7 +1446,8 @@ def plan(
 
         lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")})
         doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
-                                  optimizer_offload=offload_optimizer), **doc}  # fmt: skip
+                                  optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer)),
+               **doc}  # fmt: skip (the plan's own knobs: --knobs auto may have turned optimizer offload on)
     if format_ == "json":
         _emit_json(doc)
         return
@@ -1560,6 +1561,8 @@ def _format_dry_run(dr: dict, plan: dict, eval_: bool = False) -> str:
             f"{r['buffers'] / gib:.4f}  largest all-gather {g['bytes'] / gib:.3f} ({g['module']}; layer "
             f"{r['largest_unsharded_layer']['bytes'] / gib:.3f} [{plan['largest_layer_unsharded_gib']:.3f}])"
         )
+    if plan.get("optimizer_offload") and not eval_:
+        lines.append("  (weights, gradients and optimizer state above live in host memory: FSDP2's CPUOffloadPolicy)")
     return "\n".join(lines)
 
 
