@@ -755,13 +755,23 @@ def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b2
 def _predicted_time(cfg, seq_len: int, layout, hw, t) -> dict:
     """``plan_time``'s step of the recipe's training (``t``: ``TrainConfig``) on ``hw``, the GPU-hours of its
     ``t.steps`` steps, logged on stderr."""
-    from .plan.time import TIME_KEYS, gpu_hours, plan_time
+    from .plan import plan_memory
+    from .plan.time import TIME_KEYS, gpu_hours, plan_time, with_host_time
 
     try:
         p = plan_time(cfg, seq_len, layout, hw, batch_size=t.batch_size, recompute=t.activation_checkpointing,
                       dtype=t.dtype, seq_chunk_tokens=t.seq_chunk_tokens)  # fmt: skip
     except ValueError as e:
         raise GenoctxError(f"--dry-run: {e}") from None
+    try:  # the memory knobs' host time needs the step's plan (none for what plan_memory does not model)
+        plan = plan_memory(cfg, seq_len, layout, gpu_memory_gib=hw.memory_gib, recompute=t.activation_checkpointing,
+                           optimizer_offload=t.offload_optimizer, batch_size=t.batch_size, dtype=t.dtype,
+                           seq_chunk_tokens=t.seq_chunk_tokens,
+                           optimizer_state_dtype=getattr(t, "optimizer_state_dtype", "fp32"),
+                           offload_activations=getattr(t, "offload_activations", False))  # fmt: skip
+    except ValueError:
+        plan = None
+    with_host_time(p, plan, hw)
     out = {k: p[k] for k in TIME_KEYS}
     out.update(steps=t.steps, gpu_hours=gpu_hours(p["step_s"], t.steps, layout.world))
     logging.getLogger("genoctx.plan").info(

@@ -309,17 +309,25 @@ def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float =
         t = plan_time(cfg, p["seq_len"], lay, hw, batch_size=p.get("batch_size", 1), dtype=p["dtype"], skew=skew,
                       recompute=p.get("recompute", False), seq_chunk_tokens=p.get("seq_chunk_tokens"),
                       mode=mode)  # fmt: skip
-        t["host_s"] = host_seconds(p, t, hw) if mode == "train" else {"copies": 0.0, "cpu_optimizer": 0.0}
-        extra = sum(v for v in t["host_s"].values() if v)
-        if extra:  # the knobs' host time, added to the step (module docstring: host_seconds)
-            scale = t["step_s"] / (t["step_s"] + extra)
-            t["step_s"] += extra
-            t["tokens_per_s"] *= scale
-            t["mfu"] *= scale
-            if extra > max(t["compute_s"], t["memory_bound_s"], *t["exposed_comm_s"].values()):
-                t["bound"] = "host"
+        with_host_time(t, p if mode == "train" else None, hw)
         p["time"] = {k: t[k] for k in TIME_KEYS}
     return plans
+
+
+def with_host_time(t: dict, plan: dict | None, hw: Hardware) -> dict:
+    """``plan_time``'s ``t`` with ``"host_s"`` (``host_seconds`` of the training ``plan``; zeros for None) added to
+    its step: ``step_s``, ``tokens_per_s`` and ``mfu`` rescaled, ``bound`` "host" when that is the largest part.
+    Returns ``t``."""
+    t["host_s"] = host_seconds(plan, t, hw) if plan is not None else {"copies": 0.0, "cpu_optimizer": 0.0}
+    extra = sum(v for v in t["host_s"].values() if v)
+    if extra:
+        scale = t["step_s"] / (t["step_s"] + extra)
+        t["step_s"] += extra
+        t["tokens_per_s"] *= scale
+        t["mfu"] *= scale
+        if extra > max(t["compute_s"], t["memory_bound_s"], *t["exposed_comm_s"].values()):
+            t["bound"] = "host"
+    return t
 
 
 def rank_by_throughput(plans: list[dict]) -> list[dict]:
