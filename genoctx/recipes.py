@@ -78,7 +78,11 @@ class TrainConfig:
     # folded expert parallelism: the EP group drawn from the fsdp x cp ranks (MoE parallel folding; ep must divide
     # fsdp x cp) instead of a mesh axis of its own that multiplies the data ranks (genoctx.parallel.layout)
     ep_folded: bool = False
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward (Ray runs)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (genoctx.parallel.fsdp.apply_ac)
+    # keep the input each checkpointed decoder layer holds for its recompute ([B, T, hc_mult, D] residual streams) in
+    # host memory: copied to host after the layer's forward, back before its recompute (genoctx.parallel.offload;
+    # Megatron-Core / torchtitan activation offloading); exact; needs activation_checkpointing
+    offload_activations: bool = False
     # train each window as consecutive chunks of this many tokens with the exact chunked backward
     # (genoctx.train.chunked): memory bounded by the chunk plus the boundary state; null = one pass
     seq_chunk_tokens: int | None = None
@@ -108,6 +112,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not ((lo is None or v >= lo) and (hi is None or v < hi)):
                 _bad(f"train.{name}", f"must be {what}", v)
+        if self.offload_activations and not self.activation_checkpointing:  # it offloads what recompute keeps
+            raise RecipeValueError("train.offload_activations", "train.offload_activations offloads the checkpointed "
+                                   "layers' inputs: it needs train.activation_checkpointing: true")  # fmt: skip
         if self.compile and (self.cp > 1 or self.ep > 1):  # their mixers' / MoEs' forwards are replaced: untested
             raise RecipeValueError("train.compile", f"train.compile is not supported with train.cp={self.cp}, "
                                    f"train.ep={self.ep} yet: set train.compile=false or use cp = ep = 1")  # fmt: skip

@@ -205,6 +205,7 @@ def build_model(
     materialize: bool = True,
     cp_chunk_tokens: int | None = None,
     compile: bool = False,
+    offload_activations: bool = False,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -222,6 +223,8 @@ def build_model(
             (``apply_parallel``; forward-only evaluation).
         compile: ``torch.compile`` each decoder layer's forward (``genoctx.parallel.compile.apply_compile``,
             ``train.compile``; training passes it, evaluation does not).
+        offload_activations: the checkpointed layers' inputs in host memory (``train.offload_activations``;
+            ``genoctx.parallel.offload``); needs ``activation_checkpointing``.
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -229,6 +232,7 @@ def build_model(
 
     Raises:
         GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
+        ValueError: ``offload_activations`` without ``activation_checkpointing``.
     """
     from ..model.model import cast_model
     from .fsdp import apply_parallel
@@ -242,8 +246,12 @@ def build_model(
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
                                  param_dtype=param_dtype, offload_optimizer=offload_optimizer,
-                                 cp_chunk_tokens=cp_chunk_tokens, compile=compile)  # fmt: skip
+                                 cp_chunk_tokens=cp_chunk_tokens, compile=compile,
+                                 offload_activations=offload_activations)  # fmt: skip
     else:
+        if offload_activations and not activation_checkpointing:
+            raise ValueError("offload_activations offloads the checkpointed layers' inputs: it needs "
+                             "activation_checkpointing=True")  # fmt: skip
         if compile:
             from .compile import apply_compile
 
@@ -251,7 +259,7 @@ def build_model(
         if activation_checkpointing:
             from .fsdp import apply_ac
 
-            apply_ac(model)
+            apply_ac(model, offload=offload_activations)
     model.parallel_handles = handles
     if not materialize:
         model.build_info = {"source": "meta", "path": None, "skipped": None}

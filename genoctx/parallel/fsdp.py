@@ -7,7 +7,8 @@
 3. ``torch.compile`` of each decoder layer's forward (``genoctx.parallel.compile.apply_compile``, optional,
    ``train.compile``; not with EP or CP yet);
 4. activation checkpointing (``apply_ac``, optional): each decoder layer recomputed in backward (the checkpoint
-   wraps the compiled forward);
+   wraps the compiled forward); with ``offload_activations`` the input each layer keeps lives in host memory
+   (``genoctx.parallel.offload``);
 5. FSDP2 (``apply_fsdp``, when ``dp_shard > 1`` or ``cp > 1``): ``fully_shard`` per decoder layer, then the root.
 
 The optimizer is built afterwards, on the sharded parameters (DTensors): its state is sharded as they are.
@@ -75,15 +76,24 @@ def keep_forward_records(layer: nn.Module):
                 m._buffers["load_counts"].copy_(counts)
 
 
-def apply_ac(model: nn.Module) -> int:
+def apply_ac(model: nn.Module, offload: bool = False) -> int:
     """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``). Returns layers wrapped.
 
     The layer's ``forward`` is overridden on the instance (parameter names do not change). Memory per layer falls to
     its input (``[B, T, hc_mult, D]`` residual streams); the cost is one more forward of each layer. Collectives
     inside a layer (CP gathers, EP dispatch) run again in backward, in the same order on every rank. The recomputed
     forward leaves the first forward's records (``keep_forward_records``): router loads, ``aux_loss``, ``stats``.
+
+    ``offload`` (``train.offload_activations``): the layer input the checkpoint keeps is a copy in host memory
+    (``genoctx.parallel.offload``): the first forward runs on the device input, which is then freed as soon as the
+    next layer has used it; the recompute runs on a copy of the host tensor back on the device. Per layer call with
+    grad: one copy to host and one back, ``B x T x hc_mult x D x element size`` bytes each (``OffloadStats``).
+    Exact: the layer computes on the same values. The layer's first positional argument must be its input tensor
+    (``DecoderLayer.forward(x, cache, selection)``).
     """
     from torch.utils.checkpoint import checkpoint
+
+    from .offload import device_anchor, to_device, to_host
 
     for layer in model.layers:
         fwd = layer.forward
@@ -95,7 +105,18 @@ def apply_ac(model: nn.Module) -> int:
             def contexts():
                 return contextlib.nullcontext(), keep_forward_records(_layer)
 
-            return checkpoint(_fwd, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+            if not offload:
+                return checkpoint(_fwd, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+            copy = to_host(args[0])
+            first = [args[0]]  # the device input, for the first forward only (then dropped: nothing else keeps it)
+
+            def run(host, _anchor, *rest, **kw):
+                x = first.pop() if first else to_device(copy, host)  # the first forward, else the recompute
+                return _fwd(x, *rest, **kw)
+
+            anchor = device_anchor(copy.device)
+            rest, args = args[1:], None
+            return checkpoint(run, copy.tensor, anchor, *rest, use_reentrant=False, context_fn=contexts, **kwargs)
 
         layer.forward = recomputed
     return len(model.layers)
@@ -309,19 +330,25 @@ def apply_parallel(
     offload_optimizer: bool = False,
     cp_chunk_tokens: int | None = None,
     compile: bool = False,
+    offload_activations: bool = False,
 ) -> list:
     """Apply every parallel dimension of ``dims`` to ``model`` in the documented order (module docstring).
     ``cp_chunk_tokens``: each CP piece streamed through a mixing layer in chunks of this many tokens
     (``genoctx.parallel.context.CPLayout``; evaluation); None = one call per piece. ``compile``: ``torch.compile``
-    each decoder layer (``genoctx.parallel.compile``).
+    each decoder layer (``genoctx.parallel.compile``). ``offload_activations``: the checkpointed layers' inputs in host
+    memory (``apply_ac(offload=True)``, ``genoctx.parallel.offload``).
 
     Returns the handles of ``apply_cp``/``apply_ep`` (their ``.remove()`` restores the class forwards).
 
     Raises:
-        ValueError: ``compile`` with ``dims.ep > 1`` or ``dims.cp > 1`` (not supported yet).
+        ValueError: ``compile`` with ``dims.ep > 1`` or ``dims.cp > 1`` (not supported yet);
+            ``offload_activations`` without ``activation_checkpointing``.
     """
     from .context import apply_cp
 
+    if offload_activations and not activation_checkpointing:
+        raise ValueError("offload_activations offloads the checkpointed layers' inputs: it needs "
+                         "activation_checkpointing=True")  # fmt: skip
     if compile and (dims.ep > 1 or dims.cp > 1):
         raise ValueError(f"compile is not supported with ep={dims.ep}, cp={dims.cp} yet")
     handles = []
@@ -336,7 +363,7 @@ def apply_parallel(
 
         apply_compile(model)
     if activation_checkpointing:
-        apply_ac(model)
+        apply_ac(model, offload=offload_activations)
     if dims.fsdp:
         apply_fsdp(model, dims, param_dtype=param_dtype, offload_optimizer=offload_optimizer)
     return handles

@@ -144,6 +144,7 @@ def _train_worker(config: dict, session) -> None:
     # meta device -> EP, CP, AC, FSDP2 -> to_empty -> this rank's shards (genoctx.parallel.build)
     model = build_model(recipe.model, dims, source=source, device=dev, param_dtype=bf16_params,
                         activation_checkpointing=cfg.activation_checkpointing,
+                        offload_activations=cfg.offload_activations,
                         offload_optimizer=cfg.offload_optimizer, compile=cfg.compile)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
     head = None

@@ -599,8 +599,11 @@ def train_unlocked(
     from ..parallel.build import Fresh, Zeros, build_model
 
     source = Zeros() if resuming else base_source(base) if base is not None else Fresh()
-    # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile)
-    model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile)
+    # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile);
+    # train.activation_checkpointing / offload_activations: each layer recomputed, its input kept in host memory
+    model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile,
+                        activation_checkpointing=cfg.activation_checkpointing,
+                        offload_activations=cfg.offload_activations)  # fmt: skip
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
