@@ -707,7 +707,8 @@ def plan_memory(
         "host_fits" (``host_gib <= host_memory_gib``, None without it), "host_device_bytes" ({"to_host",
         "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
         ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
-        written back)}``. GiB are rounded to 6 decimals (1 KiB); the components add up to the total.
+        written back; "activations": the layer inputs' part, each way)}``. GiB are rounded to 6 decimals (1 KiB);
+        the components add up to the total.
 
     Components (bytes) and phases: the module docstring.
 
@@ -776,7 +777,7 @@ def _host(st: _Step, layers: list, P_local: float) -> tuple[float, dict]:
     held = acts + ((2 * f + 2 * st.moment_bytes) * P_local if st.offload else 0.0)
     to_device = acts + (2 * f * P_local if st.offload else 0.0)  # the shards read at each all-gather (fwd, bwd)
     to_host = acts + (f * P_local if st.offload else 0.0)  # the reduced gradients
-    return held, {"to_host": to_host, "to_device": to_device}
+    return held, {"to_host": to_host, "to_device": to_device, "activations": acts}
 
 
 def _check_knobs(optimizer_state_dtype, offload_activations, recompute, host_memory_gib) -> None:

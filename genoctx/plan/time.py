@@ -255,10 +255,12 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
     """Seconds the memory knobs add to a training step (``plan_memory``'s ``plan`` with ``plan_time``'s ``t``).
 
     - Copies between host and device (``plan["host_device_bytes"]``: the offloaded layer inputs, and under
-      ``optimizer_offload`` the fp32 shards each all-gather reads and the gradients written back) run on copy
-      engines beside compute: the copies to host overlap the forward (its share of the busy time, by FLOPs), those to
-      the device the recompute and backward; what exceeds them is exposed
-      (``host_device_bytes_per_s x efficiency["host_copy"]``).
+      ``optimizer_offload`` the fp32 shards each all-gather reads and the gradients written back) at
+      ``host_device_bytes_per_s x efficiency["host_copy"]``. The copies to host run on a side stream beside the
+      forward (its share of the busy time, by FLOPs) and the optimizer offload's copies to the device on FSDP2's
+      all-gather path beside the recompute and backward: only what exceeds that compute is exposed. A layer input's
+      copy back runs on the compute stream right before its recompute (``genoctx.parallel.offload``: not
+      prefetched): all exposed.
     - ``optimizer_offload``: AdamW runs on the host over the rank's shard, streaming the fp32 master and gradient and
       both moments in and the master and moments out (``12 + 4 m`` bytes per local parameter, ``m`` a moment's
       element size) at ``host_memory_bytes_per_s x efficiency["memory"]``, after the backward: all exposed.
@@ -276,7 +278,9 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
             bw = hw.host_device_bytes_per_s * hw.efficiency["host_copy"]
             busy = t["compute_s"] + t["memory_bound_s"]
             fwd = busy * t.get("forward_share", 1.0)
-            out["copies"] = max(0.0, moved["to_host"] / bw - fwd) + max(0.0, moved["to_device"] / bw - (busy - fwd))
+            acts = moved.get("activations", 0.0)
+            back = max(0.0, (moved["to_device"] - acts) / bw - (busy - fwd)) + acts / bw
+            out["copies"] = max(0.0, moved["to_host"] / bw - fwd) + back
     if plan.get("optimizer_offload"):
         if hw.host_memory_bytes_per_s is None:
             out["cpu_optimizer"] = None
