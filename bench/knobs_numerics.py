@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None, help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run ('off' always runs)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
@@ -75,7 +76,10 @@ def main() -> None:
                 cmd += ["--fasta", str(REPO / "data" / "hg38" / f)]
             run(cmd)
         curves, heldout = {}, {}
+        wanted = {"off", *args.cases.split(",")}
         for case, sets in CASES.items():
+            if case not in wanted:
+                continue
             out = work / case
             if (
                 not (out / "metrics.jsonl").exists()
