@@ -87,6 +87,10 @@ class TrainConfig:
     # (genoctx.train.chunked): memory bounded by the chunk plus the boundary state; null = one pass
     seq_chunk_tokens: int | None = None
     offload_optimizer: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads and AdamW state in CPU memory
+    # dtype of AdamW's exp_avg and exp_avg_sq: "fp32" (torch.optim.AdamW, 8 bytes per parameter) or "bf16"
+    # (genoctx.train.optim.AdamW: 4 bytes per parameter, updated in fp32, stored rounded; fp32 masters and
+    # gradients either way, DeepSeek-V3 section 3.3); changes the numbers, so off by default
+    optimizer_state_dtype: str = "fp32"
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
@@ -104,7 +108,8 @@ class TrainConfig:
         if bad:
             _bad("train.loggers", f"must list {' and/or '.join(map(repr, LOGGERS))}", bad[0])
         self.loggers = list(dict.fromkeys(self.loggers))  # each once, in order
-        choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag")}
+        choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag"),
+                   "optimizer_state_dtype": ("fp32", "bf16")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f"train.{name}", f"must be {' or '.join(map(repr, allowed))}", getattr(self, name))

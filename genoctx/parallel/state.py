@@ -98,7 +98,9 @@ def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
     """The layout-free state dict of this rank (module docstring): ``model.<name>`` and ``optim.<name>.<key>``.
 
     Tensors share memory with the parameters and optimizer state, so ``dcp.load`` into this dict restores them.
-    Creates zero AdamW state for parameters that have none yet (a fresh optimizer about to be loaded).
+    Creates zero AdamW state for parameters that have none yet (a fresh optimizer about to be loaded), the moments
+    in the optimizer's ``state_dtype`` when it has one (``genoctx.train.optim.AdamW``: bf16), else the parameter's
+    dtype (``torch.optim.AdamW``); ``dcp.load`` casts a checkpoint's moments of another dtype into them.
     """
     modules = dict(model.named_modules())
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -127,7 +129,7 @@ def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32)
                     for k in ADAM_KEYS:
-                        st[k] = torch.zeros_like(p)
+                        st[k] = torch.zeros_like(p, dtype=getattr(optimizer, "state_dtype", None))
                 name = names[id(p)]
                 out[f"optim.{name}.step"] = st["step"]
                 for k in ADAM_KEYS:

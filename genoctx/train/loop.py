@@ -122,20 +122,24 @@ def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
     """AdamW (decoupled weight decay on matrices only) and its warm-up + cosine LambdaLR schedule.
 
     Only parameters that require grad are optimised; during the indexer warm-up stage
-    (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone.
+    (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone. ``cfg.optimizer_state_dtype``
+    ``"fp32"``: ``torch.optim.AdamW`` (moments in the parameters' dtype, 8 bytes per fp32 parameter); ``"bf16"``:
+    ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same update computed in fp32).
     """
+    from .optim import STATE_DTYPES, AdamW
+
     freeze_for_indexer_warmup(model)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=1e-8,
-    )
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer_state_dtype == "fp32":
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    else:
+        opt = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
+                    state_dtype=STATE_DTYPES[cfg.optimizer_state_dtype])  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total_steps))
     return opt, sched
 
@@ -349,6 +353,9 @@ def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = No
                 f"--resume: {section}.{key} is {new!r} but the run was trained with {old!r} ({where}); a resume "
                 "continues the same run: use the run's value, or start a new --out (--init RUN starts from its weights)"
             )
+    if recipe.train.optimizer_state_dtype != saved.train.optimizer_state_dtype:
+        log.warning("--resume: train.optimizer_state_dtype changed from %s to %s: the AdamW moments are cast",
+                    saved.train.optimizer_state_dtype, recipe.train.optimizer_state_dtype)  # fmt: skip
     for key in ("steps", "lr", "min_lr_ratio", "warmup_steps"):
         new, old = getattr(recipe.train, key), getattr(saved.train, key)
         if new != old:
