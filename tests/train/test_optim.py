@@ -12,8 +12,14 @@ import torch
 from genoctx.model.config import preset
 from genoctx.model.model import HybridLM
 from genoctx.recipes import RecipeValueError, TrainConfig, load_recipe
-from genoctx.train.checkpoint import load_training_state, save_checkpoint
-from genoctx.train.loop import build_optimizer, forward_backward, train_step
+from genoctx.train.checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    read_optimizer,
+    read_tensors,
+    save_checkpoint,
+)
+from genoctx.train.loop import build_optimizer, forward_backward, train, train_step
 from genoctx.train.optim import AdamW
 
 STEPS = 5
@@ -130,3 +136,24 @@ def test_a_checkpoint_resumes_with_either_moment_dtype(tmp_path, saved, resumed)
         for p, p2 in zip(model.parameters(), model2.parameters(), strict=True):
             assert torch.equal(p, p2)
             assert all(torch.equal(opt.state[p][k], opt2.state[p2][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_one_process_run_with_bf16_moments_resumes_exactly(prepared, tmp_path):
+    """``genoctx train`` in one process: 4 steps, against 2 steps, ``--resume``, 2 more; weights, moments, step
+    and rate equal."""
+    recipe = load_recipe("recipes/tiny.yaml", ["train.optimizer_state_dtype=bf16", "train.checkpoint_every=2"])
+    train(prepared, recipe, tmp_path / "full")
+    train(prepared, recipe, tmp_path / "part", stop_after=2)
+    assert train(prepared, recipe, tmp_path / "part", resume=True)["resumed_from"] == 2
+    a, b = (latest_checkpoint(tmp_path / r) for r in ("full", "part"))
+    assert a.name == b.name == "step_000004"
+    ta, tb = read_tensors(a / "model.safetensors"), read_tensors(b / "model.safetensors")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    oa, ob = read_optimizer(a / "optimizer.pt"), read_optimizer(b / "optimizer.pt")
+    assert oa["scheduler"] == ob["scheduler"]
+    assert [g["lr"] for g in oa["optimizer"]["param_groups"]] == [g["lr"] for g in ob["optimizer"]["param_groups"]]
+    sa, sb = oa["optimizer"]["state"], ob["optimizer"]["state"]
+    assert sa and sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i]["exp_avg"].dtype == torch.bfloat16
+        assert all(torch.equal(sa[i][k], sb[i][k]) for k in ("step", "exp_avg", "exp_avg_sq"))

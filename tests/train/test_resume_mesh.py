@@ -23,9 +23,16 @@ import torch
 
 from genoctx.errors import GenoctxError
 from genoctx.recipes import load_recipe
-from genoctx.train.checkpoint import list_checkpoints, read_full_tensors, read_state, read_tensors
+from genoctx.train.checkpoint import (
+    list_checkpoints,
+    load_model,
+    load_training_state,
+    read_full_tensors,
+    read_state,
+    read_tensors,
+)
 from genoctx.train.distributed import train_distributed
-from genoctx.train.loop import read_events, train
+from genoctx.train.loop import build_optimizer, read_events, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 from mesh_runner import spawn_workers  # noqa: E402  (kept on sys.path: the spawned ranks import it too)
@@ -78,19 +85,36 @@ LAYOUTS = {
     "fsdp2": dict(fsdp=2),
     "ep2_folded": dict(fsdp=2, ep=2, ep_folded=True),
     "cp2": dict(cp=2),
+    "fsdp2_bf16_moments": dict(fsdp=2),  # train.optimizer_state_dtype=bf16 (RECIPE_SETS)
 }
+RECIPE_SETS = {"fsdp2_bf16_moments": ["train.optimizer_state_dtype=bf16"]}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_resumed_mesh_run_is_the_uninterrupted_run(prepared, tmp_path, name):
     full = tmp_path / "full"
-    _mesh(prepared, _recipe(), full, **LAYOUTS[name])
+    recipe = _recipe(*RECIPE_SETS.get(name, []))
+    _mesh(prepared, recipe, full, **LAYOUTS[name])
     assert read_state(list_checkpoints(full)[-1])["format"] == "dcp"
     part = _cut_back(full, tmp_path / "part", 2)
-    summary = _mesh(prepared, _recipe(), part, resume=True, **LAYOUTS[name])
+    summary = _mesh(prepared, recipe, part, resume=True, **LAYOUTS[name])
     assert summary["resumed_from"] == 2 and summary["step"] == STEPS
     assert [(a["resumed_from"], a["steps_run"]) for a in summary["attempts"]] == [(2, 2)]  # steps 3, 4 only
     _same_run(part, full)
+    if name in RECIPE_SETS:  # the moments: saved in bf16, and the resumed run's equal the uninterrupted run's
+        ma, mb = (read_full_tensors(list_checkpoints(r)[-1], prefix="optim.") for r in (part, full))
+        moments = [k for k in mb if k.endswith(("exp_avg", "exp_avg_sq"))]
+        assert moments and ma.keys() == mb.keys()
+        assert all(mb[k].dtype == torch.bfloat16 and torch.equal(ma[k], mb[k]) for k in moments)
+        # the DCP checkpoint read in one process by an fp32 AdamW: its moments cast up, exactly
+        model = load_model(list_checkpoints(full)[-1])[0]
+        opt, sched = build_optimizer(model, _recipe().train, STEPS)
+        load_training_state(list_checkpoints(full)[-1], model, opt, sched)
+        names = {id(p): n for n, p in model.named_parameters()}
+        assert len(opt.state) == len(names)
+        for p, st in opt.state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert st[k].dtype == torch.float32 and torch.equal(st[k], mb[f"{names[id(p)]}.{k}"].float())
 
 
 def test_a_one_process_checkpoint_resumes_on_the_mesh_at_the_runs_rate(prepared, tmp_path):
