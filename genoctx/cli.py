@@ -723,7 +723,8 @@ def _loggers(values: list[str]) -> list[str]:
 def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b200") -> dict:
     """``genoctx train --dry-run``: ``genoctx.train.dryrun.dry_run`` of the recipe's model (``_recipe_model``: a
     preset, or ``model.init``'s config with the recipe's compute knobs) on ``num_workers`` ranks (1 when None) with
-    ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing and optimizer offload;
+    ``train.ep``/``train.fsdp``/``train.cp``, the recipe's dtype, activation checkpointing, optimizer offload and
+    AdamW moment dtype (``train.optimizer_state_dtype``);
     with ``"time"``: the planner's step time on ``hardware`` (``genoctx.plan.time.plan_time``) and the GPU-hours
     of the recipe's ``train.steps`` (logged on stderr too).
 
@@ -747,7 +748,7 @@ def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b2
                            f"{cfg.kda_chunk_size} tokens")  # fmt: skip
     hw, _ = _hardware_and_skew(hardware, "1")
     out = dry_run(cfg, layout, activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
-                  optimizer_offload=t.offload_optimizer)  # fmt: skip
+                  optimizer_offload=t.offload_optimizer, optimizer_state_dtype=t.optimizer_state_dtype)  # fmt: skip
     out["time"] = _predicted_time(cfg, L, layout, hw, t)
     return out
 
@@ -1456,8 +1457,9 @@ def plan(
 
         lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")})
         doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
-                                  optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer)),
-               **doc}  # fmt: skip (the plan's own knobs: --knobs auto may have turned optimizer offload on)
+                                  optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer),
+                                  optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32")),
+               **doc}  # fmt: skip (the plan's knobs: --knobs auto may have turned optimizer offload or bf16 moments on)
     if format_ == "json":
         _emit_json(doc)
         return

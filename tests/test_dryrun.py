@@ -90,6 +90,19 @@ def test_planner_static_terms_equal_the_built_model(cfg, layout):
     assert len({r["largest_unsharded_group"]["bytes"] for r in ranks}) == 1
 
 
+def test_bf16_moments_count_two_bytes_each():
+    """``optimizer_state_dtype="bf16"`` (``train.optimizer_state_dtype``): the built optimizer's zero moments are bf16,
+    2 x 2 bytes per local parameter (fp32: 2 x 4), the rest unchanged; rank 0 equals the planner's term."""
+    layout = Layout(dp_shard=2)
+    r32, r16 = (dry_run(SMALL, layout, ranks=[0], optimizer_state_dtype=s) for s in ("fp32", "bf16"))
+    assert (r32["optimizer_state_dtype"], r16["optimizer_state_dtype"]) == ("fp32", "bf16")
+    r32, r16 = r32["ranks"][0], r16["ranks"][0]
+    assert r32["optimizer_state"] == 8 * r32["params_local"] and r16["optimizer_state"] == 4 * r16["params_local"]
+    assert all(r16[k] == r32[k] for k in ("weights", "gradients", "buffers", "params_local"))
+    plan = P.plan_memory(SMALL, 1 << 14, layout, gpu_memory_gib=80.0, optimizer_state_dtype="bf16")
+    assert r16["optimizer_state"] / GIB == pytest.approx(plan["persistent_gib"]["optimizer_state"], abs=1e-6)
+
+
 def test_replicated_layout_holds_everything_but_the_other_experts():
     d = dry_run(SMALL, Layout(dp_replicate=2, ep=2), ranks=[0])
     pc = P.param_counts(SMALL)
@@ -158,6 +171,11 @@ def test_cli_train_dry_run(prepared, tmp_path):
     assert f"{steps} steps = " in r.stderr and "GPU-hours on 4 GPUs" in r.stderr
     h100 = json.loads(genoctx(*args, "--num-workers", 4, "--fsdp", 2, "--ep", 2, "--hardware", "h100").stdout)
     assert h100["dry_run"]["time"]["step_s"] > t["step_s"]  # (the same step on a slower GPU)
+    bf16 = genoctx(*args, "--num-workers", 2, "--fsdp", 2, "--set", "train.optimizer_state_dtype=bf16")
+    assert bf16.returncode == 0, bf16.stderr[-2000:]
+    dr16 = json.loads(bf16.stdout)["dry_run"]
+    assert dr16["optimizer_state_dtype"] == "bf16"
+    assert all(x["optimizer_state"] == 4 * x["params_local"] > 0 for x in dr16["ranks"])
     bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fsdp 3" in bad.stderr
     assert not out.exists()

@@ -8,9 +8,10 @@ For each simulated rank ``r`` of a layout of ``W`` ranks:
 2. ``genoctx.parallel.build.build_model(..., materialize=False)``: the real construction and ``apply_parallel``
    (expert parallel, context parallel, activation checkpointing, FSDP2 with the training ``MixedPrecisionPolicy``)
    on the meta device: every parameter is this rank's piece (an FSDP2 DTensor's ``_local_tensor``), no memory;
-3. ``genoctx.train.loop.build_optimizer`` (AdamW) on those parameters and
+3. ``genoctx.train.loop.build_optimizer`` (AdamW, moments in ``optimizer_state_dtype``: ``torch.optim.AdamW``
+   for fp32, ``genoctx.train.optim.AdamW`` for bf16) on those parameters and
    ``genoctx.parallel.state.canonical_state``, which creates the zero ``exp_avg``/``exp_avg_sq`` (``zeros_like``
-   of each parameter, on meta) as a fresh optimizer about to be loaded holds them;
+   of each parameter in the optimizer's moment dtype, on meta) as a fresh optimizer about to be loaded holds them;
 4. the counts (bytes, from the local tensors' ``numel() x element_size()``):
 
    - ``weights``: the bytes allocated for the parameters' local pieces (fp32 sharded masters): FSDP2 pads every
@@ -22,7 +23,8 @@ For each simulated rank ``r`` of a layout of ``W`` ranks:
      master's dtype (``reduce_dtype`` fp32): ``p.grad = torch.zeros_like(p)`` on meta gives the dtype (done here,
      then dropped), the padded size the bytes;
    - ``optimizer_state``: AdamW's ``exp_avg`` + ``exp_avg_sq`` local bytes, read from ``optimizer.state`` (a
-     DTensor's ``_local_tensor``, not padded; the scalar ``step`` is not counted);
+     DTensor's ``_local_tensor``, not padded; the scalar ``step`` is not counted): 2 x 4 bytes per local parameter
+     with fp32 moments, 2 x 2 with bf16;
    - ``largest_unsharded_group``: FSDP2's largest all-gather: for each FSDP parameter group (a decoder layer; its
      routed experts; under bf16 its fp32 islands; the root), the sum over its parameters of the group's global
      numel (a routed expert: the rank's EP block, the DTensor's global shape) x the group's compute dtype size
@@ -141,7 +143,7 @@ def _fsdp_groups(model) -> list[dict]:
 
 
 def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpointing: bool, dtype: str,
-                optimizer_offload: bool) -> dict:  # fmt: skip
+                optimizer_offload: bool, optimizer_state_dtype: str = "fp32") -> dict:  # fmt: skip
     """One simulated rank, the default process group not yet initialised: init (fake), build, count, destroy."""
     import torch.distributed as dist
 
@@ -175,7 +177,7 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
                 p.grad = None
         for name, b in model.named_buffers():
             by_class["buffers"][name_class(name, cfg)] += _nbytes(b)
-        optimizer, _ = build_optimizer(model, TrainConfig(), 1)
+        optimizer, _ = build_optimizer(model, TrainConfig(optimizer_state_dtype=optimizer_state_dtype), 1)
         canonical_state(model, optimizer, dims)  # zero exp_avg / exp_avg_sq (zeros_like, on meta)
         names = {id(p): n for n, p in params.items()}
         for p, st in optimizer.state.items():
@@ -367,7 +369,7 @@ def reuse_server():
             server.err.close()
 
 
-def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload) -> dict:
+def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype) -> dict:
     """Every rank in its own fresh process, forked from a server process (``_server_main``) that imported torch and
     genoctx once (one per call, or the one of ``reuse_server``): DTensor's sharding-propagation caches are keyed by
     mesh equality, not by rank, so a second rank built in the same process would get the first rank's mesh (and
@@ -381,7 +383,8 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload)
 
     t0 = time.perf_counter()
     workers = max(1, min(len(ranks), os.cpu_count() or 1, 8))
-    jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload) for r in ranks]
+    jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype)
+            for r in ranks]  # fmt: skip
     request = pickle.dumps((jobs, workers))
     if _kept:
         if _kept[-1] is None:
@@ -410,6 +413,7 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload)
         "dtype": dtype,
         "activation_checkpointing": activation_checkpointing,
         "optimizer_offload": optimizer_offload,
+        "optimizer_state_dtype": optimizer_state_dtype,
         "units": "bytes",
         "ranks": results,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -425,6 +429,7 @@ def dry_run(
     activation_checkpointing: bool = True,
     dtype: str = "bf16",
     optimizer_offload: bool = False,
+    optimizer_state_dtype: str = "fp32",
 ) -> dict:
     """Build ``cfg`` on ``layout`` for each simulated rank (module docstring) and count its bytes.
 
@@ -435,21 +440,25 @@ def dry_run(
         activation_checkpointing: ``apply_ac`` (names and counts are the same either way; run as training runs).
         dtype: ``"bf16"`` (FSDP2 all-gathers bf16, fp32 islands, fp32 masters) or ``"fp32"``.
         optimizer_offload: FSDP2 ``CPUOffloadPolicy`` (the counted pieces then live in host memory).
+        optimizer_state_dtype: AdamW's moments, ``"fp32"`` or ``"bf16"`` (``train.optimizer_state_dtype``).
 
     Returns:
         A JSON-ready dict: ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "dtype", "activation_checkpointing",
-        "optimizer_offload", "units": "bytes", "seconds", "process", "ranks": [per rank: {"rank", "coordinates",
-        "weights", "buffers", "gradients", "optimizer_state", "total_persistent", "params_local",
-        "largest_unsharded_group": {"module", "params", "bytes"}, "largest_unsharded_layer": {"layer", "bytes"},
-        "fsdp_groups", "by_class": {component or "params": {class: bytes or params}}, "seconds"}]}``; all sizes in
-        bytes (ints), ``params_local`` in parameters.
+        "optimizer_offload", "optimizer_state_dtype", "units": "bytes", "seconds", "process", "ranks": [per rank:
+        {"rank", "coordinates", "weights", "buffers", "gradients", "optimizer_state", "total_persistent",
+        "params_local", "largest_unsharded_group": {"module", "params", "bytes"}, "largest_unsharded_layer":
+        {"layer", "bytes"}, "fsdp_groups", "by_class": {component or "params": {class: bytes or params}},
+        "seconds"}]}``; all sizes in bytes (ints), ``params_local`` in parameters.
 
     Raises:
-        GenoctxError: a bad ``dtype`` or ``ranks``, a layout this model cannot be built on (``ep`` not dividing the
-            routed experts, ...), or a failure while building (one line naming the layout).
+        GenoctxError: a bad ``dtype``, ``optimizer_state_dtype`` or ``ranks``, a layout this model cannot be built
+            on (``ep`` not dividing the routed experts, ...), or a failure while building (one line naming the
+            layout).
     """
     if dtype not in DTYPES:
         raise GenoctxError(f"dry run: dtype must be bf16 or fp32, got {dtype!r}")
+    if optimizer_state_dtype not in DTYPES:
+        raise GenoctxError(f"dry run: optimizer_state_dtype must be bf16 or fp32, got {optimizer_state_dtype!r}")
     W = layout.world
     if ranks is None:
         ranks = sorted({0, W - 1})
@@ -466,7 +475,8 @@ def dry_run(
     if optimizer_offload and not layout.fsdp:
         raise GenoctxError(f"dry run {layout.describe()}: optimizer offload needs FSDP (dp_shard > 1 or cp > 1)")
     try:
-        return _run(cfg, layout, list(ranks), activation_checkpointing, dtype, optimizer_offload)
+        return _run(cfg, layout, list(ranks), activation_checkpointing, dtype, optimizer_offload,
+                    optimizer_state_dtype)  # fmt: skip
     except GenoctxError:
         raise
     except Exception as e:  # noqa: BLE001 -- torch's errors while building: one line naming the layout
