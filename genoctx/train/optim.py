@@ -108,7 +108,7 @@ class AdamW(torch.optim.Optimizer):
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 step_size = lr / (1 - beta1**step)
-                denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+                denom = v.sqrt().div_((1 - beta2**step) ** 0.5).add_(eps)  # in place: one temporary
                 param.addcdiv_(m, denom, value=-step_size)
                 del denom
                 if m is not m_store:
