@@ -138,9 +138,9 @@ def test_a_checkpoint_resumes_with_either_moment_dtype(tmp_path, saved, resumed)
             assert all(torch.equal(opt.state[p][k], opt2.state[p2][k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
-def test_a_one_process_run_with_bf16_moments_resumes_exactly(prepared, tmp_path):
+def test_a_one_process_run_with_bf16_moments_resumes_exactly(prepared, tmp_path, caplog):
     """``genoctx train`` in one process: 4 steps, against 2 steps, ``--resume``, 2 more; weights, moments, step
-    and rate equal."""
+    and rate equal. Then resumed with fp32 moments (a warning says so) for 2 more steps."""
     recipe = load_recipe("recipes/tiny.yaml", ["train.optimizer_state_dtype=bf16", "train.checkpoint_every=2"])
     train(prepared, recipe, tmp_path / "full")
     train(prepared, recipe, tmp_path / "part", stop_after=2)
@@ -157,3 +157,9 @@ def test_a_one_process_run_with_bf16_moments_resumes_exactly(prepared, tmp_path)
     for i in sa:
         assert sa[i]["exp_avg"].dtype == torch.bfloat16
         assert all(torch.equal(sa[i][k], sb[i][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    fp32 = load_recipe("recipes/tiny.yaml", ["train.checkpoint_every=2", "train.steps=6"])
+    with caplog.at_level("WARNING", logger="genoctx"):
+        assert train(prepared, fp32, tmp_path / "part", resume=True)["resumed_from"] == 4
+    assert "train.optimizer_state_dtype changed from bf16 to fp32: the AdamW moments are cast" in caplog.text
+    last = read_optimizer(latest_checkpoint(tmp_path / "part") / "optimizer.pt")["optimizer"]["state"]
+    assert all(st["exp_avg"].dtype == torch.float32 and st["step"].item() == 6 for st in last.values())
