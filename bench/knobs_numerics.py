@@ -94,8 +94,9 @@ def main() -> None:
                 run(cmd)
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             curves[case] = np.array([r["loss"] for r in rows if "loss" in r][: args.steps])
-            run([*G, "eval", "--by-position", "--data", str(data), "--checkpoint", str(out), "--resamples", "0",
-                 "--format", "json"], work / f"{case}.eval.json")  # fmt: skip
+            if not (work / f"{case}.eval.json").exists() or (work / f"{case}.eval.json").stat().st_size == 0:
+                run([*G, "eval", "--by-position", "--data", str(data), "--checkpoint", str(out), "--resamples", "0",
+                     "--format", "json"], work / f"{case}.eval.json")  # fmt: skip
             heldout[case] = json.loads((work / f"{case}.eval.json").read_text())["overall"]["loss"]
         ref = smooth(curves["off"])
         worst = 0.0

@@ -38,6 +38,7 @@ CASES = {
     "ep2_ac": (2, 1, 1),  # "_ac": with activation checkpointing (each decoder layer recomputed in backward)
     "fsdp2_cp2_ac": (1, 2, 2),
     "fsdp2_offload": (1, 2, 1),  # CPUOffloadPolicy: sharded parameters, gradients and AdamW state in CPU memory
+    "hsdp2_2_offact_ac": (1, 2, 1),  # "_offact": train.offload_activations (the layer inputs to host and back)
     "fsdp2_ep2_ac": (2, 2, 1),
     # folded EP ("fep"): the EP group drawn from the dp_shard x cp ranks (Layout.ep_folded)
     "cp2_fep2": (2, 1, 2, True),
@@ -120,7 +121,7 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     dims = init_case(name)
     # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
     model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
-                        offload_optimizer=name.endswith("_offload"))  # fmt: skip
+                        offload_optimizer=name.endswith("_offload"), offload_activations="_offact" in name)  # fmt: skip
     calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()

@@ -35,7 +35,7 @@ L = 160  # window tokens: CP=2 pieces of 80
 TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac",
        "fsdp2_chunk", "cp2_chunk"]
 FOUR = ["ep2_cp2", "fsdp2_cp2", "dp2_ep2", "fsdp2_ep2", "hsdp2_2", "fsdp2_cp2_ac", "fsdp2_ep2_ac", "fsdp2_cp2_fep4",
-        "fsdp2_cp2_fep4_ac", "fsdp2_ep2_chunk_ac", "fsdp2_cp2_chunk_ac"]
+        "fsdp2_cp2_fep4_ac", "fsdp2_ep2_chunk_ac", "fsdp2_cp2_chunk_ac", "hsdp2_2_offact_ac"]
 
 
 @pytest.fixture(scope="module")
