@@ -119,16 +119,23 @@ def main() -> None:
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
 
-            fig, ax = plt.subplots(figsize=(7, 4))
+            fig, (ax, dx) = plt.subplots(1, 2, figsize=(12, 4))
             for case, c in curves.items():
                 s = smooth(c)
-                ax.plot(np.arange(len(s)) + 20, s, label=f"{case} (held-out {heldout[case]:.4f} nats)",
-                        linestyle="--" if case == "offload_activations" else "-")  # fmt: skip
+                style = "--" if case == "offload_activations" else "-"
+                ax.plot(np.arange(len(s)) + 20, s, style, label=f"{case} (held-out {heldout[case]:.4f} nats)")
+                dx.plot(np.arange(len(s)) + 20, 100 * (s / ref - 1), style, label=case)
             ax.set_xlabel("step")
             ax.set_ylabel("training loss, nats per base (20-step mean)")
             ax.set_title(f"cpu-small on hg38 pieces, each memory knob vs off ({args.steps} steps)")
             ax.legend()
             ax.grid(alpha=0.3)
+            dx.axhspan(-100 * BAND, 100 * BAND, color="0.9", label=f"band: {100 * BAND:g}%")
+            dx.set_xlabel("step")
+            dx.set_ylabel("training loss vs off (%, 20-step means)")
+            dx.set_title("difference from off")
+            dx.legend()
+            dx.grid(alpha=0.3)
             fig.tight_layout()
             args.plot.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(args.plot, dpi=110)
