@@ -86,8 +86,13 @@ LAYOUTS = {
     "ep2_folded": dict(fsdp=2, ep=2, ep_folded=True),
     "cp2": dict(cp=2),
     "fsdp2_bf16_moments": dict(fsdp=2),  # train.optimizer_state_dtype=bf16 (RECIPE_SETS)
+    "cp2_fep2_knobs": dict(cp=2, ep=2, ep_folded=True),  # both memory knobs, chunked, under CP x folded EP (FSDP)
 }
-RECIPE_SETS = {"fsdp2_bf16_moments": ["train.optimizer_state_dtype=bf16"]}
+RECIPE_SETS = {
+    "fsdp2_bf16_moments": ["train.optimizer_state_dtype=bf16"],
+    "cp2_fep2_knobs": ["train.optimizer_state_dtype=bf16", "train.activation_checkpointing=true",
+                       "train.offload_activations=true", "train.seq_chunk_tokens=64"],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -101,6 +106,15 @@ def test_a_resumed_mesh_run_is_the_uninterrupted_run(prepared, tmp_path, name):
     assert summary["resumed_from"] == 2 and summary["step"] == STEPS
     assert [(a["resumed_from"], a["steps_run"]) for a in summary["attempts"]] == [(2, 2)]  # steps 3, 4 only
     _same_run(part, full)
+    if name == "cp2_fep2_knobs":  # the chunked backward ran: rounds of cp x 64 tokens over the 256-token crops
+        assert {r["seq_chunks"] for r in _rows(full)} == {2}
+        # the knobs' checkpoint resumed without them: fp32 moments (cast up), no offload, one pass
+        plain = _cut_back(full, tmp_path / "plain", 2)
+        done = _mesh(prepared, _recipe(), plain, resume=True, **LAYOUTS[name])
+        assert done["resumed_from"] == 2 and done["step"] == STEPS
+        moments = read_full_tensors(list_checkpoints(plain)[-1], prefix="optim.")
+        assert all(v.dtype == torch.float32 for k, v in moments.items() if k.endswith(("exp_avg", "exp_avg_sq")))
+        assert [r["seq_chunks"] for r in _rows(plain)][-2:] == [1, 1]
     if name in RECIPE_SETS:  # the moments: saved in bf16, and the resumed run's equal the uninterrupted run's
         ma, mb = (read_full_tensors(list_checkpoints(r)[-1], prefix="optim.") for r in (part, full))
         moments = [k for k in mb if k.endswith(("exp_avg", "exp_avg_sq"))]
