@@ -87,11 +87,14 @@ LAYOUTS = {
     "cp2": dict(cp=2),
     "fsdp2_bf16_moments": dict(fsdp=2),  # train.optimizer_state_dtype=bf16 (RECIPE_SETS)
     "cp2_fep2_knobs": dict(cp=2, ep=2, ep_folded=True),  # both memory knobs, chunked, under CP x folded EP (FSDP)
+    "hsdp2x2_knobs": dict(fsdp=2, workers=4),  # both memory knobs under HSDP (2 replicas x FSDP 2)
 }
 RECIPE_SETS = {
     "fsdp2_bf16_moments": ["train.optimizer_state_dtype=bf16"],
     "cp2_fep2_knobs": ["train.optimizer_state_dtype=bf16", "train.activation_checkpointing=true",
                        "train.offload_activations=true", "train.seq_chunk_tokens=64"],
+    "hsdp2x2_knobs": ["train.optimizer_state_dtype=bf16", "train.activation_checkpointing=true",
+                      "train.offload_activations=true"],
 }  # fmt: skip
 
 
