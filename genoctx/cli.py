@@ -1671,8 +1671,8 @@ def _plan_layout(cfg, seq_len, gpus, dp_replicate, ep, fsdp, cp, offload, eval_=
         raise GenoctxError(
             f"--cp {cp}: pieces of {seq_len // cp} tokens are shorter than one KDA chunk ({cfg.kda_chunk_size})"
         )
-    if offload and fsdp == 1:
-        raise GenoctxError("--offload-optimizer needs --fsdp > 1 (it is FSDP2's CPUOffloadPolicy)")
+    if offload and not layout.fsdp:
+        raise GenoctxError("--offload-optimizer needs FSDP, --fsdp > 1 or --cp > 1 (it is FSDP2's CPUOffloadPolicy)")
     return layout
 
 

@@ -425,7 +425,7 @@ def test_cli_recipe():
         (["--preset", "tiny", "--gpus", "3", "--ep", "3"], "--ep 3"),
         (["--preset", "tiny", "--gpus", "4", "--cp", "4", "--seq-len", "32"], "--cp 4"),
         (["--preset", "tiny", "--gpus", "4", "--cp", "4", "--dp-replicate", "2"], "--gpus 4"),
-        (["--preset", "tiny", "--gpus", "4", "--cp", "4", "--offload-optimizer"], "--offload-optimizer"),
+        (["--preset", "tiny", "--gpus", "2", "--dp-replicate", "2", "--offload-optimizer"], "--offload-optimizer"),
         (["--preset", "tiny", "--gpu-memory-gib", "-1"], "--gpu-memory-gib"),
         (["--preset", "tiny", "--format", "xml"], "--format"),
         (["--preset", "tiny", "--dtype", "fp16"], "--dtype"),

@@ -127,6 +127,9 @@ def _host_line(p: dict) -> str:
             f"and {moved['to_device'] / 2**30:.1f} GiB to the device per step")  # fmt: skip
     t = p.get("time", {}).get("host_s")
     if t:
-        cost = ", ".join(f"{k} {v:.2f} s" if v is not None else f"{k} (no host rates)" for k, v in t.items())
+        cost = ", ".join(f"{k} {v:.2f} s" if v is not None else f"{k} (no host rates)" for k, v in t.items()
+                         if k != "link_needed")  # fmt: skip
         line += f"; added to the step: {cost}"
+        if t.get("link_needed"):
+            line += f"; the link hides the overlapped copies from {t['link_needed'] / 1e9:.1f} GB/s each way"
     return line

@@ -267,11 +267,17 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
     - AdamW moments in bf16 on the device: no cost here (the optimizer step is not modelled, ``step_time``).
 
     Returns:
-        ``{"copies": s, "cpu_optimizer": s}`` (0 without the knobs; None where the profile has no host rates).
+        ``{"copies": s, "cpu_optimizer": s, "link_needed": bytes/s}`` (0 without the knobs; None where the profile
+        has no host rates); ``link_needed`` is the host-device bandwidth, each way, at which the copies would hide
+        behind the compute they overlap (the copies back of layer inputs, which overlap nothing, left out).
     """
     moved = plan.get("host_device_bytes") or {"to_host": 0.0, "to_device": 0.0}
-    out = {"copies": 0.0, "cpu_optimizer": 0.0}
+    out = {"copies": 0.0, "cpu_optimizer": 0.0, "link_needed": 0.0}
     if moved["to_host"] or moved["to_device"]:
+        busy = t["compute_s"] + t["memory_bound_s"]
+        fwd = busy * t.get("forward_share", 1.0)
+        hid = [(moved["to_host"], fwd), (moved["to_device"] - moved.get("activations", 0.0), busy - fwd)]
+        out["link_needed"] = max((b / s if s > 0 else float("inf")) if b else 0.0 for b, s in hid)
         if hw.host_device_bytes_per_s is None:
             out["copies"] = None
         else:
@@ -322,8 +328,9 @@ def with_host_time(t: dict, plan: dict | None, hw: Hardware) -> dict:
     """``plan_time``'s ``t`` with ``"host_s"`` (``host_seconds`` of the training ``plan``; zeros for None) added to
     its step: ``step_s``, ``tokens_per_s`` and ``mfu`` rescaled, ``bound`` "host" when that is the largest part.
     Returns ``t``."""
-    t["host_s"] = host_seconds(plan, t, hw) if plan is not None else {"copies": 0.0, "cpu_optimizer": 0.0}
-    extra = sum(v for v in t["host_s"].values() if v)
+    t["host_s"] = host_seconds(plan, t, hw) if plan is not None else {"copies": 0.0, "cpu_optimizer": 0.0,
+                                                                       "link_needed": 0.0}  # fmt: skip
+    extra = sum(v for k, v in t["host_s"].items() if v and k != "link_needed")
     if extra:
         scale = t["step_s"] / (t["step_s"] + extra)
         t["step_s"] += extra

@@ -103,7 +103,8 @@ def test_knob_time_copies_hide_behind_compute_and_the_cpu_optimizer_does_not():
     assert q["time"]["step_s"] == pytest.approx(base["step_s"] + want, rel=1e-9) and q["time"]["bound"] == "host"
     none = plan_memory(GLM, L1M, LAY32, gpu_memory_gib=178)
     add_time([none], GLM, b200)
-    assert none["time"]["host_s"] == {"copies": 0.0, "cpu_optimizer": 0.0}
+    assert none["time"]["host_s"] == {"copies": 0.0, "cpu_optimizer": 0.0, "link_needed": 0.0}
+    assert q["time"]["host_s"]["link_needed"] == pytest.approx(moved["to_host"] / fwd, rel=1e-9)
     assert host_seconds(q, base, slow)["copies"] == pytest.approx(want, rel=1e-9)
 
 
@@ -124,7 +125,8 @@ def test_host_rates_are_optional_in_a_profile_and_cited_in_the_shipped_ones():
     assert all(getattr(mine, k) is None for k in HOST_KEYS)
     p = plan_memory(GLM, L1M, LAY32, gpu_memory_gib=178, optimizer_offload=True)
     add_time([p], GLM, mine)
-    assert p["time"]["host_s"] == {"copies": None, "cpu_optimizer": None}
+    assert {k: v for k, v in p["time"]["host_s"].items() if k != "link_needed"} == {"copies": None,
+                                                                                    "cpu_optimizer": None}
 
 
 def run_cli(args):
