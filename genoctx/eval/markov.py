@@ -147,26 +147,10 @@ class MarkovModel:
             (rows of non-ACGT targets too: the distribution depends on the context only).
         """
         t = np.asarray(tokens).astype(np.int64, copy=False)
-        W = t.shape[0]
-        run = clean_run(t)
-        codes = context_codes(t, self.order)
-        out = np.zeros((W, 4), dtype=np.float64)
-        todo = np.ones(W, dtype=bool)
-        for k in range(self.order, -1, -1):
-            sel = np.flatnonzero(todo & (run >= k))
-            if sel.size == 0:
-                continue
-            ctx = self.contexts[k]
-            code = codes[k][sel]
-            j = np.searchsorted(ctx, code)
-            j_ok = np.minimum(j, max(ctx.shape[0] - 1, 0))
-            found = (j < ctx.shape[0]) & (ctx[j_ok] == code) if ctx.shape[0] else np.zeros(sel.size, bool)
-            if k == 0:
-                found[:] = True
-            hit = sel[found]
-            rows = self.counts[k][j_ok[found]].astype(np.float64)
+        out = np.zeros((t.shape[0], 4), dtype=np.float64)
+        for hit, rows in self._backoff(t, np.ones(t.shape[0], dtype=bool)):
+            rows = rows.astype(np.float64)
             out[hit] = (rows + self.alpha) / (rows.sum(1, keepdims=True) + 4 * self.alpha)
-            todo[hit] = False
         return out
 
     def token_losses(self, tokens: np.ndarray) -> np.ndarray:
@@ -180,12 +164,22 @@ class MarkovModel:
             float64 [W] ``-ln P(tokens[i] | longest clean seen context of <= K bases)``.
         """
         t = np.asarray(tokens).astype(np.int64, copy=False)
-        W = t.shape[0]
-        scored = (t >= 0) & (t <= 3)
+        out = np.zeros(t.shape[0], dtype=np.float64)
+        for hit, rows in self._backoff(t, (t >= 0) & (t <= 3)):
+            num = rows[np.arange(hit.size), t[hit]] + self.alpha
+            den = rows.sum(1) + 4 * self.alpha
+            with np.errstate(divide="ignore"):
+                out[hit] = np.log(den) - np.log(num)
+        return out
+
+    def _backoff(self, t: np.ndarray, todo: np.ndarray):
+        """The back-off of :meth:`token_losses` and :meth:`token_probs`: for k = K..0, the positions of ``todo``
+        (bool [W], consumed) whose k-base clean context was seen in training, and their count rows.
+
+        Yields ``(positions int64 [m], counts int64 [m, 4])``; order 0 takes every position left.
+        """
         run = clean_run(t)
         codes = context_codes(t, self.order)
-        out = np.zeros(W, dtype=np.float64)
-        todo = scored.copy()
         for k in range(self.order, -1, -1):
             sel = np.flatnonzero(todo & (run >= k))
             if sel.size == 0:
@@ -198,14 +192,8 @@ class MarkovModel:
             if k == 0:
                 found[:] = True  # order 0 always exists after fit (tokens_seen > 0)
             hit = sel[found]
-            rows = self.counts[k][j_ok[found]]
-            num = rows[np.arange(hit.size), t[hit]] + self.alpha
-            den = rows.sum(1) + 4 * self.alpha
-            with np.errstate(divide="ignore"):
-                out[hit] = np.log(den) - np.log(num)
+            yield hit, self.counts[k][j_ok[found]]
             todo[hit] = False
-        return out
-
 
 def split_segments(data_dir: str | Path, split: str) -> list[np.ndarray]:
     """The bases of ``split`` as contiguous segments: each shard's window coverage, overlaps merged.
