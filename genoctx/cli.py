@@ -768,8 +768,8 @@ def _predicted_time(cfg, seq_len: int, layout, hw, t) -> dict:
         plan = plan_memory(cfg, seq_len, layout, gpu_memory_gib=hw.memory_gib, recompute=t.activation_checkpointing,
                            optimizer_offload=t.offload_optimizer, batch_size=t.batch_size, dtype=t.dtype,
                            seq_chunk_tokens=t.seq_chunk_tokens,
-                           optimizer_state_dtype=getattr(t, "optimizer_state_dtype", "fp32"),
-                           offload_activations=getattr(t, "offload_activations", False))  # fmt: skip
+                           optimizer_state_dtype=t.optimizer_state_dtype,
+                           offload_activations=t.offload_activations)  # fmt: skip
     except ValueError:
         plan = None
     with_host_time(p, plan, hw)
@@ -1488,10 +1488,10 @@ def _knob_kwargs(rec, eval_, hw, optimizer_state_dtype, offload_activations, hos
                                "--eval plans scoring one window")  # fmt: skip
         return {}
     t = rec.train if rec is not None else None
-    osd = optimizer_state_dtype or getattr(t, "optimizer_state_dtype", None) or "fp32"
+    osd = optimizer_state_dtype or (t.optimizer_state_dtype if t is not None else "fp32")
     if osd not in ("fp32", "bf16"):
         raise GenoctxError(f"--optimizer-state-dtype must be fp32 or bf16, got {osd!r}")
-    off = offload_activations or bool(getattr(t, "offload_activations", False))
+    off = offload_activations or (t is not None and t.offload_activations)
     if off and no_recompute:
         raise GenoctxError("--offload-activations offloads the checkpointed layers' inputs: not with --no-recompute")
     if knobs == "auto" and seq_chunk is not None:
