@@ -71,6 +71,10 @@ def test_the_device_comes_from_the_groups_backend_without_a_mesh(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "fake")  # the dry run: meta tensors on a cpu mesh
     assert coll.device_of() is None
     coll._check_tensors("all_reduce", None, CPU, tensor=torch.empty(2, device="meta"))
+    with pytest.raises(CollectiveError, match=r"input \(float32 \[2\]\) is on meta but output is on cpu"):
+        coll._check_tensors(
+            "all_gather_into_tensor", None, None, output=torch.empty(2), input=torch.empty(2, device="meta")
+        )
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     with pytest.raises(CollectiveError, match="tensor .* is on meta"):
         coll._check_tensors("all_reduce", None, CPU, tensor=torch.empty(2, device="meta"))
@@ -88,6 +92,7 @@ def test_split_sizes_must_be_host_ints():
     _refused(lambda: coll.all_gather_object([None, None], 1), "object_list has 2 entries for a group of 1 ranks")
 
 
+@pytest.mark.filterwarnings("ignore:.*all_gather_into_tensor.*:FutureWarning")  # torch 2.13 deprecates it
 def test_good_input_passes_through():
     x = torch.arange(4.0)
     coll.all_reduce(x, mesh=CPU)
