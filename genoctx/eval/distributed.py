@@ -171,16 +171,19 @@ def _pad_item(window: int) -> dict:
 
 def reduce_sums(parts: dict, dims) -> dict:
     """Sum every rank's ``score_rank`` arrays over the whole mesh (one all-reduce of the losses in float64 and one
-    of the counts in int64); the same dict with the totals, on every rank."""
-    import torch.distributed as dist
+    of the counts in int64); the same dict with the totals, on every rank. The host arrays travel on the mesh's
+    device (NCCL reduces CUDA tensors only: ``genoctx.parallel.collectives.to_device_of``) and come back as numpy."""
+    from ..parallel import collectives as coll
 
     if dims is None or not dims.is_distributed:
         return parts
     keys = sorted(parts)
-    flat_s = torch.from_numpy(np.stack([parts[k][0] for k in keys]).copy())
-    flat_c = torch.from_numpy(np.stack([parts[k][1] for k in keys]).copy())
-    dist.all_reduce(flat_s, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
-    dist.all_reduce(flat_c, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
+    group, mesh = dims.dp_cp_group, dims.mesh
+    flat_s = coll.to_device_of(torch.from_numpy(np.stack([parts[k][0] for k in keys]).copy()), group, mesh)
+    flat_c = coll.to_device_of(torch.from_numpy(np.stack([parts[k][1] for k in keys]).copy()), group, mesh)
+    coll.all_reduce(flat_s, group=group, mesh=mesh)
+    coll.all_reduce(flat_c, group=group, mesh=mesh)
+    flat_s, flat_c = flat_s.cpu(), flat_c.cpu()
     return {k: (flat_s[j].numpy(), flat_c[j].numpy()) for j, k in enumerate(keys)}
 
 
@@ -209,6 +212,7 @@ def _eval_worker(config: dict, session) -> dict | None:
     import torch.distributed as dist
 
     from ..data.dataset import WindowDataset
+    from ..parallel import collectives as coll
     from ..parallel.build import agree
     from ..parallel.mesh import init_parallel
     from ..train.distributed import worker_logging
@@ -245,7 +249,7 @@ def _eval_worker(config: dict, session) -> dict | None:
         del model, score
         gc.collect()
     ranks = [None] * dims.world
-    dist.all_gather_object(ranks, {"rank": rank, **dims.coordinates(), "peak_memory_bytes": max(peaks, default=0)})
+    coll.all_gather_object(ranks, {"rank": rank, **dims.coordinates(), "peak_memory_bytes": max(peaks, default=0)})
     return {"models": models, "ranks": ranks} if rank == 0 else None
 
 

@@ -76,6 +76,8 @@ def agree(dims: ParallelDims | None, fn):
     """
     import torch.distributed as dist
 
+    from . import collectives as coll
+
     err, out = None, None
     try:
         out = fn()
@@ -83,7 +85,7 @@ def agree(dims: ParallelDims | None, fn):
         err = str(e)
     if dims is not None and dims.is_distributed:
         errs = [None] * dist.get_world_size()
-        dist.all_gather_object(errs, err)
+        coll.all_gather_object(errs, err)
         first = next(((r, e) for r, e in enumerate(errs) if e is not None), None)
         if err is None and first is not None:  # another rank's error: said with its rank
             r, e = first

@@ -92,6 +92,7 @@ from ..model.config import DSA
 from ..model.dsa import SENTINEL, DSACache, DSASelection, join_latents
 from ..model.kda import KDACache, chunk_kda
 from ..model.moe import MoE
+from . import collectives as coll
 from .layout import cp_pieces
 
 
@@ -134,14 +135,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         P = dist.get_world_size(group)
         out = x.new_empty((P * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        coll.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         P = dist.get_world_size(ctx.group)
         recv = torch.empty_like(grad)
-        dist.all_to_all_single(recv, grad.contiguous(), group=ctx.group)
+        coll.all_to_all_single(recv, grad.contiguous(), group=ctx.group)
         return recv.view(P, grad.shape[0] // P, *grad.shape[1:]).sum(0), None
 
 
@@ -503,7 +504,7 @@ def all_reduce_sum(x: Tensor, group) -> Tensor:
     if group is None:
         return x
     y = x.detach().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    coll.all_reduce(y, group=group)
     return y
 
 
@@ -512,4 +513,4 @@ def all_reduce_moe_loads(model: nn.Module, group) -> None:
     the router biases by the global batch's loads (DeepSeek-V3 aux-loss-free balancing)."""
     for m in model.modules():
         if isinstance(m, MoE):
-            dist.all_reduce(m.load_counts, op=dist.ReduceOp.SUM, group=group)
+            coll.all_reduce(m.load_counts, group=group)

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.moe import Experts, MoE, expert_mlp
+from . import collectives as coll
 
 
 def n_rounds(pair: Tensor, cap: int) -> int:
@@ -149,7 +150,7 @@ def _exchange(parts: list[Tensor], send: list[int], recv: list[int], group) -> l
     widths = [p.shape[1] * p.element_size() for p in parts]
     packed = torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)  # [n_send, sum(widths)]
     out = packed.new_empty(sum(recv), sum(widths))
-    dist.all_to_all_single(out, packed, output_split_sizes=recv, input_split_sizes=send, group=group)
+    coll.all_to_all_single(out, packed, output_split_sizes=recv, input_split_sizes=send, group=group)
     res = []
     for p, chunk in zip(parts, out.split(widths, dim=1), strict=True):
         res.append(chunk.contiguous().view(p.dtype))
@@ -315,7 +316,7 @@ def _plan(experts: torch.Tensor, ex: Experts, cap: int) -> _Plan:
         counts = mine[None].cpu()
     else:
         parts = [torch.empty_like(mine) for _ in range(P)]
-        dist.all_gather(parts, mine, group=ex.ep_group)
+        coll.all_gather(parts, mine, group=ex.ep_group)
         counts = torch.stack(parts).cpu()
     pair = counts.view(P, P, El).sum(-1)
     start = [0] + pair[me].cumsum(0).tolist()[:-1]

@@ -38,11 +38,11 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..model.kda import KimiDeltaAttention
 from ..model.moe import MoE
+from . import collectives as coll
 from .mesh import ParallelDims
 
 ISLAND_DTYPE = torch.float32
@@ -251,7 +251,7 @@ def all_reduce_grads(params: list[nn.Parameter], group) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    coll.all_reduce(flat, group=group)
     off = 0
     for p in params:
         n = p.numel()
@@ -294,7 +294,8 @@ def grad_norm(model: nn.Module, dims: ParallelDims | None) -> torch.Tensor:
     Each rank sums the squares of the gradient pieces it holds, weighted by 1 / (ranks holding the same piece,
     ``_copies``: under FSDP a dense piece has ``world / dense_shard`` copies, a routed-expert piece
     ``world / (ep x expert_shard)``; replicated, ``world`` and ``world / ep``); one all-reduce over the mesh adds
-    them up.
+    them up, on the mesh's device: under optimizer offload the gradients are CPU DTensors, and NCCL reduces CUDA
+    tensors only (``genoctx.parallel.collectives.to_device_of``). The result is on the mesh's device.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     if dims is None or not dims.is_distributed:
@@ -303,8 +304,8 @@ def grad_norm(model: nn.Module, dims: ParallelDims | None) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
         sq = sq + _local(p.grad.detach()).double().pow(2).sum() / _copies(p.grad, is_expert_parameter(p), dims)
-    sq = sq.to(torch.float64)
-    dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=dims.dp_cp_group)
+    sq = coll.to_device_of(sq.to(torch.float64), dims.dp_cp_group, dims.mesh)
+    coll.all_reduce(sq, group=dims.dp_cp_group, mesh=dims.mesh)
     return sq.sqrt()
 
 

@@ -102,6 +102,7 @@ def _train_worker(config: dict, session) -> None:
 
     from ..data.dataset import WindowDataset
     from ..model.vocab import TokenMap, VocabHead
+    from ..parallel import collectives as coll
     from ..parallel.build import Fresh, Zeros, build_model
     from ..parallel.mesh import init_parallel
     from ..recipes import recipe_from_dict
@@ -169,7 +170,7 @@ def _train_worker(config: dict, session) -> None:
                 mine = {"rank": rank, **dims.coordinates()}
                 mine.update(_rank_stats(model, tokens.numel() // dims.cp, dt, dev))
                 ranks = [None] * world
-                dist.all_gather_object(ranks, mine)
+                coll.all_gather_object(ranks, mine)
                 row = {
                     "step": step + 1,
                     "attempt": attempt["attempt"],
@@ -218,8 +219,7 @@ def _choose_checkpoint(out: Path, rank: int, session, dims=None, verify: bool = 
     Raises:
         AgreedError: (every rank) there are checkpoints but none verifies, the newest one's problem named.
     """
-    import torch.distributed as dist
-
+    from ..parallel import collectives as coll
     from .checkpoint import list_checkpoints, step_of
     from .integrity import ALL, check_checkpoint, problem, set_aside, skip_line, warn_unrecorded
 
@@ -231,7 +231,7 @@ def _choose_checkpoint(out: Path, rank: int, session, dims=None, verify: bool = 
                 found.append((_step_or(d, -1), "ray", None))
         found += [(step_of(c), "run", str(c)) for c in list_checkpoints(out)]
         cands = [sorted(found, key=lambda c: (c[0], c[1] == "run"), reverse=True)]
-    dist.broadcast_object_list(cands, src=0)
+    coll.broadcast_object_list(cands, src=0)
     cands = cands[0]
     if not verify or not cands:
         return cands[0] if cands else None
@@ -279,8 +279,7 @@ def _resume(
     Raises:
         GenoctxError: the chosen checkpoint is unreadable, or not visible on this rank.
     """
-    import torch.distributed as dist
-
+    from ..parallel import collectives as coll
     from .checkpoint import load_training_state
     from .loop import begin_attempt
     from .sharded import load_any
@@ -312,7 +311,7 @@ def _resume(
             what = "Ray's copy of the checkpoint, " if picked[1] == "ray" else ""
             log.info("resuming from %s%s (step %d)", what, loaded, start)
         attempt = [begin_attempt(out, start, loaded, invocation, workers=world)]
-    dist.broadcast_object_list(attempt, src=0)
+    coll.broadcast_object_list(attempt, src=0)
     return start, loaded, attempt[0]
 
 

@@ -136,9 +136,9 @@ def check_checkpoint(ckpt: Path, what: str = ALL, dims=None, validate_unrecorded
     rank, world = _mesh(dims)
     info = [_recorded(ckpt)] if rank == 0 else [None]
     if world > 1:
-        import torch.distributed as dist
+        from ..parallel import collectives as coll
 
-        dist.broadcast_object_list(info, src=0)
+        coll.broadcast_object_list(info, src=0)
     step, files, error = info[0]
     report = {"path": str(ckpt), "step": step, "recorded": files is not None, "ok": False, "error": error,
               "files": {}, "bytes_hashed": 0, "seconds": 0.0}  # fmt: skip
@@ -146,10 +146,10 @@ def check_checkpoint(ckpt: Path, what: str = ALL, dims=None, validate_unrecorded
         names = sorted(n for n in files if what == ALL or n not in TRAINING_ONLY)
         mine = {n: _check_file(ckpt, n, files[n]) for n in names[rank::world]}
         if world > 1:
-            import torch.distributed as dist
+            from ..parallel import collectives as coll
 
             parts = [None] * world
-            dist.all_gather_object(parts, mine)
+            coll.all_gather_object(parts, mine)
             mine = {k: v for p in parts for k, v in p.items()}
         report["files"] = {n: mine[n] for n in names}
     elif error is None:
@@ -180,9 +180,9 @@ def _agreed_validation(ckpt: Path, rank: int, world: int) -> str | None:
         except GenoctxError as e:
             err = [str(e)]
     if world > 1:
-        import torch.distributed as dist
+        from ..parallel import collectives as coll
 
-        dist.broadcast_object_list(err, src=0)
+        coll.broadcast_object_list(err, src=0)
     return err[0]
 
 

@@ -41,6 +41,7 @@ import yaml
 from .. import __version__
 from ..errors import GenoctxError
 from ..lock import share_like_umask
+from ..parallel import collectives as coll
 from ..parallel.state import canonical_state
 from ..recipes import Recipe
 from .checkpoint import (
@@ -84,13 +85,13 @@ def save_sharded(
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         name = [tempfile.mkdtemp(prefix=f".{final.name}.", dir=root)]
-    dist.broadcast_object_list(name, src=0)
+    coll.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
         dcp.save(canonical_state(model, optimizer, dims), checkpoint_id=str(tmp / DCP_DIR))
         mine = digest_files(tmp, _rank_shards(tmp, rank))  # this rank's files, read back from disk
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)  # (also the barrier: every rank's files are complete)
+        coll.all_gather_object(parts, mine)  # (also the barrier: every rank's files are complete)
         if rank == 0:
             (tmp / "scheduler.json").write_text(json.dumps(scheduler.state_dict() if scheduler is not None else None))
             (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
@@ -107,7 +108,7 @@ def save_sharded(
                 shutil.rmtree(final)
             os.replace(tmp, final)
             prune_checkpoints(run_dir, step, keep)
-        dist.barrier()
+        coll.barrier()
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
