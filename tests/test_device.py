@@ -60,3 +60,32 @@ def test_a_device_index_past_the_last_gpu_is_one_line(cli):
     res, calls = cli("train", "--device", "cuda:2")
     assert res.exit_code == 2 and calls == [], res.output
     assert res.stderr == "genoctx: error: --device cuda:2: this machine has 2 CUDA devices (cuda:0 to cuda:1)\n"
+
+
+def test_every_triton_launch_runs_on_its_tensors_device():
+    """Each ``kernel[grid](...)`` in kernels/ is inside ``with on_device(tensor)`` (``torch.cuda.device`` of the
+    tensors' device on CUDA, nothing on the CPU's interpreter), so a library call with tensors on ``cuda:1`` launches
+    there whatever the current device is."""
+    import ast
+
+    import torch
+
+    from kernels import on_device
+
+    launches = []
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.With) and any(
+                isinstance(i.context_expr, ast.Call) and getattr(i.context_expr.func, "id", None) == "on_device"
+                for i in node.items
+            ):
+                guarded |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):  # kernel[grid](...)
+                launches.append((path.name, node.lineno, id(node) in guarded))
+    assert {name for name, _, _ in launches} == {"indexer_topk.py", "sparse_mla.py"}
+    assert [x for x in launches if not x[2]] == []
+    with on_device(torch.zeros(1)):  # the interpreter's CPU tensors: no CUDA call
+        pass
