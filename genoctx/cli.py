@@ -573,6 +573,14 @@ def train(
     force: Annotated[
         bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
     ] = False,
+    gpu_memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory-gib",
+            help="With --gpus-per-worker 1: memory of one worker's GPU in GiB for the memory plan before launch "
+            "(default: this machine's GPU; a driver without one leaves the plan to each worker's GPU).",
+        ),
+    ] = None,
     address: RayAddress = None,
     gpus_per_worker: GpusPerWorker = 0,
     placement_timeout: PlacementTimeout = None,
@@ -640,6 +648,8 @@ def train(
     _at_least("--fsdp", fsdp, 1)
     _gpus_per_worker(gpus_per_worker)
     _at_least("--placement-timeout", placement_timeout, 0)
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < float("inf"):
+        raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
     data = _data_dir(data)
     _out_dir(out)  # creates nothing
     overrides = list(set_ or [])
@@ -670,11 +680,11 @@ def train(
         return
     dev = _device(device)
     if num_workers is None:
-        ray_flags = (address, placement_timeout)
+        ray_flags = (address, placement_timeout, gpu_memory_gib)
         if any(v not in (None, 1) for v in (cp, ep, fsdp)) or any(v is not None for v in ray_flags) or gpus_per_worker \
                 or ep_folded:  # fmt: skip
-            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker and --placement-timeout "
-                               "need --num-workers")  # fmt: skip
+            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker, --gpu-memory-gib and "
+                               "--placement-timeout need --num-workers")  # fmt: skip
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait,
                              allow_batch_change=allow_batch_change))  # fmt: skip
         return
@@ -703,6 +713,7 @@ def train(
             stop_after=stop_after,
             wait=wait,
             allow_batch_change=allow_batch_change,
+            gpu_memory_gib=gpu_memory_gib,
         )
     )
 

@@ -356,7 +356,7 @@ def run_workers(
             under it when short enough (``_ray_temp_dir``).
         run_name: Ray Train's run name: rerunning the same name in the same ``storage_path`` restores its newest
             checkpoint (``WorkerSession.checkpoint_dir``).
-        gpus_per_worker: GPUs per worker; > 0 runs on CUDA with NCCL, 0 on CPU with gloo.
+        gpus_per_worker: GPUs per worker: 1 runs on CUDA with NCCL, 0 on CPU with gloo (``check_gpus_per_worker``).
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         max_failures: restarts of the whole group before giving up (``FailureConfig``).
         keep_checkpoints: reported checkpoints Ray keeps (``CheckpointConfig.num_to_keep``); 0 keeps all.
