@@ -158,13 +158,8 @@ def _train_worker(config: dict, session) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(worker_threads(session, cfg.num_threads))
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
-    if config.get("plan_on_workers") and dev.type == "cuda":  # the driver had no GPU memory to plan against
-        from ..parallel.build import agree
-
-        gib = torch.cuda.get_device_properties(dev).total_memory / 2**30
-        plan = agree(dims, lambda: plan_check(recipe, config["seq_len"], dims.layout, gib, config["force"]))
-        if rank == 0:
-            _log_plan(plan, dims.layout, gib, "on the workers' GPUs")
+    if config.get("plan_on_workers"):  # the driver had no GPU memory to plan against
+        _plan_on_worker(recipe, config, dims, dev, rank)
     torch.manual_seed(cfg.seed)
     picked = _choose_checkpoint(out, rank, session, dims, verify=cfg.verify_checkpoints)
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
@@ -623,6 +618,30 @@ def plan_check(recipe: Recipe, seq_len: int, layout, gib: float, force: bool) ->
     return plan
 
 
+def _plan_on_worker(recipe: Recipe, config: dict, dims, dev, rank: int) -> None:
+    """The memory plan (``plan_check``) on a GPU worker, against its own GPU's memory (``device_memory_gib``), before
+    its model is built; one verdict on every rank (``agree``: a collective). Nothing on a CPU worker.
+
+    Raises:
+        AgreedError: the plan does not fit some rank's GPU (unless ``config["force"]``), its line on every rank.
+    """
+    from ..parallel.build import agree
+
+    if dev.type != "cuda":
+        return
+    gib = device_memory_gib(dev)
+    plan = agree(dims, lambda: plan_check(recipe, config["seq_len"], dims.layout, gib, config["force"]))
+    if rank == 0:
+        _log_plan(plan, dims.layout, gib, "this worker's GPU")
+
+
+def device_memory_gib(dev) -> float:
+    """The total memory of CUDA device ``dev`` in GiB (``torch.cuda.get_device_properties``)."""
+    import torch
+
+    return torch.cuda.get_device_properties(dev).total_memory / 2**30
+
+
 def _log_plan(plan: dict, layout, gib: float, where: str) -> None:
     log.info("memory plan (%s, %s): %.1f GiB of %.1f per GPU", layout.describe(), where, plan["total_gib"], gib)
 
@@ -650,6 +669,6 @@ def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, 
             log.info("memory plan: this driver has no GPU and no --gpu-memory-gib was given; each worker checks it "
                      "against its own GPU before building the model")  # fmt: skip
             return False
-        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        gib = device_memory_gib(torch.device("cuda", 0))
     _log_plan(plan_check(recipe, seq_len, layout, gib, force), layout, gib, where)
     return True

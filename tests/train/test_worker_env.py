@@ -91,3 +91,21 @@ def test_gpu_memory_gib_plans_before_anything_starts(prepared, tmp_path):
                     "127.0.0.1:1", "--gpu-memory-gib", "0.00001", env=dict(os.environ), timeout=300)  # fmt: skip
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("genoctx: error: memory plan: "), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_worker_plans_against_its_own_gpu(monkeypatch):
+    """What a worker runs when the driver could not plan (``plan_on_workers``), here as one rank of two (no
+    collective: ``is_distributed`` False): its GPU's memory (``device_memory_gib``, replaced here: no GPU) against
+    the same plan; a CPU worker plans nothing."""
+    from types import SimpleNamespace
+
+    recipe = load_recipe("recipes/tiny.yaml", SETS)
+    config = {"seq_len": 256, "force": False}
+    dims = SimpleNamespace(layout=Layout.for_world(2), is_distributed=False)
+    monkeypatch.setattr(distributed, "device_memory_gib", lambda dev: 1e-5)
+    with pytest.raises(GenoctxError, match=r"^memory plan: .* GiB per GPU, more than 1e-05 GiB"):
+        distributed._plan_on_worker(recipe, config, dims, torch.device("cuda", 1), 0)
+    distributed._plan_on_worker(recipe, config, dims, torch.device("cpu"), 0)  # CPU: not planned
+    distributed._plan_on_worker(recipe, {**config, "force": True}, dims, torch.device("cuda", 1), 0)
+    monkeypatch.setattr(distributed, "device_memory_gib", lambda dev: 80.0)
+    distributed._plan_on_worker(recipe, config, dims, torch.device("cuda", 1), 0)
