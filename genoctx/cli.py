@@ -151,7 +151,9 @@ class _OneLineUsageErrors(_Group):
 RayAddress = Annotated[
     str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")
 ]
-GpusPerWorker = Annotated[float, typer.Option(help="GPUs per Ray worker (0 = CPU, gloo).")]
+GpusPerWorker = Annotated[
+    float, typer.Option(help="GPUs per Ray worker: 1 (one GPU per rank, NCCL) or 0 (CPU, gloo); nothing else.")
+]
 PlacementTimeout = Annotated[
     float | None,
     typer.Option(
@@ -571,6 +573,14 @@ def train(
     force: Annotated[
         bool, typer.Option("--force", help="Train even when the memory planner predicts the layout does not fit.")
     ] = False,
+    gpu_memory_gib: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory-gib",
+            help="With --gpus-per-worker 1: memory of one worker's GPU in GiB for the memory plan before launch "
+            "(default: this machine's GPU; a driver without one leaves the plan to each worker's GPU).",
+        ),
+    ] = None,
     address: RayAddress = None,
     gpus_per_worker: GpusPerWorker = 0,
     placement_timeout: PlacementTimeout = None,
@@ -636,8 +646,10 @@ def train(
     _at_least("--cp", cp, 1)
     _at_least("--ep", ep, 1)
     _at_least("--fsdp", fsdp, 1)
-    _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    _gpus_per_worker(gpus_per_worker)
     _at_least("--placement-timeout", placement_timeout, 0)
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib < float("inf"):
+        raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
     data = _data_dir(data)
     _out_dir(out)  # creates nothing
     overrides = list(set_ or [])
@@ -668,11 +680,11 @@ def train(
         return
     dev = _device(device)
     if num_workers is None:
-        ray_flags = (address, placement_timeout)
+        ray_flags = (address, placement_timeout, gpu_memory_gib)
         if any(v not in (None, 1) for v in (cp, ep, fsdp)) or any(v is not None for v in ray_flags) or gpus_per_worker \
                 or ep_folded:  # fmt: skip
-            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker and --placement-timeout "
-                               "need --num-workers")  # fmt: skip
+            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker, --gpu-memory-gib and "
+                               "--placement-timeout need --num-workers")  # fmt: skip
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait,
                              allow_batch_change=allow_batch_change))  # fmt: skip
         return
@@ -701,6 +713,7 @@ def train(
             stop_after=stop_after,
             wait=wait,
             allow_batch_change=allow_batch_change,
+            gpu_memory_gib=gpu_memory_gib,
         )
     )
 
@@ -783,20 +796,70 @@ def _predicted_time(cfg, seq_len: int, layout, hw, t) -> dict:
     return out
 
 
+def _gpus_per_worker(value: float) -> None:
+    """``--gpus-per-worker``: 0 or 1 (``genoctx.cluster.check_gpus_per_worker``), refused before anything starts."""
+    from .cluster import check_gpus_per_worker
+
+    check_gpus_per_worker(value)
+
+
 def _device(name: str) -> str:
+    """``--device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when there is one), checked; a CUDA device becomes
+    this process's current device (``_set_cuda_device``), so that what launches on the current device (Triton
+    kernels, NCCL, ``torch.cuda`` calls without a device) runs where the tensors are.
+
+    Raises:
+        GenoctxError: an unknown name, CUDA asked on a machine without it, or an index past the last device.
+    """
     import torch
 
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if _cuda_devices() else "cpu"
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
         raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GenoctxError(f"--device {name}: CUDA is not available on this machine")
     if dev.type not in ("cpu", "cuda"):
         raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda":
+        have = _cuda_devices()
+        if have == 0:
+            raise GenoctxError(f"--device {name}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= have:
+            raise GenoctxError(f"--device {name}: this machine has {have} CUDA device{'s' * (have != 1)} "
+                               f"(cuda:0 to cuda:{have - 1})")  # fmt: skip
+        _expandable_segments()  # what the memory plan assumes (Ray workers: genoctx.cluster.worker_env)
+        _set_cuda_device(dev.index or 0)
     return name
+
+
+def _cuda_devices() -> int:
+    """The CUDA devices torch sees (``torch.cuda.device_count()``), 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _expandable_segments() -> None:
+    """Turn on the CUDA caching allocator's ``expandable_segments`` in this process, as the memory planner assumes,
+    unless the environment (``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``) names it already (the user's
+    value is kept). The environment was read when torch was imported, so this goes through torch's settings call."""
+    import os
+
+    import torch
+
+    from .cluster import ALLOC_CONF
+
+    given = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    if "expandable_segments" not in given:
+        torch._C._accelerator_setAllocatorSettings(ALLOC_CONF)
+
+
+def _set_cuda_device(index: int) -> None:
+    """``torch.cuda.set_device(index)``: the current CUDA device of this process."""
+    import torch
+
+    torch.cuda.set_device(index)
 
 
 @app.command("eval", cls=_Command)
@@ -1035,7 +1098,7 @@ def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, m
     """
     for flag, value in (("--num-workers", num_workers), ("--fsdp", fsdp), ("--ep", ep), ("--cp", cp)):
         _at_least(flag, value, 1)
-    _at_least("--gpus-per-worker", gpus_per_worker, 0)
+    _gpus_per_worker(gpus_per_worker)
     _at_least("--placement-timeout", placement_timeout, 0)
     if memory_gib is not None and not 0 < memory_gib < float("inf"):
         raise GenoctxError(f"{memory_flag}: must be a positive number of GiB, got {memory_gib}")

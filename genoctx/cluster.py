@@ -11,7 +11,7 @@ rank 0's worker function returned (``WorkerRun.value``) or what the workers wrot
   they go to stderr.
 - Resources: a local Ray gets the GPUs torch sees (``torch.cuda.device_count()``) and ``max(num_workers + 1,
   cpu_count)`` CPUs (CPU workers may oversubscribe a laptop); a request for more GPUs than that is refused before
-  Ray starts (``check_local``). On any Ray the group's placement group (``{"CPU": 1, "GPU": g}`` per worker, PACK,
+  Ray starts (``check_local``). On any Ray the group's placement group (``{"CPU": 1, "GPU": 1}`` per GPU worker, PACK,
   as Ray Train asks for it) is reserved before the trainer starts: a group the cluster's nodes cannot hold at their
   present size is refused at once, one that does not get its resources within ``placement_timeout`` seconds
   (``--placement-timeout``, default ``PLACEMENT_TIMEOUT_S``; 0 waits forever, as Ray Train does) is refused then;
@@ -21,8 +21,12 @@ rank 0's worker function returned (``WorkerRun.value``) or what the workers wrot
   same way but prints the controller's tracebacks through the driver. Resources another job takes between the
   check and Ray Train's own reservation make Ray Train wait for them as before. A ``HOST:PORT`` address where
   nothing listens is refused at once (``_reachable``; Ray retries it for ~20 minutes).
-- Workers: ``num_workers`` processes, ``gpus_per_worker`` GPUs each (0: CPU). Ray Train creates the default process
-  group (gloo on CPU, NCCL on CUDA) before ``worker_fn(config, session)`` is called on every worker.
+- Workers: ``num_workers`` processes, ``gpus_per_worker`` GPUs each: 1 (one GPU per rank; Ray Train sets it as the
+  worker's current CUDA device) or 0 (CPU); anything else is refused (``check_gpus_per_worker``: a fraction puts two
+  NCCL ranks on one GPU, more than one leaves GPUs idle). Ray Train creates the default process group (gloo on CPU,
+  NCCL on CUDA) before ``worker_fn(config, session)`` is called on every worker. Every worker gets
+  ``PYTORCH_ALLOC_CONF`` with ``expandable_segments:True`` (what the memory planner assumes) through its Ray
+  runtime environment (``worker_env``), on a local Ray and on a cluster alike.
 - Failures: Ray restarts the whole group up to ``max_failures`` times (``FailureConfig``); Ray keeps the
   ``keep_checkpoints`` newest reported checkpoints (0: all) under ``storage_path/run_name``. A group that still fails
   is a one-line ``GenoctxError``.
@@ -66,34 +70,30 @@ def _ray_temp_dir(out: Path) -> str:
 
 
 def _workers_per_node(node: dict[str, float], bundle: dict[str, float]) -> int:
-    """How many workers asking ``bundle`` (``{"CPU": 1, "GPU": g}``) one node of ``node`` total resources holds: a
-    GPU is shared only by workers asking less than one (``floor(1 / g)`` of them per GPU), never split across two."""
-    fits = []
-    for key, need in bundle.items():
-        have = node.get(key, 0.0)
-        if key == "GPU" and need < 1:
-            fits.append(int(have + 1e-9) * int(1 / need + 1e-9))
-        else:
-            fits.append(int(have / need + 1e-9))
-    return min(fits, default=0)
+    """How many workers asking ``bundle`` (``{"CPU": 1}`` or ``{"CPU": 1, "GPU": 1}``) one node of ``node`` total
+    resources holds: the scarcest resource decides."""
+    return min((int(node.get(key, 0.0) / need + 1e-9) for key, need in bundle.items()), default=0)
 
 
 def gpus_needed(num_workers: int, gpus_per_worker: float) -> int:
-    """GPUs that ``num_workers`` workers of ``gpus_per_worker`` GPUs each need on one machine (0 for CPU workers):
-    ``num_workers x gpus_per_worker``, or ``ceil(num_workers / floor(1 / g))`` for a fraction ``g`` (workers share a
-    GPU, none straddles two: 3 workers of 0.6 need 3 GPUs, not 2)."""
-    if gpus_per_worker <= 0:
-        return 0
-    if gpus_per_worker < 1:
-        return -(-num_workers // int(1 / gpus_per_worker + 1e-9))
-    return int(num_workers * gpus_per_worker)
+    """GPUs that ``num_workers`` workers need on one machine: one each for GPU workers (``gpus_per_worker`` 1), 0 for
+    CPU workers (``gpus_per_worker`` 0; ``check_gpus_per_worker`` refuses anything else)."""
+    return num_workers if gpus_per_worker > 0 else 0
 
 
-def _check_gpu_size(gpus_per_worker: float) -> None:
-    if gpus_per_worker > 1 and not float(gpus_per_worker).is_integer():
+def check_gpus_per_worker(gpus_per_worker: float) -> None:
+    """Refuse a ``--gpus-per-worker`` other than 0 (CPU workers, gloo) or 1 (one GPU per worker, NCCL).
+
+    A fraction would let Ray put two workers on one GPU, and NCCL refuses two ranks on one device ("Duplicate GPU
+    detected"); above 1 a worker would hold GPUs it never uses (each rank runs on one device: ``WorkerSession.device``).
+
+    Raises:
+        GenoctxError: one line naming the flag and the value.
+    """
+    if gpus_per_worker not in (0, 1):
         raise GenoctxError(
-            f"--gpus-per-worker {gpus_per_worker:g}: above 1 it must be a whole number of GPUs (Ray shares a GPU "
-            "only between workers asking less than one)"
+            f"--gpus-per-worker {gpus_per_worker:g}: must be 1 (one GPU per worker: NCCL refuses two ranks on one GPU "
+            "and a rank uses only one) or 0 (CPU workers); for more GPUs raise --num-workers"
         )
 
 
@@ -102,32 +102,71 @@ def check_local(num_workers: int, gpus_per_worker: float) -> int:
 
     Args:
         num_workers: worker processes asked for (``--num-workers``).
-        gpus_per_worker: GPUs per worker (``--gpus-per-worker``; 0 = CPU workers, always accepted: a local Ray gets
-            at least ``num_workers + 1`` CPUs).
+        gpus_per_worker: GPUs per worker (``--gpus-per-worker``: 1, or 0 = CPU workers, always accepted: a local Ray
+            gets at least ``num_workers + 1`` CPUs).
 
     Returns:
         The GPUs this machine has (``torch.cuda.device_count()``: what the local Ray is told it has).
 
     Raises:
-        GenoctxError: more GPUs asked than the machine has, or a fractional ``gpus_per_worker`` above 1 (one line
-            naming the request, the GPUs it needs and the GPUs here).
+        GenoctxError: a ``gpus_per_worker`` other than 0 or 1 (``check_gpus_per_worker``), or more GPUs asked than
+            the machine has (one line naming the request, the GPUs it needs and the GPUs here).
     """
     import torch
 
-    _check_gpu_size(gpus_per_worker)
+    check_gpus_per_worker(gpus_per_worker)
     have = torch.cuda.device_count()
     need = gpus_needed(num_workers, gpus_per_worker)
     if need > have:
-        shared = ""
-        if 0 < gpus_per_worker < 1:
-            per = int(1 / gpus_per_worker + 1e-9)
-            shared = f" (a GPU holds {per} worker{'s' * (per > 1)} of {gpus_per_worker:g})"
         hint = "; --gpus-per-worker 0 runs on the CPU" if have == 0 else "; pass --address for a Ray cluster"
         raise GenoctxError(
             f"--num-workers {num_workers} x --gpus-per-worker {gpus_per_worker:g} = {need} GPU{'s' * (need != 1)} "
-            f"asked{shared}; this machine has {have} (torch.cuda.device_count()){hint}"
+            f"asked; this machine has {have} (torch.cuda.device_count()){hint}"
         )
     return have
+
+
+# what genoctx.plan.memory assumes of every GPU process: the caching allocator grows and shrinks its segments in
+# place instead of keeping freed blocks in fixed ones (no fragmentation term in the plan). Read once, when the
+# process starts: a worker gets it from its Ray runtime environment, never from the driver's os.environ.
+ALLOC_CONF = "expandable_segments:True"
+ALLOC_ENV = "PYTORCH_ALLOC_CONF"  # torch's name since 2.9; PYTORCH_CUDA_ALLOC_CONF is its deprecated alias
+_ALLOC_ENV_OLD = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def cuda_alloc_conf(current: str | None) -> str:
+    """The allocator configuration of a GPU process: ``current`` (``key:value`` pairs joined by commas) with
+    ``expandable_segments:True`` added when it names no ``expandable_segments`` (a value given is kept: the user's
+    choice)."""
+    if not current or not current.strip():
+        return ALLOC_CONF
+    keys = {pair.split(":", 1)[0].strip() for pair in current.split(",")}
+    return current if "expandable_segments" in keys else f"{current},{ALLOC_CONF}"
+
+
+def worker_env(driver_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables every worker gets through its Ray runtime environment (``RunConfig``'s
+    ``worker_runtime_env``), on a local Ray and on a cluster at ``--address`` alike (whose workers never see the
+    driver's environment): ``PYTORCH_ALLOC_CONF`` = ``cuda_alloc_conf`` of the driver's (``driver_env``, default
+    ``os.environ``: ``PYTORCH_ALLOC_CONF``, else the older ``PYTORCH_CUDA_ALLOC_CONF``), set before the worker
+    process starts and so before torch reads it. (Torch's CPU threads are set on the worker, from its own node:
+    ``genoctx.train.distributed.worker_threads``.)"""
+    env = os.environ if driver_env is None else driver_env
+    return {ALLOC_ENV: cuda_alloc_conf(env.get(ALLOC_ENV) or env.get(_ALLOC_ENV_OLD))}
+
+
+def _run_config(storage: Path, run_name: str, max_failures: int, keep: int):
+    """Ray Train's ``RunConfig`` of a worker group, the same for a local Ray and ``--address``: its storage, restarts,
+    checkpoints kept and the workers' environment (``worker_env`` of the driver's)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(
+        name=run_name,
+        storage_path=str(storage),
+        failure_config=FailureConfig(max_failures=max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
+        worker_runtime_env={"env_vars": worker_env()},
+    )
 
 
 def _bundle(gpus_per_worker: float) -> dict[str, float]:
@@ -164,7 +203,7 @@ def _place(num_workers: int, bundle: dict[str, float], timeout: float, what: str
     not placed within ``timeout`` seconds (> 0). Nothing is left reserved either way.
 
     Raises:
-        GenoctxError: one line naming the request (``--num-workers N x {CPU 1, GPU g}``) and the cluster's free and
+        GenoctxError: one line naming the request (``--num-workers N x {CPU 1, GPU 1}``) and the cluster's free and
             total resources.
     """
     import ray
@@ -222,6 +261,13 @@ class WorkerSession:
 
             return ray.train.torch.get_device()
         return torch.device("cpu")
+
+    def local_world_size(self) -> int:
+        """The workers of this run on this worker's node (``ray.train.get_context().get_local_world_size()``): they
+        share its CPU cores."""
+        import ray.train
+
+        return ray.train.get_context().get_local_world_size()
 
     def report(self, metrics: dict, checkpoint_dir: str | Path | None = None) -> None:
         """``ray.train.report``: every worker reports each step it reports; at most one of them hands the directory
@@ -310,7 +356,7 @@ def run_workers(
             under it when short enough (``_ray_temp_dir``).
         run_name: Ray Train's run name: rerunning the same name in the same ``storage_path`` restores its newest
             checkpoint (``WorkerSession.checkpoint_dir``).
-        gpus_per_worker: GPUs per worker; > 0 runs on CUDA with NCCL, 0 on CPU with gloo.
+        gpus_per_worker: GPUs per worker: 1 runs on CUDA with NCCL, 0 on CPU with gloo (``check_gpus_per_worker``).
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
         max_failures: restarts of the whole group before giving up (``FailureConfig``).
         keep_checkpoints: reported checkpoints Ray keeps (``CheckpointConfig.num_to_keep``); 0 keeps all.
@@ -331,7 +377,7 @@ def run_workers(
     timeout = PLACEMENT_TIMEOUT_S if placement_timeout is None else placement_timeout
     if not 0 <= timeout < float("inf"):
         raise GenoctxError(f"--placement-timeout: must be a number of seconds >= 0 (0 waits forever), got {timeout:g}")
-    _check_gpu_size(gpus_per_worker)
+    check_gpus_per_worker(gpus_per_worker)
     with contextlib.redirect_stdout(sys.stderr):  # Ray's worker and raylet lines: stdout is the caller's
         return _fit(worker_fn, config, Path(storage_path), run_name, num_workers, gpus_per_worker, address,
                     max_failures, keep_checkpoints, what, timeout)  # fmt: skip
@@ -382,7 +428,7 @@ def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_work
 def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, address, max_failures, keep, what,
          placement_timeout):  # fmt: skip
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
 
     started, temp_dir = False, None
@@ -408,12 +454,7 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
                 resources_per_worker=resources,
                 placement_strategy=_STRATEGY,
             ),
-            run_config=RunConfig(
-                name=run_name,
-                storage_path=str(storage),
-                failure_config=FailureConfig(max_failures=max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=keep or None),
-            ),
+            run_config=_run_config(storage, run_name, max_failures, keep),
         )
         t0 = time.perf_counter()
         try:

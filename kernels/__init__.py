@@ -14,3 +14,14 @@ autograd formula, so ``torch.compile(fullgraph=True)`` traces through them. The 
 Tested against the references under ``TRITON_INTERPRET=1`` on CPU (``tests/kernels``). Nothing is imported here:
 ``genoctx.model`` imports a kernel module only when it runs it on CUDA.
 """
+
+
+def on_device(t):
+    """The context a kernel is launched in: ``torch.cuda.device(t.device)`` for a CUDA tensor ``t`` (Triton launches
+    on the current CUDA device and its stream, which need not be the tensors' own: ``--device cuda:1`` from a process
+    whose current device is 0), a no-op for a CPU tensor (the interpreter)."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import on_device
+
 TIE_BREAK = 2.0**-40  # as genoctx.model.dsa.TIE_BREAK (checked by the tests)
 SENTINEL = -1
 _EMPTY = -(2**63) + 1  # below every packed key of a finite score
@@ -276,16 +278,17 @@ def indexer_topk_launch(
     cfg = _blocks(H, D, K, torch.empty((), dtype=dot_dtype).element_size())
     vis_dev = visible.to(device=index_q.device)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B)
-    _indexer_topk_kernel[grid](
-        index_q, index_w, index_k, vis_dev, out,
-        T, H, D, K,
-        *index_q.stride(), *index_w.stride(), *index_k.stride(), *out.stride(),
-        TIE_BREAK,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"],
-        KP=cfg["KP"], DOT_DTYPE=_TL[dot_dtype], PREC="ieee" if dot_dtype == torch.float32 else None,
-        EMPTY=_EMPTY, MERGE_SORT=cfg["MERGE_SORT"], D_CHUNKS=cfg["D_CHUNKS"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    with on_device(index_q):  # the tensors' device, not the current one (kernels.on_device)
+        _indexer_topk_kernel[grid](
+            index_q, index_w, index_k, vis_dev, out,
+            T, H, D, K,
+            *index_q.stride(), *index_w.stride(), *index_k.stride(), *out.stride(),
+            TIE_BREAK,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"],
+            KP=cfg["KP"], DOT_DTYPE=_TL[dot_dtype], PREC="ieee" if dot_dtype == torch.float32 else None,
+            EMPTY=_EMPTY, MERGE_SORT=cfg["MERGE_SORT"], D_CHUNKS=cfg["D_CHUNKS"], num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )  # fmt: skip
     return out
 
 

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import on_device
+
 ATTN_TILE_TOKENS = 1 << 16  # the reference's tile knob; accepted and unused (the kernels tile by themselves)
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -256,11 +258,12 @@ _dkv_tuned = triton.autotune(_DKV_CONFIGS, key=["H", "R", "kpool"])(_bwd_dkv_ker
 
 def _launch(kernel, tuned, grid, *args, **constexprs) -> None:
     """``tuned`` (autotuned) on a GPU; ``kernel`` with the one interpreter configuration under TRITON_INTERPRET."""
-    if _interpreting():
-        cfg = {k: v for k, v in _INTERPRET.items() if k in kernel.arg_names}
-        kernel[grid](*args, **constexprs, **cfg)
-    else:
-        tuned[grid](*args, **constexprs)
+    with on_device(args[0]):  # the tensors' device, not the current one (kernels.on_device)
+        if _interpreting():
+            cfg = {k: v for k, v in _INTERPRET.items() if k in kernel.arg_names}
+            kernel[grid](*args, **constexprs, **cfg)
+        else:
+            tuned[grid](*args, **constexprs)
 
 
 def _check(q: torch.Tensor, kv: torch.Tensor, pools: torch.Tensor, pos: torch.Tensor, kpool: int) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
 
-from genoctx.cluster import _workers_per_node, check_local, gpus_needed
+from genoctx.cluster import _workers_per_node, check_gpus_per_worker, check_local, worker_env
 from genoctx.errors import GenoctxError
 
 SETS = ["train.seq_len=256", "train.warmup_steps=1"]
@@ -45,37 +45,72 @@ def _one_error_line(r) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize(
-    "workers, gpus, need",
-    [(1, 0, 0), (2, 1, 2), (2, 2, 4), (3, 0.5, 2), (4, 0.25, 1), (5, 0.25, 2), (3, 0.6, 3), (10, 0.1, 1)],
-)
-def test_gpus_needed_packs_fractions_without_splitting_a_worker_over_two_gpus(workers, gpus, need):
-    assert gpus_needed(workers, gpus) == need
+@pytest.mark.parametrize("value", [0.5, 0.25, 1.5, 2, 8, -1])
+def test_gpus_per_worker_other_than_0_or_1_is_refused(value):
+    """A fraction puts two NCCL ranks on one GPU ("Duplicate GPU detected"), more than 1 leaves GPUs idle."""
+    with pytest.raises(GenoctxError) as e:
+        check_gpus_per_worker(value)
+    assert str(e.value).startswith(f"--gpus-per-worker {value:g}: must be 1 (one GPU per worker")
+    check_gpus_per_worker(0)
+    check_gpus_per_worker(1)
 
 
 def test_workers_per_node_counts_the_scarcest_resource():
     node = {"CPU": 8.0, "GPU": 2.0, "memory": 1e9}
     assert _workers_per_node(node, {"CPU": 1}) == 8
     assert _workers_per_node(node, {"CPU": 1, "GPU": 1}) == 2
-    assert _workers_per_node(node, {"CPU": 1, "GPU": 0.5}) == 4
-    assert _workers_per_node(node, {"CPU": 1, "GPU": 0.6}) == 2  # 0.6 + 0.6 do not share one GPU
-    assert _workers_per_node(node, {"CPU": 1, "GPU": 4}) == 0  # 4 GPUs on one node: never on this one
     assert _workers_per_node({"CPU": 2.0}, {"CPU": 1, "GPU": 1}) == 0
 
 
 def test_check_local_counts_torch_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert check_local(4, 0.5) == 2
     assert check_local(2, 1) == 2
     assert check_local(64, 0) == 2  # CPU workers: the local Ray gets enough CPUs
     with pytest.raises(GenoctxError) as e:
-        check_local(3, 0.6)
+        check_local(3, 1)
     assert str(e.value) == (
-        "--num-workers 3 x --gpus-per-worker 0.6 = 3 GPUs asked (a GPU holds 1 worker of 0.6); this machine has 2 "
-        "(torch.cuda.device_count()); pass --address for a Ray cluster"
+        "--num-workers 3 x --gpus-per-worker 1 = 3 GPUs asked; this machine has 2 (torch.cuda.device_count()); pass "
+        "--address for a Ray cluster"
     )
-    with pytest.raises(GenoctxError, match=r"--gpus-per-worker 1.5: above 1 it must be a whole number"):
-        check_local(1, 1.5)
+    with pytest.raises(GenoctxError, match=r"--gpus-per-worker 0.5: must be 1"):
+        check_local(2, 0.5)
+
+
+def test_workers_get_expandable_segments_and_a_user_value_is_kept():
+    """The allocator setting the planner assumes reaches every worker through Ray's runtime environment (item 9)."""
+    assert worker_env({}) == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    got = worker_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})  # the older name, merged into the new
+    assert got == {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"}
+    kept = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    assert worker_env(kept) == kept
+
+
+def test_the_address_path_hands_the_workers_env_to_ray_train(monkeypatch, tmp_path):
+    """``run_workers(address=...)`` (attached to a cluster: the driver's os.environ never reaches its workers) gives
+    Ray Train a ``RunConfig`` whose ``worker_runtime_env`` sets ``PYTORCH_ALLOC_CONF``; Ray itself is faked: no
+    connection is made and no worker starts."""
+    import ray.train.torch
+
+    import genoctx.cluster as cluster
+
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, loop, *, train_loop_config, scaling_config, run_config):
+            seen.update(scaling=scaling_config, run=run_config)
+
+        def fit(self):
+            return type("Result", (), {"return_value": 7})()
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(cluster, "_connect", lambda address, *a: seen.setdefault("address", address) and None)
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
+    run = cluster.run_workers(print, {}, num_workers=4, storage_path=tmp_path, run_name="r", gpus_per_worker=1,
+                              address="10.0.0.1:6379", placement_timeout=0)  # fmt: skip
+    assert run.value == 7 and seen["address"] == "10.0.0.1:6379"
+    assert seen["run"].worker_runtime_env["env_vars"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert seen["scaling"].resources_per_worker == {"CPU": 1, "GPU": 1}
 
 
 @NO_GPU
@@ -93,10 +128,25 @@ def test_train_asking_gpus_on_a_machine_without_any_is_one_line_before_ray(prepa
 @NO_GPU
 def test_eval_asking_gpus_on_a_machine_without_any_is_one_line_before_ray(prepared, tmp_path):
     r = _genoctx("eval", "--by-position", "--data", str(prepared), "--checkpoint", str(tmp_path / "none"),
-                 "--num-workers", "4", "--gpus-per-worker", "0.5")  # fmt: skip
-    assert _one_error_line(r).endswith("= 2 GPUs asked (a GPU holds 2 workers of 0.5); this machine has 0 "
-                                       "(torch.cuda.device_count()); --gpus-per-worker 0 runs on the CPU")  # fmt: skip
+                 "--num-workers", "4", "--gpus-per-worker", "1")  # fmt: skip
+    assert _one_error_line(r).endswith("= 4 GPUs asked; this machine has 0 (torch.cuda.device_count()); "
+                                       "--gpus-per-worker 0 runs on the CPU")  # fmt: skip
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("verb, value", [("train", "0.5"), ("eval", "2")])
+def test_gpus_per_worker_other_than_1_is_one_line_on_any_ray(prepared, tmp_path, verb, value):
+    """A fraction or more than one GPU per worker, with --address too (no local check there): one line, exit 2,
+    before anything starts or is written (item 3)."""
+    ray_args = ["--num-workers", "2", "--gpus-per-worker", value, "--address", "127.0.0.1:1"]
+    if verb == "train":
+        r = _train(prepared, tmp_path / "run", *ray_args)
+    else:
+        r = _genoctx("eval", "--by-position", "--data", str(prepared), "--checkpoint", str(tmp_path / "none"),
+                     *ray_args)  # fmt: skip
+    assert _one_error_line(r).startswith(f"genoctx: error: --gpus-per-worker {value}: must be 1 (one GPU per worker")
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_placement_timeout_needs_num_workers_and_is_not_negative(prepared, tmp_path):

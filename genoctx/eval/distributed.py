@@ -10,7 +10,8 @@ forward only.
   in by the CLI: this module imports neither Ray nor the cluster layer above it).
 - Every worker builds each checkpoint's model with ``genoctx.parallel.build.build_model`` (meta device, EP, CP,
   FSDP2, then only this rank's shards filled from the checkpoint: no rank holds the model), in eval mode under
-  ``torch.no_grad`` (no gradient, no optimizer; on GPU fp32 masters all-gathered as bf16 under bf16 autocast, as in
+  ``torch.no_grad`` (no gradient, no optimizer), in the precision one process uses on the same device
+  (``genoctx.eval.scoring.eval_precision``: on GPU fp32 masters all-gathered as bf16 under bf16 autocast, as in
   training; fp32 on the CPU).
 - Windows: data rank ``d`` (over ``dp_replicate x ep x dp_shard``) scores windows ``d, d + dp, d + 2 dp, ...``. Every
   rank runs the same number of forwards (a rank without a window in the last round scores a window of ``<pad>``,
@@ -45,7 +46,16 @@ import torch
 
 from ..errors import GenoctxError
 from ..train.integrity import refuse_unverified, run_of
-from .scoring import BinnedLoss, EvalCheckpoint, eval_checkpoint, view_parts, views_of, window_strands, window_sums
+from .scoring import (
+    BinnedLoss,
+    EvalCheckpoint,
+    eval_checkpoint,
+    eval_precision,
+    view_parts,
+    views_of,
+    window_strands,
+    window_sums,
+)
 
 log = logging.getLogger("genoctx.eval")
 
@@ -200,8 +210,8 @@ def build_eval_model(spec: EvalCheckpoint, dims, device, chunk_tokens: int | Non
     from .scoring import with_head
 
     source = FromCheckpoint(spec.path) if spec.kind == "genoctx" else FromHF(spec.path)
-    bf16 = torch.bfloat16 if torch.device(device).type == "cuda" else None
-    model = build_model(spec.cfg, dims, source=source, device=device, param_dtype=bf16,
+    param_dtype = eval_precision(device).param_dtype  # bf16 on CUDA, as one process's autocast (scoring)
+    model = build_model(spec.cfg, dims, source=source, device=device, param_dtype=param_dtype,
                         cp_chunk_tokens=chunk_tokens if dims is not None and dims.cp > 1 else None)  # fmt: skip
     return with_head(model, spec)
 
@@ -215,18 +225,16 @@ def _eval_worker(config: dict, session) -> dict | None:
     from ..parallel import collectives as coll
     from ..parallel.build import agree
     from ..parallel.mesh import init_parallel
-    from ..train.distributed import worker_logging
+    from ..train.distributed import worker_logging, worker_threads
 
     worker_logging()
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    torch.set_num_threads(config["threads"])
+    torch.set_num_threads(worker_threads(session))  # this node's cores over the run's workers on it
     dims = init_parallel(config["cp"], layout=config["cp_layout"], ep=config["ep"], dp_shard=config["dp_shard"],
                          ep_folded=config.get("ep_folded", False))  # fmt: skip
     rank = dist.get_rank()
     device = session.device()
-    # no weight-cast cache: nothing is reused in backward, and it would keep a bf16 copy of every fp32 weight it casts
-    autocast = (torch.autocast(device_type="cuda", dtype=torch.bfloat16, cache_enabled=False) if device.type == "cuda"
-                else nullcontext())  # fmt: skip
+    precision = eval_precision(device)  # the one decision, as one process's (genoctx.eval.scoring)
     ds = agree(dims, lambda: WindowDataset(config["data"], config["split"]))
     models, peaks = [], []
     given = config.get("given") or config["checkpoints"]
@@ -238,9 +246,9 @@ def _eval_worker(config: dict, session) -> dict | None:
                               dims=dims)  # fmt: skip
         model = build_eval_model(spec, dims, device, config["chunk_tokens"])
         if rank == 0:
-            log.info("scoring %d %s windows with %s on %s", config["windows"], config["split"], spec.path,
-                     dims.layout.describe())  # fmt: skip
-        score = mesh_scorer(model, dims, config["chunk_tokens"], device, autocast)
+            log.info("scoring %d %s windows with %s on %s (%s)", config["windows"], config["split"], spec.path,
+                     dims.layout.describe(), precision.describe())  # fmt: skip
+        score = mesh_scorer(model, dims, config["chunk_tokens"], device, precision.autocast())
         parts = score_rank(score, ds, config["windows"], config["edges"], config["views"], dims, progress=rank == 0)
         totals = reduce_sums(parts, dims)
         models.append({"loss_vocab": spec.loss_vocab,
@@ -408,7 +416,6 @@ def score_on_mesh(
         "dp_shard": layout.dp_shard,
         "ep_folded": layout.ep_folded,
         "cp_layout": mesh.cp_layout if layout.cp > 1 else "contiguous",
-        "threads": max(1, (os.cpu_count() or 1) // layout.world),
     }
     storage = Path(tempfile.mkdtemp(prefix="genoctx-eval-"))
     try:

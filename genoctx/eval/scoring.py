@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,50 @@ log = logging.getLogger("genoctx.eval")
 STRANDS = ("forward", "reverse", "both")
 MASKS = ("all", "softmasked", "unmasked")
 MAIN_VIEW = "forward/all"
+
+
+# The precision of evaluation on a device type: the autocast dtype of every forward (None: fp32, no autocast). On a
+# mesh FSDP2 also all-gathers the (fp32 master) parameters in it; the fp32 islands stay fp32 either way. CUDA runs
+# bf16, as training does and as the planner sizes it (genoctx.plan.plan_eval), in one process and on the mesh alike.
+EVAL_DTYPES: dict[str, torch.dtype | None] = {"cuda": torch.bfloat16, "cpu": None}
+
+
+@dataclass(frozen=True)
+class EvalPrecision:
+    """How a checkpoint's forwards run in evaluation (``eval_precision``), the same in one process
+    (``model_scorer``) and on the mesh (``genoctx.eval.distributed``).
+
+    Attributes:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        dtype: the autocast dtype (``torch.bfloat16``) or None (fp32, no autocast); on a mesh also FSDP2's
+            ``param_dtype`` (``param_dtype``).
+    """
+
+    device_type: str
+    dtype: torch.dtype | None = None
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """FSDP2's ``MixedPrecisionPolicy.param_dtype`` on a mesh (None keeps fp32)."""
+        return self.dtype
+
+    def autocast(self):
+        """A fresh context for one forward: ``torch.autocast`` in ``dtype`` without its weight-cast cache (nothing
+        is reused by a backward, and the cache would keep a low-precision copy of every weight it casts), or a
+        no-op for fp32."""
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, cache_enabled=False)
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} autocast" if self.dtype is not None else "fp32"
+
+
+def eval_precision(device: str | torch.device) -> EvalPrecision:
+    """The ``EvalPrecision`` of evaluating on ``device`` (``EVAL_DTYPES`` of its type): the one decision of eval's
+    precision, called by one-process scoring and by every rank of the mesh."""
+    kind = torch.device(device).type
+    return EvalPrecision(kind, EVAL_DTYPES.get(kind))
 
 
 @torch.no_grad()
@@ -126,13 +171,16 @@ ScoreFn = Callable[[np.ndarray], np.ndarray]
 
 
 def model_scorer(model, chunk_tokens: int | None = None, device: str | torch.device = "cpu") -> ScoreFn:
-    """A :data:`ScoreFn` for a chunk-contract model (see :func:`position_losses`)."""
+    """A :data:`ScoreFn` for a chunk-contract model (see :func:`position_losses`), its forwards in the precision of
+    ``device`` (``eval_precision``: bf16 autocast on CUDA, as on the mesh)."""
     if hasattr(model, "eval"):
         model.eval()
+    precision = eval_precision(device)
 
     def score(tokens: np.ndarray) -> np.ndarray:
         t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
-        return position_losses(model, t, chunk_tokens)[0].cpu().numpy()
+        with precision.autocast():
+            return position_losses(model, t, chunk_tokens)[0].cpu().numpy()
 
     return score
 
@@ -142,13 +190,19 @@ def model_tail_scorer(model, chunk_tokens: int | None = None, device: str | torc
     and every tail (the unedited one, then each edit) continues from its cache, as ``position_losses`` would score
     the whole edited window (the chunk contract: a chunk after the cache of the positions before it). For the copy
     probe this costs one window plus ``len(tails)`` tails instead of ``1 + len(tails)`` windows. The cache must not
-    be changed by the forward that reads it (genoctx's layers build new caches)."""
+    be changed by the forward that reads it (genoctx's layers build new caches). Forwards in the precision of
+    ``device`` (``eval_precision``), as ``model_scorer``'s."""
     if hasattr(model, "eval"):
         model.eval()
     forward = model if callable(model) else model.forward
+    precision = eval_precision(device)
 
     @torch.no_grad()
     def score_tails(tokens: np.ndarray, dst: int, tails: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        with precision.autocast():
+            return _score_tails(tokens, dst, tails)
+
+    def _score_tails(tokens: np.ndarray, dst: int, tails: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         t = torch.as_tensor(tokens, dtype=torch.long)[None].to(device)
         W = t.shape[1]
         prefix, cache = _chunk_losses(forward, t, 0, dst, chunk_tokens, None)

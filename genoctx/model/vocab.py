@@ -191,23 +191,27 @@ class VocabHead:
         """The chunk contract of ``genoctx.eval.position``: genoctx ``inputs`` [B, T] -> (log-probabilities [B, T, 8]
         fp32 over genoctx's ids, the cache). ``full``: A C G T N get their full-vocabulary log-probabilities and
         ``<eos>`` the rest of the mass; ``nucleotide``: the 5-way softmax. Logits are computed ``chunk_tokens``
-        tokens at a time."""
+        tokens at a time, outside autocast (the model's hidden states may come from a bf16 autocast forward): the
+        ``full`` product in the weight's dtype, the ``nucleotide`` one in fp32."""
         h, cache = model.hidden(self.map_ids(inputs), cache)
         B, T, D = h.shape
         h = h.reshape(B * T, D)
         weight = model.lm_head.weight
         rows = self._ids[: len(BASES)].to(h.device)
         out = torch.full((B * T, len(VOCAB)), _NEG, dtype=torch.float32, device=h.device)
-        for s in range(0, B * T, self.chunk_tokens):
-            hs = h[s : s + self.chunk_tokens].float()
-            if self.vocab == "full":
-                logits = (hs.to(weight.dtype) @ weight.t()).float()  # [chunk, V] in the weight's dtype, then fp32
-                lp = logits[:, rows] - torch.logsumexp(logits, dim=-1, keepdim=True)
-                rest = torch.log1p(-torch.exp(torch.logsumexp(lp, dim=-1)).clamp(max=1.0))
-                out[s : s + len(hs), EOS] = rest.clamp(min=_NEG)  # <eos>: every other token of the base
-            else:
-                lp = torch.log_softmax(hs @ weight[rows].float().t(), dim=-1)
-            out[s : s + len(hs), : len(BASES)] = lp
+        # the head's own precision, not autocast's (which would run both products in bf16 under a bf16 forward), as
+        # genoctx.model.head's: the full vocabulary in the weight's dtype, the 5 nucleotide rows in fp32
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, B * T, self.chunk_tokens):
+                hs = h[s : s + self.chunk_tokens].float()
+                if self.vocab == "full":
+                    logits = (hs.to(weight.dtype) @ weight.t()).float()  # [chunk, V] in the weight's dtype, then fp32
+                    lp = logits[:, rows] - torch.logsumexp(logits, dim=-1, keepdim=True)
+                    rest = torch.log1p(-torch.exp(torch.logsumexp(lp, dim=-1)).clamp(max=1.0))
+                    out[s : s + len(hs), EOS] = rest.clamp(min=_NEG)  # <eos>: every other token of the base
+                else:
+                    lp = torch.log_softmax(hs @ weight[rows].float().t(), dim=-1)
+                out[s : s + len(hs), : len(BASES)] = lp
         return out.view(B, T, len(VOCAB)), cache
 
 

@@ -12,8 +12,12 @@ layer above it); the worker reaches Ray Train only through the session object th
   ``dp_replicate x ep x dp_shard x cp`` (``genoctx.parallel.mesh.init_parallel``) and its model with
   ``genoctx.parallel.build.build_model`` (meta device, expert parallel, context parallel, activation checkpointing
   and FSDP2 applied from outside, then only this rank's shards allocated and filled: fresh, from the base's slices,
-  or zeros for the checkpoint ``_resume`` loads), then builds the optimizer on the sharded parameters. The memory
-  planner (``genoctx.plan``) runs first on GPUs.
+  or zeros for the checkpoint ``_resume`` loads), then builds the optimizer on the sharded parameters. On GPUs the
+  memory planner (``genoctx.plan``) runs first: on the driver against ``--gpu-memory-gib`` or its own GPU, else
+  (a driver without one, e.g. a CPU head node) on every worker against its GPU before the model is built
+  (``_check_memory``). Each worker sets torch's CPU threads from its own node: its cores over the run's workers on
+  that node (``worker_threads``); the allocator setting the planner assumes reaches it through Ray
+  (``genoctx.cluster.worker_env``).
 - Data: data rank ``d`` (over ``dp_replicate x ep x dp_shard``) takes samples ``(step * dp + d) * batch_size + b``
   (``sample_batch``); the CP ranks of a data rank take the same windows and each runs its pieces of them in the
   layout ``train.cp_layout``: ``contiguous`` (slice ``r`` on CP rank ``r``) or ``zigzag`` (pieces ``r`` and
@@ -93,6 +97,30 @@ def worker_logging() -> None:
     glog.propagate = False
 
 
+def node_cores() -> int:
+    """The CPU cores this process may run on (its CPU affinity; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
+def worker_threads(session, configured: int | None = None) -> int:
+    """Torch CPU threads of one worker: ``configured`` (``train.num_threads``) when set, else the cores of the
+    worker's own node (``node_cores``) over the run's workers on that node (``session.local_world_size()``: Ray's
+    local world size; a session without it is a local stand-in whose ranks all share this machine: the world size).
+
+    Workers on one node share its cores (the CPU AdamW of ``train.offload_optimizer`` runs on them); computed on the
+    worker because the driver, on another machine with ``--address``, knows neither its cores nor its neighbours.
+    """
+    import torch.distributed as dist
+
+    if configured:
+        return configured
+    local = session.local_world_size() if hasattr(session, "local_world_size") else dist.get_world_size()
+    return max(1, node_cores() // max(1, local))
+
+
 def _train_worker(config: dict, session) -> None:
     """The worker loop (one process per rank of the mesh). ``config``: recipe dict, paths, layout, fault;
     ``session``: the worker's view of Ray Train (``genoctx.cluster.WorkerSession``: ``report``, ``checkpoint_dir``,
@@ -129,8 +157,10 @@ def _train_worker(config: dict, session) -> None:
     dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1),
                          ep_folded=config.get("ep_folded", False))  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(cfg.num_threads or config["threads"])
+    torch.set_num_threads(worker_threads(session, cfg.num_threads))
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
+    if config.get("plan_on_workers"):  # the driver had no GPU memory to plan against
+        _plan_on_worker(recipe, config, dims, dev, rank)
     torch.manual_seed(cfg.seed)
     picked = _choose_checkpoint(out, rank, session, dims, verify=cfg.verify_checkpoints)
     extra = config["extra"]  # the base, token map and loss vocabulary (genoctx.train.init.describe)
@@ -382,6 +412,7 @@ def train_distributed(
     max_failures: int = 2,
     wait: bool = False,
     allow_batch_change: bool = False,
+    gpu_memory_gib: float | None = None,
 ) -> dict:
     """Train with ``num_workers`` Ray workers on the mesh ``dp_replicate x ep x dp_shard x cp``
     (``genoctx.parallel.layout``; ``dp_shard`` = ``fsdp``, ``dp_replicate`` = ``num_workers / (ep fsdp cp)``).
@@ -401,7 +432,7 @@ def train_distributed(
             ``fsdp x cp``, and ``fsdp x cp`` must divide ``num_workers``.
         force: launch even when the memory planner (``genoctx.plan``) predicts that the layout does not fit.
         address: Ray cluster address (``"auto"``, ``"ray://HOST:PORT"``); None starts a local Ray.
-        gpus_per_worker: GPUs per worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo.
+        gpus_per_worker: GPUs per worker: 1 trains on CUDA with NCCL, 0 on CPU with gloo.
         placement_timeout: seconds the workers may wait for their resources (``run_workers``'s; None = its default,
             0 = forever).
         resume: continue the run in ``out`` from its newest checkpoint that verifies (``train.verify_checkpoints``).
@@ -410,6 +441,9 @@ def train_distributed(
         wait: when another process writes ``out`` (``genoctx.lock.output_lock``), wait for it instead of failing.
         allow_batch_change: let a ``resume`` change the data-parallel size, and so the tokens per step
             (``genoctx.train.loop.check_global_batch``; recorded in state.json's ``batch_changes``).
+        gpu_memory_gib: memory of one worker's GPU in GiB for the memory plan before launch; None = this machine's
+            GPU, or (a driver without one) each worker plans against its own GPU before building the model
+            (``_check_memory``).
 
     Returns:
         The run summary (as ``train``'s, plus ``workers`` and ``rank_imbalance``: the busiest rank's DSA pools
@@ -464,14 +498,15 @@ def train_distributed(
                 f"{L}-token window do not split into {pieces} equal pieces of at least {max(tail, 1)} tokens "
                 f"({layout} layout)"
             )
-    _check_memory(recipe, L, mesh_layout, gpus_per_worker, force)
+    planned = _check_memory(recipe, L, mesh_layout, gpus_per_worker, force, gpu_memory_gib)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,
-                       stop_after, max_failures, placement_timeout, allow_batch_change, L)  # fmt: skip
+                       stop_after, max_failures, placement_timeout, allow_batch_change, L,
+                       {"plan_on_workers": not planned, "force": force})  # fmt: skip
 
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
-            max_failures, placement_timeout, allow_batch_change, seq_len):  # fmt: skip
+            max_failures, placement_timeout, allow_batch_change, seq_len, plan=None):  # fmt: skip
     from .checkpoint import latest_checkpoint, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
@@ -512,7 +547,8 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         "ep_folded": layout.ep_folded,
         "stop_after": stop_after,
         "gpus_per_worker": gpus_per_worker,
-        "threads": max(1, (os.cpu_count() or 1) // layout.world),
+        "seq_len": seq_len,
+        **(plan or {"plan_on_workers": False, "force": False}),  # _check_memory's verdict: plan on the workers?
         "fault": fault or None,
         "driver_pid": os.getpid(),
         "invocation": invocation,
@@ -558,27 +594,80 @@ def _init_run(base: dict | None) -> Path | None:
     return run_of(base["source"]) if base is not None and base.get("kind") == "genoctx" else None
 
 
-def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool) -> None:
-    """Run the memory planner (``genoctx.plan``) for this layout before anything is launched: on GPUs against the
-    device's memory. A layout predicted not to fit is refused (``GenoctxError`` with the breakdown) unless ``force``;
-    CPU runs are only logged (host memory is shared by the workers and the planner's budget is per GPU)."""
-    try:
-        from ..plan import check_fits, plan_memory
-    except ImportError:  # pragma: no cover - the planner ships with genoctx
-        return
-    if gpus_per_worker <= 0:
-        return
-    import torch
+def plan_check(recipe: Recipe, seq_len: int, layout, gib: float, force: bool) -> dict:
+    """The memory planner's plan (``genoctx.plan.plan_memory``) of one training step of ``recipe`` at ``seq_len``
+    tokens on ``layout`` against ``gib`` GiB per GPU, with the recipe's memory knobs as training runs them.
 
-    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
-    if gib is None:
-        return
+    Raises:
+        GenoctxError: a layout or option the planner cannot take, or (unless ``force``) a plan that does not fit
+            (``check_fits``: one line with the breakdown).
+    """
+    from ..plan import check_fits, plan_memory
+
+    t = recipe.train
     try:
-        plan = plan_memory(recipe.model, seq_len, layout, gpu_memory_gib=gib, batch_size=recipe.train.batch_size,
-                           recompute=recipe.train.activation_checkpointing, dtype=recipe.train.dtype,
-                           optimizer_offload=recipe.train.offload_optimizer)  # fmt: skip
+        plan = plan_memory(recipe.model, seq_len, layout, gpu_memory_gib=gib, batch_size=t.batch_size,
+                           recompute=t.activation_checkpointing, dtype=t.dtype, optimizer_offload=t.offload_optimizer,
+                           seq_chunk_tokens=t.seq_chunk_tokens, optimizer_state_dtype=t.optimizer_state_dtype,
+                           offload_activations=t.offload_activations)  # fmt: skip
     except ValueError as e:  # a layout or option the planner (and the run) cannot take
         raise GenoctxError(f"memory plan: {e}") from None
-    log.info("memory plan (%s): %.1f GiB of %.1f per GPU", layout.describe(), plan["total_gib"], gib)
     if not force:
         check_fits(plan)
+    return plan
+
+
+def _plan_on_worker(recipe: Recipe, config: dict, dims, dev, rank: int) -> None:
+    """The memory plan (``plan_check``) on a GPU worker, against its own GPU's memory (``device_memory_gib``), before
+    its model is built; one verdict on every rank (``agree``: a collective). Nothing on a CPU worker.
+
+    Raises:
+        AgreedError: the plan does not fit some rank's GPU (unless ``config["force"]``), its line on every rank.
+    """
+    from ..parallel.build import agree
+
+    if dev.type != "cuda":
+        return
+    gib = device_memory_gib(dev)
+    plan = agree(dims, lambda: plan_check(recipe, config["seq_len"], dims.layout, gib, config["force"]))
+    if rank == 0:
+        _log_plan(plan, dims.layout, gib, "this worker's GPU")
+
+
+def device_memory_gib(dev) -> float:
+    """The total memory of CUDA device ``dev`` in GiB (``torch.cuda.get_device_properties``)."""
+    import torch
+
+    return torch.cuda.get_device_properties(dev).total_memory / 2**30
+
+
+def _log_plan(plan: dict, layout, gib: float, where: str) -> None:
+    log.info("memory plan (%s, %s): %.1f GiB of %.1f per GPU", layout.describe(), where, plan["total_gib"], gib)
+
+
+def _check_memory(recipe: Recipe, seq_len: int, layout, gpus_per_worker: float, force: bool,
+                  gpu_memory_gib: float | None = None) -> bool:  # fmt: skip
+    """Run the memory planner (``plan_check``) for this layout before anything is launched, on GPU workers, against
+    ``gpu_memory_gib`` or else this machine's GPU. A layout predicted not to fit is refused (``GenoctxError`` with
+    the breakdown) unless ``force``. CPU runs are not planned (host memory is shared by the workers and the
+    planner's budget is per GPU).
+
+    Returns:
+        False when the plan is left to the workers: GPU workers, and the driver has no GPU and no
+        ``gpu_memory_gib`` (a CPU-only head node of a cluster); the log says so, and each worker then checks it
+        against its own GPU's memory before building the model (the same verdict on every rank). True otherwise.
+    """
+    if gpus_per_worker <= 0:
+        return True
+    gib = gpu_memory_gib
+    where = "--gpu-memory-gib" if gib is not None else "this machine's GPU"
+    if gib is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            log.info("memory plan: this driver has no GPU and no --gpu-memory-gib was given; each worker checks it "
+                     "against its own GPU before building the model")  # fmt: skip
+            return False
+        gib = device_memory_gib(torch.device("cuda", 0))
+    _log_plan(plan_check(recipe, seq_len, layout, gib, force), layout, gib, where)
+    return True

@@ -27,6 +27,11 @@ class LocalSession:
     def device(self):
         return torch.device("cpu")
 
+    def local_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()  # every rank on this machine
+
     def report(self, metrics: dict, checkpoint_dir=None) -> None:
         pass
 
