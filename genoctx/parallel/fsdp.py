@@ -25,6 +25,13 @@ short convolution and output norm, MoE router, mHC mixing) are wrapped with fp32
 as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under autocast), each island
 module in an FSDP group of its own (``_island_groups``: a group is all-gathered at each call of one of its modules, so
 the KDA mixer's ~140M parameters per layer are gathered once in forward and once in backward).
+No policy casts forward inputs (``cast_forward_inputs=False``; FSDP's default would cast every floating tensor
+handed to a wrapped module, dataclass caches included, to ``param_dtype``: the carried KDA state, the DSA latents and
+pooled indexer keys rounded to bf16 at each chunk boundary, the residual streams bf16 between layers). bf16
+parameters therefore need bf16 autocast around the forward (as training and eval run them: autocast casts each
+matmul's inputs), and the modules whose output one process computes in fp32 (``UPCAST_OUTPUTS``: the embedding, the
+DSA latent norm) have that output cast to fp32: the streams and caches are one process's, computed from bf16-rounded
+parameters (``tests/parallel/test_mesh.py::test_fsdp_bf16_params_carry_fp32_streams_and_caches``).
 
 Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
 all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
@@ -158,6 +165,24 @@ def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
     return [[m] for m in _islands(layer)]
 
 
+# Modules with ``param_dtype`` (bf16) parameters whose output one process computes in fp32 under bf16 autocast (an
+# fp32 parameter times a bf16 or fp32 activation): the embedding (the residual streams start from it) and the DSA
+# latent norm (``kv_a_layernorm``: the latents every later chunk attends to, carried in ``DSACache.latent``, whose
+# gradient the chunked backward sums over chunks). Under FSDP2 they compute with bf16 parameters; their output is
+# cast to fp32 (``_upcast_outputs``) so that the streams and caches keep one process's dtype.
+UPCAST_OUTPUTS = ("embed_tokens", "kv_a_layernorm")
+
+
+def _upcast_outputs(model: nn.Module) -> list:
+    """Register a forward hook on each module named ``*UPCAST_OUTPUTS`` that casts its floating output to fp32 (fp64
+    stays fp64). Returns the hook handles."""
+
+    def up(module, args, out):
+        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+
+    return [m.register_forward_hook(up) for n, m in model.named_modules() if n.endswith(UPCAST_OUTPUTS)]
+
+
 def expert_placement(experts: nn.Module, dims: ParallelDims):
     """FSDP2's ``shard_placement_fn`` for a rank's block of routed experts: ``Shard(0)`` (whole experts per shard),
     or, with folded EP where the block's ``n_local_experts`` do not split evenly over the ``efsdp`` ranks (288 / 32
@@ -184,7 +209,8 @@ def apply_fsdp(
     Args:
         model: a ``HybridLM`` (after ``apply_ep``/``apply_cp``/``apply_ac``), parameters still full tensors.
         dims: from ``init_parallel`` with ``dp_shard > 1``.
-        param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32).
+        param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32). With
+            bf16 the forward must run under bf16 autocast (inputs are not cast: module docstring).
         reduce_dtype: dtype of the gradient reduce-scatter/all-reduce (fp32).
         offload_optimizer: keep sharded parameters, gradients and optimizer state in CPU memory
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
@@ -205,9 +231,9 @@ def apply_fsdp(
 
     if not dims.fsdp or dims.dense_mesh is None:
         raise ValueError("apply_fsdp needs dp_shard > 1 or cp > 1 (init_parallel(dp_shard=..., cp=...))")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
-                                     reduce_dtype=reduce_dtype)  # fmt: skip
+                                     reduce_dtype=reduce_dtype, cast_forward_inputs=False)  # fmt: skip
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_optimizer else OffloadPolicy()
     experts = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     wrapped = []
@@ -225,6 +251,8 @@ def apply_fsdp(
                 register_fsdp_forward_method(hc, "post")
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
+    if param_dtype is not None:
+        _upcast_outputs(model)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again
         if name in experts:
             p._genoctx_expert = True
