@@ -25,13 +25,14 @@ short convolution and output norm, MoE router, mHC mixing) are wrapped with fp32
 as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under autocast), each island
 module in an FSDP group of its own (``_island_groups``: a group is all-gathered at each call of one of its modules, so
 the KDA mixer's ~140M parameters per layer are gathered once in forward and once in backward).
-No policy casts forward inputs (``cast_forward_inputs=False``; FSDP's default would cast every floating tensor
-handed to a wrapped module, dataclass caches included, to ``param_dtype``: the carried KDA state, the DSA latents and
-pooled indexer keys rounded to bf16 at each chunk boundary, the residual streams bf16 between layers). bf16
-parameters therefore need bf16 autocast around the forward (as training and eval run them: autocast casts each
-matmul's inputs), and the modules whose output one process computes in fp32 (``UPCAST_OUTPUTS``: the embedding, the
-DSA latent norm) have that output cast to fp32: the streams and caches are one process's, computed from bf16-rounded
-parameters (``tests/parallel/test_mesh.py::test_fsdp_bf16_params_carry_fp32_streams_and_caches``).
+No policy casts forward inputs (``cast_forward_inputs=False``; FSDP's default casts every floating tensor handed to
+a wrapped module, dataclass caches included, to ``param_dtype``: the carried KDA state and pooled indexer keys were
+rounded to bf16 at each layer and chunk boundary, the residual streams were bf16 between layers, while the islands
+still computed, and recorded, fp32). bf16 parameters therefore need bf16 autocast around the forward (as training
+and eval run them: autocast casts each matmul's inputs); ``_dtype_boundaries`` makes the two casts that remain (the
+embedding's output to fp32, the routed experts' rows to bf16). The streams and caches are then one process's
+computed from bf16-rounded parameters (``tests/parallel/test_mesh.py``,
+``test_fsdp_bf16_params_carry_fp32_streams_and_caches``).
 
 Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
 all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
@@ -165,22 +166,31 @@ def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
     return [[m] for m in _islands(layer)]
 
 
-# Modules with ``param_dtype`` (bf16) parameters whose output one process computes in fp32 under bf16 autocast (an
-# fp32 parameter times a bf16 or fp32 activation): the embedding (the residual streams start from it) and the DSA
-# latent norm (``kv_a_layernorm``: the latents every later chunk attends to, carried in ``DSACache.latent``, whose
-# gradient the chunked backward sums over chunks). Under FSDP2 they compute with bf16 parameters; their output is
-# cast to fp32 (``_upcast_outputs``) so that the streams and caches keep one process's dtype.
-UPCAST_OUTPUTS = ("embed_tokens", "kv_a_layernorm")
+def _dtype_boundaries(model: nn.Module, param_dtype: torch.dtype) -> list:
+    """The two casts a bf16 ``MixedPrecisionPolicy`` makes instead of FSDP's input casts (module docstring), as
+    forward hooks; returns their handles.
 
+    - ``embed_tokens``' output to fp32: the residual streams start from it, and one process (fp32 parameters under
+      bf16 autocast) carries them in fp32 from layer to layer;
+    - each ``mlp.experts``' hidden states (its first argument, not the fp32 routing weights) to ``param_dtype``: the
+      value autocast gives the experts' first matmul anyway, so the dispatched rows (and under EP the all-to-all)
+      are ``param_dtype`` as planned (``genoctx.plan``: ``a`` bytes per value).
 
-def _upcast_outputs(model: nn.Module) -> list:
-    """Register a forward hook on each module named ``*UPCAST_OUTPUTS`` that casts its floating output to fp32 (fp64
-    stays fp64). Returns the hook handles."""
+    Everything else keeps the dtype its producer gave it: the carried KDA state and pooled indexer keys fp32, the DSA
+    latents autocast's (bf16: the latent norm's bf16 weight times its bf16 output)."""
 
-    def up(module, args, out):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
+    def streams(module, args, out):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
 
-    return [m.register_forward_hook(up) for n, m in model.named_modules() if n.endswith(UPCAST_OUTPUTS)]
+    def rows(module, args):
+        x = args[0]
+        return (x.to(param_dtype), *args[1:]) if x.is_floating_point() else None
+
+    handles = [model.embed_tokens.register_forward_hook(streams)]
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            handles.append(layer.mlp.experts.register_forward_pre_hook(rows))
+    return handles
 
 
 def expert_placement(experts: nn.Module, dims: ParallelDims):
@@ -252,7 +262,7 @@ def apply_fsdp(
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     if param_dtype is not None:
-        _upcast_outputs(model)
+        _dtype_boundaries(model, param_dtype)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again
         if name in experts:
             p._genoctx_expert = True
