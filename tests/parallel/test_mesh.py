@@ -10,6 +10,9 @@ for clipping, the router-bias update from all-reduced loads) is checked by the s
 
 The model (``mesh_worker.mesh_config``): KDA, a full DSA layer and a shared one, a dense MLP and two MoE layers of 8
 routed experts (top-2) with re-drawn router biases and mHC bases; the windows are real hg38 (chrM).
+
+Layouts equal one process to the tolerances above, on CPU and GPU alike: a different layout sums in a different order,
+so not even ``train.deterministic: true`` makes them equal bit for bit (it makes the same layout repeat its bits).
 """
 
 import sys
