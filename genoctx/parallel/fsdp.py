@@ -244,6 +244,8 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
                                      reduce_dtype=reduce_dtype, cast_forward_inputs=False)  # fmt: skip
+    # pinned on CUDA: one block per parameter shard and per gradient, each rounded up to a power of two by torch's
+    # caching host allocator (counted by genoctx.plan.memory.pinned_block_bytes)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_optimizer else OffloadPolicy()
     experts = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     wrapped = []
