@@ -95,6 +95,10 @@ class TrainConfig:
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
     compile: bool = False
+    # deterministic kernels (genoctx.train.loop.deterministic_mode): torch.use_deterministic_algorithms, the sparse MLA
+    # backward without atomics (dQ, then dKV by an inverse index), the MoE combine as a fixed-order sum over slots;
+    # the same run then gives the same bits on a GPU (slower; off by default)
+    deterministic: bool = False
     # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
     loggers: list[str] = field(default_factory=list)
 

@@ -29,6 +29,9 @@ Kernels:
 - ``_bwd_dkv_kernel`` (deterministic mode): one program per (pool, batch row) owns that pool's latents and walks
   the queries that selected it (an inverse index built by a stable sort), summing in a fixed order: no atomics,
   bitwise reproducible. ``dq`` then comes from ``_bwd_kernel`` without atomics.
+- Mode selection: the backward is deterministic while ``torch.are_deterministic_algorithms_enabled()`` (the recipe's
+  ``train.deterministic``, ``genoctx.train.loop.deterministic_mode``); ``LAST_BACKWARD`` records the mode the last
+  backward ran (``"dq_dkv_split"`` / ``"atomic_dkv"``; None before any), which each training step reports.
 
 Dtypes: ``q`` fp32, fp16 or bf16 (the matrix products run in ``q``'s dtype, fp32 ``ieee`` for fp32, accumulating in
 fp32); ``kv`` fp32, fp16 or bf16 (cast to ``q``'s dtype in registers). ``o``/``dq`` in ``q``'s dtype, ``dkv`` in
@@ -471,12 +474,23 @@ def _sparse_mla_setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
+LAST_BACKWARD: str | None = None  # the mode the last backward ran (backward_path), None before any
+
+
+def backward_path(deterministic: bool) -> str:
+    """The backward ``deterministic`` selects: ``"dq_dkv_split"`` (``_bwd_kernel`` for dQ, then ``_bwd_dkv_kernel``
+    over an inverse index: no atomics) or ``"atomic_dkv"`` (one ``_bwd_kernel`` adding dKV with fp32 atomics)."""
+    return "dq_dkv_split" if deterministic else "atomic_dkv"
+
+
 def _sparse_mla_backward(ctx, do, _dlse):
     """Gradients of q and kv (lse is not differentiable); deterministic when
     ``torch.are_deterministic_algorithms_enabled()`` as the backward runs (under torch.compile: as it is traced)."""
     q, kv, pools, pos, o, lse = ctx.saved_tensors
     kpool, tail, scale = ctx.args
+    global LAST_BACKWARD
     det = torch.are_deterministic_algorithms_enabled()
+    LAST_BACKWARD = backward_path(det)
     dq, dkv = torch.ops.genoctx.sparse_mla_bwd(q, kv, pools, pos, kpool, tail, scale, o, lse, do, det)
     return dq, dkv, None, None, None, None, None
 

@@ -18,7 +18,8 @@ Design choices:
   ``experts.down_proj`` [E, D, I], router ``gate.weight`` [E, D] and buffer ``gate.e_score_correction_bias``
   [E] (fp32 island), ``shared_experts`` a SwiGLU MLP of width ``moe_intermediate_size * n_shared_experts``.
 - Dispatch sorts the (token, slot) pairs by expert, runs each expert once on its contiguous slice and
-  scatters back with ``index_add_``; the only python loop is over experts, never over tokens.
+  scatters back with ``index_add_`` (``train.deterministic``: a fixed-order sum over each token's slots,
+  ``combine_slots``; recorded in ``stats["combine"]``); the only python loop is over experts, never over tokens.
 - Sequence-chunked dispatch: the [B·T] tokens go through in chunks of ``moe_chunk_tokens``; with grad enabled
   and ``recompute=True`` each chunk is checkpointed, so only one chunk's expert activations are alive.
 - Hooks for expert parallelism (``genoctx.parallel.experts``, applied from outside): ``MoE._local`` (router,
@@ -129,6 +130,34 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit
     return F.linear(swiglu(gu[:, :I], gu[:, I:], limit), down)
 
 
+COMBINES = ("index_add", "slot_sum")  # the MoE combine: float atomics on CUDA / a fixed-order sum (deterministic)
+
+
+def combine_path() -> str:
+    """The combine ``Experts`` and expert parallelism run: ``"slot_sum"`` while
+    ``torch.are_deterministic_algorithms_enabled()`` (``train.deterministic``), else ``"index_add"``."""
+    return "slot_sum" if torch.are_deterministic_algorithms_enabled() else "index_add"
+
+
+def combine_slots(weighted: torch.Tensor, slots: torch.Tensor, n_tokens: int, k: int, path: str) -> torch.Tensor:
+    """Sum each token's ``k`` weighted expert outputs: rows ``weighted [n, D]`` of the flat slots ``slots [n]`` (slot
+    ``j`` of token ``t`` is ``t k + j``; each slot at most once) -> ``[n_tokens, D]`` in weighted's dtype (a token
+    with no row gets 0).
+
+    ``path`` (``COMBINES``): ``"index_add"`` adds the rows into their tokens (``index_add_``: float atomics on CUDA,
+    the order of the additions varies from run to run); ``"slot_sum"`` places them in a ``[n_tokens, k, D]`` buffer
+    (``index_copy_``, each slot written once) and sums over the slots in slot order: the same bits every run, forward
+    and backward (both gathers), for ``k`` times the buffer. Equal to fp32 rounding.
+    """
+    D = weighted.shape[-1]
+    if path == "index_add":
+        return weighted.new_zeros(n_tokens, D).index_add_(0, slots // k, weighted)
+    if path != "slot_sum":
+        raise ValueError(f"combine_slots: path must be one of {COMBINES}, got {path!r}")
+    buf = weighted.new_zeros(n_tokens * k, D).index_copy(0, slots, weighted)
+    return buf.view(n_tokens, k, D).sum(1)
+
+
 class Experts(nn.Module):
     """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``)."""
 
@@ -139,6 +168,7 @@ class Experts(nn.Module):
         self.swiglu_limit = cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * cfg.initializer_range)
         self.down_proj = nn.Parameter(torch.randn(E, D, I) * cfg.initializer_range)
+        self.combine = "index_add"  # the combine the last forward ran (combine_path)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
@@ -156,8 +186,8 @@ class Experts(nn.Module):
             outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit))
         ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
-        out = weighted.new_zeros(N, self.hidden_size).index_add_(0, token_of, weighted)
-        return out.to(ys.dtype)
+        self.combine = combine_path()
+        return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
 
 
 class MoE(nn.Module):
@@ -272,6 +302,7 @@ class MoE(nn.Module):
         self.stats = {
             "tokens_per_expert": tokens_per_expert.detach(),
             "load_max_over_mean": host_number(ratio, float),
+            "combine": getattr(self.experts, "combine", None),  # index_add / slot_sum (train.deterministic)
         }
         self.aux_loss = self.last_selection = None
         if self.aux_coef > 0 and sels:

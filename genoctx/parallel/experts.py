@@ -31,8 +31,10 @@ Algorithm of one MoE forward on a rank with ``N`` tokens (``k = num_experts_per_
    rows by local expert (their per-(source, expert) counts follow from ``counts`` and the round bounds: no ids
    travel), runs each expert (``expert_mlp``), and sends the outputs back with the reverse ``all_to_all_single``;
    the sender adds ``weight · output`` into a [N, D] accumulator in the weights' dtype (fp32), as ``Experts``
-   does. Each round's buffers are freed before the next, so the memory that routing can move is at most ``cap``
-   rows (hidden states, expert activations) per round on every rank, whatever the routing.
+   does (``train.deterministic``: into its slot of an [N k, D] buffer summed in slot order at the end,
+   ``genoctx.model.moe.combine_slots``; the input gradient likewise). Each round's buffers are freed before the
+   next, so the memory that routing can move is at most ``cap`` rows (hidden states, expert activations) per round
+   on every rank, whatever the routing.
 
 Autograd: steps 2-4 are one ``torch.autograd.Function`` (``_EPExperts``) that saves only its inputs (the hidden
 states x [N, D], the weights [N, k], the local expert weights) and the sorted row order, never a received row or
@@ -69,7 +71,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..model.moe import Experts, MoE, expert_mlp
+from ..model.moe import Experts, MoE, combine_path, expert_mlp
 from . import collectives as coll
 
 
@@ -255,10 +257,12 @@ class _EPExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, plan: _Plan) -> Tensor:
+    def forward(ctx, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, plan: _Plan, combine: str) -> Tensor:
         N, D = x.shape
         hd = _out_dtype(x, gate_up)
-        out = torch.zeros(N, D, dtype=torch.promote_types(hd, weights.dtype), device=x.device)
+        acc = torch.promote_types(hd, weights.dtype)
+        slot_sum = combine == "slot_sum"  # deterministic: each slot's row in its place, summed in slot order at the end
+        out = torch.zeros(N * plan.k if slot_sum else N, D, dtype=acc, device=x.device)
         w = weights.reshape(-1)
         for r in range(plan.rounds):
             send, recv, slots, per = plan.round(r)
@@ -266,10 +270,15 @@ class _EPExperts(torch.autograd.Function):
             (xr,) = _exchange([x[tok]], send, recv, plan.group)
             h = _run_experts(xr, per, gate_up, down, plan.limit)
             (hb,) = _exchange([h], recv, send, plan.group)
-            out.index_add_(0, tok, hb * w[slots].unsqueeze(-1))
+            if slot_sum:
+                out.index_copy_(0, slots, hb * w[slots].unsqueeze(-1))
+            else:
+                out.index_add_(0, tok, hb * w[slots].unsqueeze(-1))
             del xr, h, hb  # this round's rows and activations go before the next round
+        if slot_sum:
+            out = out.view(N, plan.k, D).sum(1)
         ctx.save_for_backward(x, weights, gate_up, down)
-        ctx.plan, ctx.hd = plan, hd
+        ctx.plan, ctx.hd, ctx.combine = plan, hd, combine
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         return out.to(hd)
@@ -282,7 +291,8 @@ class _EPExperts(torch.autograd.Function):
         acc = torch.promote_types(hd, weights.dtype)
         g = grad.to(acc)  # gradient of the [N, D] accumulator (out = acc.to(hd))
         w = weights.reshape(-1)
-        gx = torch.zeros_like(x)
+        slot_sum = ctx.combine == "slot_sum"
+        gx = x.new_zeros(x.shape[0] * plan.k, x.shape[1], dtype=acc) if slot_sum else torch.zeros_like(x)
         gw = torch.zeros_like(w)
         g_gu, g_dn = torch.zeros_like(gate_up), torch.zeros_like(down)
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -294,15 +304,21 @@ class _EPExperts(torch.autograd.Function):
                 xr, ghr = _exchange([x[tok], gh], send, recv, plan.group)
                 gxr, hr = _backward_experts(xr, ghr, per, gate_up, down, plan.limit, g_gu, g_dn)
                 gxs, hs = _exchange([gxr, hr], recv, send, plan.group)
-                gx.index_add_(0, tok, gxs)
+                if slot_sum:
+                    gx.index_copy_(0, slots, gxs.to(acc))
+                else:
+                    gx.index_add_(0, tok, gxs)
                 gw[slots] = (gwt * hs).sum(-1).to(gw.dtype)
                 del xr, ghr, gxr, hr, gxs, hs
+        if slot_sum:
+            gx = gx.view(x.shape[0], plan.k, x.shape[1]).sum(1).to(x.dtype)
         need = ctx.needs_input_grad
         return (
             gx if need[0] else None,
             gw.view_as(weights) if need[1] else None,
             g_gu if need[2] else None,
             g_dn if need[3] else None,
+            None,
             None,
         )
 
@@ -339,7 +355,8 @@ def _ep_experts_forward(ex: Experts, x: Tensor, experts: Tensor, weights: Tensor
     [N, D] (``Experts.forward``'s result, the experts spread over the EP group). A collective: every EP rank
     must call it. Sets ``ex.ep_stats`` (``ep_received_rows``, ``ep_max_round_rows``, ``ep_rounds``)."""
     plan = _plan(experts, ex, cap)
-    y = _EPExperts.apply(x, weights, ex.gate_up_proj, ex.down_proj, plan)
+    ex.combine = combine_path()  # as Experts.forward: index_add, or slot_sum under train.deterministic
+    y = _EPExperts.apply(x, weights, ex.gate_up_proj, ex.down_proj, plan, ex.combine)
     lo_hi = [round_bounds(plan.pair, plan.rounds, r) for r in range(plan.rounds)]
     rows = [int((hi[:, plan.me] - lo[:, plan.me]).sum()) for lo, hi in lo_hi]
     ex.ep_stats = {"ep_received_rows": sum(rows), "ep_max_round_rows": max(rows, default=0), "ep_rounds": len(rows)}

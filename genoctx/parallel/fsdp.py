@@ -25,6 +25,14 @@ short convolution and output norm, MoE router, mHC mixing) are wrapped with fp32
 as on one device (the KDA mixer as a whole: its projections' matmuls still run in bf16 under autocast), each island
 module in an FSDP group of its own (``_island_groups``: a group is all-gathered at each call of one of its modules, so
 the KDA mixer's ~140M parameters per layer are gathered once in forward and once in backward).
+No policy casts forward inputs (``cast_forward_inputs=False``; FSDP's default casts every floating tensor handed to
+a wrapped module, dataclass caches included, to ``param_dtype``: the carried KDA state and pooled indexer keys were
+rounded to bf16 at each layer and chunk boundary, the residual streams were bf16 between layers, while the islands
+still computed, and recorded, fp32). bf16 parameters therefore need bf16 autocast around the forward (as training
+and eval run them: autocast casts each matmul's inputs); ``_dtype_boundaries`` makes the two casts that remain (the
+embedding's output to fp32, the routed experts' rows to bf16). The streams and caches are then one process's
+computed from bf16-rounded parameters (``tests/parallel/test_mesh.py``,
+``test_fsdp_bf16_params_carry_fp32_streams_and_caches``).
 
 Without FSDP (``dp_shard == cp == 1``: replicas and EP only) parameters are replicated and ``reduce_gradients``
 all-reduces (sums) them: dense ones over the whole mesh, routed experts over the ranks holding the same block
@@ -158,6 +166,33 @@ def _island_groups(layer: nn.Module) -> list[list[nn.Module]]:
     return [[m] for m in _islands(layer)]
 
 
+def _dtype_boundaries(model: nn.Module, param_dtype: torch.dtype) -> list:
+    """The two casts a bf16 ``MixedPrecisionPolicy`` makes instead of FSDP's input casts (module docstring), as
+    forward hooks; returns their handles.
+
+    - ``embed_tokens``' output to fp32: the residual streams start from it, and one process (fp32 parameters under
+      bf16 autocast) carries them in fp32 from layer to layer;
+    - each ``mlp.experts``' hidden states (its first argument, not the fp32 routing weights) to ``param_dtype``: the
+      value autocast gives the experts' first matmul anyway, so the dispatched rows (and under EP the all-to-all)
+      are ``param_dtype`` as planned (``genoctx.plan``: ``a`` bytes per value).
+
+    Everything else keeps the dtype its producer gave it: the carried KDA state and pooled indexer keys fp32, the DSA
+    latents autocast's (bf16: the latent norm's bf16 weight times its bf16 output)."""
+
+    def streams(module, args, out):
+        return out.float() if out.dtype in (torch.bfloat16, torch.float16) else out
+
+    def rows(module, args):
+        x = args[0]
+        return (x.to(param_dtype), *args[1:]) if x.is_floating_point() else None
+
+    handles = [model.embed_tokens.register_forward_hook(streams)]
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            handles.append(layer.mlp.experts.register_forward_pre_hook(rows))
+    return handles
+
+
 def expert_placement(experts: nn.Module, dims: ParallelDims):
     """FSDP2's ``shard_placement_fn`` for a rank's block of routed experts: ``Shard(0)`` (whole experts per shard),
     or, with folded EP where the block's ``n_local_experts`` do not split evenly over the ``efsdp`` ranks (288 / 32
@@ -184,7 +219,8 @@ def apply_fsdp(
     Args:
         model: a ``HybridLM`` (after ``apply_ep``/``apply_cp``/``apply_ac``), parameters still full tensors.
         dims: from ``init_parallel`` with ``dp_shard > 1``.
-        param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32).
+        param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32). With
+            bf16 the forward must run under bf16 autocast (inputs are not cast: module docstring).
         reduce_dtype: dtype of the gradient reduce-scatter/all-reduce (fp32).
         offload_optimizer: keep sharded parameters, gradients and optimizer state in CPU memory
             (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
@@ -205,9 +241,11 @@ def apply_fsdp(
 
     if not dims.fsdp or dims.dense_mesh is None:
         raise ValueError("apply_fsdp needs dp_shard > 1 or cp > 1 (init_parallel(dp_shard=..., cp=...))")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
-                                     reduce_dtype=reduce_dtype)  # fmt: skip
+                                     reduce_dtype=reduce_dtype, cast_forward_inputs=False)  # fmt: skip
+    # pinned on CUDA: one block per parameter shard and per gradient, each rounded up to a power of two by torch's
+    # caching host allocator (counted by genoctx.plan.memory.pinned_block_bytes)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_optimizer else OffloadPolicy()
     experts = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     wrapped = []
@@ -225,6 +263,8 @@ def apply_fsdp(
                 register_fsdp_forward_method(hc, "post")
         wrapped.append(fully_shard(layer, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
     wrapped.append(fully_shard(model, mesh=dims.dense_mesh, mp_policy=mp, offload_policy=offload))
+    if param_dtype is not None:
+        _dtype_boundaries(model, param_dtype)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters: mark them again
         if name in experts:
             p._genoctx_expert = True

@@ -19,6 +19,12 @@ The numbers are exactly those of checkpointing without offloading (the same valu
 changes no bit). Time: one device-to-host copy per layer in forward (overlapped with the next layers' compute on
 CUDA) and one host-to-device copy per layer in backward (on the compute stream, before the recompute: not
 prefetched yet). ``OffloadStats`` counts both, in copies and bytes.
+
+Host memory: each copy is one pinned tensor from PyTorch's CUDA caching host allocator, which takes the next power
+of two of its size (``at::CachingHostAllocator``; up to 2x) and keeps freed blocks for reuse. The planner counts
+that (``genoctx.plan.memory.pinned_block_bytes``), as it counts FSDP2's pinned masters and gradients under
+``CPUOffloadPolicy(pin_memory=True)``. Not carved from one pool: a copy lives from its layer's forward to its
+recompute, and a pool would need those lifetimes; the planner's count is exact for the allocator as it is.
 """
 
 from __future__ import annotations

@@ -703,7 +703,8 @@ def plan_memory(
         "recompute", "optimizer_offload", "batch_size", "seq_len", "seq_chunk_tokens" (None: one pass),
         "device", "optimizer_state_dtype", "offload_activations", "knobs" (the memory knobs on, by recipe name),
         "host_gib" (host memory the step holds per GPU: the
-        offloaded layer inputs, and with ``optimizer_offload`` the sharded masters, gradients and AdamW state),
+        offloaded layer inputs, and with ``optimizer_offload`` the sharded masters, gradients and AdamW state; on
+        CUDA each pinned block at its power-of-two size, ``pinned_block_bytes``),
         "host_fits" (``host_gib <= host_memory_gib``, None without it), "host_device_bytes" ({"to_host",
         "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
         ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
@@ -771,10 +772,39 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
     }
 
 
+def pinned_block_bytes(nbytes: float) -> float:
+    """Host bytes PyTorch's CUDA caching host allocator takes for one pinned tensor of ``nbytes`` bytes: the size
+    rounded up to the next power of two (``at::CachingHostAllocator``: ``c10::llvm::PowerOf2Ceil``, for every size
+    while ``pinned_max_round_threshold_mb`` is unset, as genoctx leaves it), so up to 2x. 0 for 0 bytes."""
+    n = math.ceil(nbytes)
+    return float(1 << (n - 1).bit_length()) if n > 0 else 0.0
+
+
+def _pinned_optimizer_offload(st: _Step) -> float:
+    """Pinned host bytes of FSDP2's ``CPUOffloadPolicy(pin_memory=True)`` (``genoctx.parallel.fsdp.apply_fsdp`` on
+    CUDA): every parameter's padded local shard (fp32, ``shard_numel`` of that parameter) is one pinned block as the
+    master (``FSDPParam``: ``.pin_memory()``) and one as its gradient (the reduce-scatter output copied
+    ``non_blocking`` to the host: a pinned tensor), each rounded by ``pinned_block_bytes``. The AdamW moments are
+    plain (pageable) host tensors: not rounded."""
+    f, lay = st.s.f, st.layout
+    return sum(2 * pinned_block_bytes(f * sum(shard_numel([sh], lay).values())) for sh in st.pc["shapes"])
+
+
 def _host(st: _Step, layers: list, P_local: float) -> tuple[float, dict]:
-    """Host bytes per GPU the step holds and the bytes it copies each way (``plan_memory``'s Returns)."""
-    f, acts = st.s.f, sum(x["input"] for x in layers) if (st.offload_act and st.recompute) else 0.0
-    held = acts + ((2 * f + 2 * st.moment_bytes) * P_local if st.offload else 0.0)
+    """Host bytes per GPU the step holds and the bytes it copies each way (``plan_memory``'s Returns).
+
+    Held: the offloaded layer inputs (``offload_activations``: each layer's input one pinned block on CUDA,
+    ``genoctx.parallel.offload.to_host``) and, with ``optimizer_offload``, the masters and gradients (pinned, per
+    parameter: ``_pinned_optimizer_offload``) and the AdamW moments (pageable). On CUDA every pinned block counts at
+    its power-of-two rounded size (``pinned_block_bytes``: what the pinned allocator takes; up to 2x the tensor);
+    on a CPU nothing is pinned (exact sizes). The bytes copied are the tensors' own."""
+    f, acts = st.s.f, [x["input"] for x in layers] if (st.offload_act and st.recompute) else []
+    pinned = pinned_block_bytes if st.device == "cuda" else float
+    held = sum(pinned(b) for b in acts)
+    if st.offload:
+        params = _pinned_optimizer_offload(st) if st.device == "cuda" else 2 * f * P_local
+        held += params + 2 * st.moment_bytes * P_local
+    acts = sum(acts)
     to_device = acts + (2 * f * P_local if st.offload else 0.0)  # the shards read at each all-gather (fwd, bwd)
     to_host = acts + (f * P_local if st.offload else 0.0)  # the reduced gradients
     return held, {"to_host": to_host, "to_device": to_device, "activations": acts}

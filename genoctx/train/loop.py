@@ -28,7 +28,7 @@ import resource
 import sys
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +181,40 @@ def train_autocast(dtype: str, device: torch.device | str):
     return torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
 
 
+@contextmanager
+def deterministic_mode(on: bool):
+    """The kernels a training step runs, for ``train.deterministic`` (restored on exit).
+
+    ``on``: ``torch.use_deterministic_algorithms(True, warn_only=True)``, which selects the sparse MLA backward
+    without atomics (``kernels.sparse_mla``: dQ, then dKV over an inverse index), the MoE combine as a fixed-order
+    sum over each token's slots (``genoctx.model.moe.combine_slots``, also under expert parallelism) and torch's
+    deterministic CUDA kernels (``index_add_``/``index_put_`` by sorting, deterministic cuBLAS: it sets
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set). ``warn_only``: an op that has no deterministic CUDA kernel
+    (torch lists floating ``cumsum``, which the PyTorch KDA core runs) warns, naming itself, instead of failing.
+    Off: deterministic algorithms off (float atomics: the same run differs in the last bits on a GPU). On a CPU
+    both modes give the same bits from run to run. The path that ran is in each step's metrics (``train_step``).
+    """
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+
+
+def _kernel_paths(model) -> dict:
+    """What the last step ran where ``train.deterministic`` chooses: ``moe_combine`` (the MoE layers' combines,
+    ``"index_add"``/``"slot_sum"``, None without MoE) and ``sparse_mla_backward`` (``kernels.sparse_mla``'s last
+    backward, None when the Triton kernel never ran)."""
+    from ..model.moe import MoE
+
+    combines = sorted({m.stats.get("combine") for m in model.modules() if isinstance(m, MoE) and m.stats} - {None})
+    mla = sys.modules.get("kernels.sparse_mla")
+    return {"moe_combine": ",".join(combines) or None, "sparse_mla_backward": getattr(mla, "LAST_BACKWARD", None)}
+
+
 def forward_backward(
     model: HybridLM,
     tokens: torch.Tensor,
@@ -291,14 +325,15 @@ def train_step(
         if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens * cp < tokens.shape[1]
         else None
     )
-    loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head, chunk)
-    if dims is not None and dims.is_distributed:
-        all_reduce_moe_loads(model, dims.dp_cp_group)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip, dims)  # the global norm over sharded/EP gradients
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    with deterministic_mode(cfg.deterministic):  # the kernels train.deterministic selects (recorded below)
+        loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head, chunk)
+        if dims is not None and dims.is_distributed:
+            all_reduce_moe_loads(model, dims.dp_cp_group)
+            grad_norm = clip_grad_norm(model, cfg.grad_clip, dims)  # the global norm over sharded/EP gradients
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
     scheduler.step()
     # the indexer warm-up keeps the main model frozen, MoE routing biases included
     moe = model.update_router_biases() if model.cfg.indexer_stage != "warmup" else []
@@ -314,6 +349,8 @@ def train_step(
         # (per rank: under CP each of the seq_chunks rounds is cp chunks of the window)
         "seq_chunk_tokens": chunk,
         "seq_chunks": -(-tokens.shape[1] // (chunk * cp)) if chunk else 1,
+        "deterministic": cfg.deterministic,  # train.deterministic, and what it selected:
+        **_kernel_paths(model),
     }
 
 
@@ -680,6 +717,8 @@ def train_unlocked(
                 progress.advance(tokens=tokens.numel())
                 if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                     paths = ",".join(s.get("path", "?") for s in last["layers"])
+                    if cfg.deterministic:  # what train.deterministic selected (deterministic_mode)
+                        paths += f" deterministic (moe {m['moe_combine']}, mla bwd {m['sparse_mla_backward']})"
                     log_step(step + 1, cfg.steps, m, last["tokens_per_s"], f"paths {paths}")
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                     ckpt = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state,

@@ -208,6 +208,63 @@ def run_bf16(windows: torch.Tensor) -> dict:
     return {"seen": seen, "loss": m["loss"], "masters": masters, "moments": moments}
 
 
+def _bf16_rounded_model() -> HybridLM:
+    """``mesh_model()`` with every parameter outside the fp32 islands (``fsdp._islands``) rounded to bf16: the values
+    a bf16 ``MixedPrecisionPolicy`` computes with, held in fp32 parameters."""
+    from genoctx.parallel.fsdp import _islands
+
+    model = mesh_model()
+    kept = {id(p) for layer in model.layers for m in _islands(layer) for p in m.parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in kept:
+                p.copy_(p.bfloat16().float())
+    return model
+
+
+def run_bf16_chunks(windows: torch.Tensor) -> dict:
+    """FSDP=2 with bf16 parameters against FSDP=2 with fp32 parameters holding the same bf16-rounded values, both under
+    bf16 autocast: the caches carried over a window streamed in CHUNK-token chunks (no grad, as the mesh eval streams),
+    the dtypes reaching each decoder layer and mixer (residual streams, KDA state, pooled keys, latents), the islands'
+    dtypes and the first loss of a ``seq_chunk_tokens`` training step."""
+    from genoctx.model.precision import record_islands
+    from genoctx.parallel.fsdp import apply_parallel
+    from genoctx.parallel.mesh import init_parallel
+    from genoctx.train.loop import build_optimizer, train_step
+
+    out = {}
+    for name, make, dtype in (("bf16", mesh_model, torch.bfloat16), ("fp32", _bf16_rounded_model, None)):
+        dims = init_parallel(dp_shard=2)
+        model = make()
+        apply_parallel(model, dims, param_dtype=dtype)
+        seen = set()
+
+        def record(module, args, kwargs, _seen=seen):
+            x, cache = args[0], args[1] if len(args) > 1 else kwargs.get("cache")
+            _seen.add(("x", x.dtype))
+            for k, v in vars(cache).items() if cache is not None else ():
+                if torch.is_tensor(v) and v.is_floating_point():
+                    _seen.add((f"{type(cache).__name__}.{k}", v.dtype))
+
+        for layer in model.layers:
+            layer.register_forward_pre_hook(record, with_kwargs=True)
+        autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        tokens = windows[dims.dp_rank][None]
+        carried, cache = [], None
+        with torch.no_grad(), autocast:
+            for s in range(0, tokens.shape[1], CHUNK):
+                _, cache = model(tokens[:, s : s + CHUNK], cache)
+                carried.append([t.clone() for t in cache.tensors()])
+        cfg = train_config()
+        cfg.seq_chunk_tokens = CHUNK
+        opt, sched = build_optimizer(model, cfg, cfg.steps)
+        with record_islands() as islands:
+            loss = train_step(model, opt, sched, tokens, cfg, autocast, dims)["loss"]
+        out[name] = {"carried": carried, "seen": sorted((k, str(v)) for k, v in seen), "loss": loss,
+                     "islands": {k: sorted(map(str, v)) for k, v in islands.items()}}  # fmt: skip
+    return out
+
+
 def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = None, load: Path | None = None):
     """``steps`` steps in layout ``name`` (after loading ``load``; saving a sharded checkpoint at ``save``).
     Returns the losses and, for the second layout of a pair, nothing else."""
@@ -259,6 +316,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, 
         for name in cases:
             if name == "bf16":
                 res[name] = run_bf16(windows)
+            elif name == "bf16_chunks":
+                res[name] = run_bf16_chunks(windows)
             elif name == "reshard":
                 for src, dst in RESHARD:
                     res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))

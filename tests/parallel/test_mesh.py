@@ -10,6 +10,9 @@ for clipping, the router-bias update from all-reduced loads) is checked by the s
 
 The model (``mesh_worker.mesh_config``): KDA, a full DSA layer and a shared one, a dense MLP and two MoE layers of 8
 routed experts (top-2) with re-drawn router biases and mHC bases; the windows are real hg38 (chrM).
+
+Layouts equal one process to the tolerances above, on CPU and GPU alike: a different layout sums in a different order,
+so not even ``train.deterministic: true`` makes them equal bit for bit (it makes the same layout repeat its bits).
 """
 
 import sys
@@ -89,7 +92,7 @@ def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[di
 
 @pytest.fixture(scope="module")
 def two(windows, tmp_path_factory):
-    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, [*TWO, "bf16"])
+    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, [*TWO, "bf16", "bf16_chunks"])
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +258,27 @@ def test_fsdp_bf16_params_keep_the_fp32_islands_and_fp32_masters(two, windows):
     autocast = torch.autocast(device_type="cpu", dtype=torch.bfloat16)
     ref = train_step(model, opt, sched, windows[:2], cfg, autocast)["loss"]
     assert two[0]["bf16"]["loss"] == pytest.approx(ref, rel=2e-2)
+
+
+def test_fsdp_bf16_params_carry_fp32_streams_and_caches(two):
+    """Issue 43 item 4: bf16 parameters under FSDP2 keep the residual streams, the KDA state and the pooled indexer keys
+    fp32 at every module boundary (``cast_forward_inputs=False``; ``fsdp._dtype_boundaries``). Streamed in chunks (no
+    grad, as the mesh eval streams), every carried cache tensor equals that of an fp32-parameter run holding the same
+    bf16-rounded values (bf16-parameter precision; the DSA latents, bf16 as planned, equal its latents rounded to
+    bf16), and so does a ``seq_chunk_tokens`` step's loss. FSDP's default input cast rounded the caches to bf16 at
+    each layer (state 5e-4, pooled keys 3e-3 relative; loss 8e-6) while the islands still recorded fp32."""
+    for res in two:
+        got, ref = res["bf16_chunks"]["bf16"], res["bf16_chunks"]["fp32"]
+        fp32 = {"x", "KDACache.state", "DSACache.pool_k"}  # the streams, and the states summed over chunks
+        assert {k for k, dtype in got["seen"] if dtype == "torch.float32"} >= fp32
+        assert {k for k, dtype in ref["seen"] if dtype == "torch.float32"} >= fp32
+        # the latents' gradient handed back over chunks is bf16 with bf16 latents (the planned cache dtype): excluded
+        islands = {k: v for k, v in got["islands"].items() if k != "chunked.grad.DSACache.latent"}
+        assert all(v == ["torch.float64"] if k == "loss.window_sum" else v == ["torch.float32"]
+                   for k, v in islands.items()), got["islands"]  # fmt: skip
+        assert {"kda.state", "dsa.indexer.pool", "chunked.grad.KDACache.state"} <= set(islands)
+        assert len(got["carried"]) == 3  # chunks of CHUNK tokens
+        for a, b in zip(got["carried"], ref["carried"], strict=True):
+            for x, y in zip(a, b, strict=True):
+                torch.testing.assert_close(x, y.to(x.dtype), rtol=1e-5, atol=1e-6)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)

@@ -9,6 +9,10 @@ current rate (DCP checkpoints hold only tensors) trains step 3 at the wrong rate
 
 Also: a resume that changes the data-parallel size (the global batch) is refused unless ``allow_batch_change``
 (then recorded in state.json and events.jsonl), and ``--resume`` of a folder that holds no run is refused.
+
+Resumed == uninterrupted is asserted to a tolerance (``_same_run``: rel 1e-6). On GPUs (NCCL) the same layout holds
+bit for bit only with ``train.deterministic: true`` (and a fixed NCCL algorithm per collective, as one job's
+runs have); to a tolerance otherwise (float atomics in the MoE combine and the sparse MLA backward).
 """
 
 from __future__ import annotations
