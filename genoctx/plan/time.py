@@ -331,8 +331,8 @@ def gpu_hours(step_s: float, steps: int, world: int) -> float:
     return step_s * steps * world / 3600.0
 
 
-TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "exposed_comm_s", "comm_s",
-             "hardware", "skew", "host_s")  # fmt: skip
+TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "compute_by_dtype_s", "memory_bound_s",
+             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s")  # fmt: skip
 
 
 def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:
