@@ -51,9 +51,9 @@ attention_projections       run                    KDA q/k/v, gates, ``o_proj``;
 attention_projections:      fp32                   ``KimiDeltaAttention.project``: the depthwise ``conv1d`` is an
   KDA short convolution                            fp32 island (autocast off; no GEMM form: CUDA cores)
 kda_core, ``torch``         fp32                   ``chunk_kda``: autocast off, fp32 (model/kda.py)
-kda_core, ``fla``           tf32 (decay scores),   fla's intra sub-chunk scores load q, k, g as fp32 and ``tl.dot``
-                            run_tf32 (the rest)    at Triton's default (tf32); the rest on q, k, v in the compute
-                                                   dtype (model/kda.py ``fla_core_inputs``)
+kda_core, ``fla``           tf32 (decay scores),   fla's off-diagonal sub-chunk scores load q, k, g as fp32 and
+                            run_tf32 (the rest)    ``tl.dot`` at Triton's default (tf32); the rest on q, k, v in the
+                                                   compute dtype (model/kda.py ``fla_core_inputs``)
 kda_core: CP state pass     fp32                   ``kda_cp_cache`` runs genoctx's ``chunk_kda`` and the fold with
   and fold                                         autocast off whatever ``kda_kernel`` is (parallel/context.py)
 dsa_indexer: top-k scores   fp32                   the pooled keys are fp32 (``Indexer.pool``): the PyTorch top-k
@@ -191,7 +191,7 @@ def _add_kda_core(t: _Tally, cfg: ModelConfig, parts: tuple[float, float, float]
                   fla: bool) -> None:  # fmt: skip
     """Tally ``_kda_core``'s ``(forward, backward, rerun)`` of ``rows`` sequences of ``T`` tokens. genoctx's core
     (``chunk_kda``): fp32 with autocast off. fla-core's: the off-diagonal sub-chunk decay scores in ``tf32`` (fla's
-    ``chunk_kda_fwd_kernel_intra_sub_chunk`` loads q, k and g as fp32 and ``tl.dot``s them at Triton's default
+    ``chunk_kda_fwd_kernel_inter_solve_fused`` loads q, k and g as fp32 and ``tl.dot``s them at Triton's default
     precision), the rest on q, k, v in the compute dtype (``run_tf32``, ``genoctx.model.kda.fla_core_inputs``)."""
     f, b, r = parts
     if not fla:
