@@ -15,10 +15,12 @@ For each length, two layouts:
 
 each at the published routing skew (``PUBLISHED_SKEW``: the busiest GPU got ~4x the mean expert tokens) and
 balanced, with the KDA core as ``genoctx train`` runs it by default (``kda_kernel: torch``, an fp32 island) and
-with fla-core's bf16 kernels (``kda_kernel: fla``, the ``[gpu]`` extra). One JSON line per case, then a summary
-line with the ratios predicted / published and the 256k / 1M ratio (published: 24.9 / 13.7 = 1.82).
+with fla-core's bf16 kernels (``kda_kernel: fla``, the ``[gpu]`` extra). Each component is timed at the peak of
+what runs it (``genoctx.plan.flops``' units: the DSA indexer's fp32 top-k dots and KL at the fp32 CUDA-core peak;
+``compute_by_dtype_s`` gives the compute seconds at each peak). One JSON line per case, then a summary line with
+the ratios predicted / published and the 256k / 1M ratio (published: 24.9 / 13.7 = 1.82).
 
-Run: ``python bench/published_run.py`` (about a minute on a laptop CPU; no GPU, no download).
+Run: ``python bench/published_run.py`` (about 20 s on a laptop CPU; no GPU, no download).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def _case(cfg, L, layout, hw, skew, name, kernel) -> dict:
         "fits": mem["fits"], "gib": mem["total_gib"], "step_s": round(t["step_s"], 3),
         "tokens_per_s": round(t["tokens_per_s"]), "published_tokens_per_s": PUBLISHED[L],
         "ratio": round(t["tokens_per_s"] / PUBLISHED[L], 3), "mfu": round(t["mfu"], 4), "bound": t["bound"],
-        "compute_s": round(t["compute_s"], 3), "memory_bound_s": round(t["memory_bound_s"], 3),
+        "compute_s": round(t["compute_s"], 3),
+        "compute_by_dtype_s": {k: round(v, 3) for k, v in t["compute_by_dtype_s"].items()},
+        "memory_bound_s": round(t["memory_bound_s"], 3),
         "exposed_comm_s": {k: round(v, 3) for k, v in t["exposed_comm_s"].items()},
         "top_compute_s": dict(sorted(((k, round(v, 3)) for k, v in t["compute_by_component_s"].items()),
                                      key=lambda kv: -kv[1])[:3]),

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from genoctx.errors import GenoctxError
 from genoctx.model.config import preset
 from genoctx.parallel.layout import Layout
+from genoctx.plan.flops import step_flops
 from genoctx.plan.hardware import EFFICIENCY, EFFICIENCY_REASONS, PROFILES, hardware_from_dict, load_hardware
-from genoctx.plan.time import collective_seconds, group_ranks, step_time
+from genoctx.plan.time import collective_seconds, compute_seconds, group_ranks, step_time, unit_dtype
 
 NODE = dict(name="t", dtype_flops={"bf16": 1e15, "fp32": 1e14}, hbm_bytes_per_s=1e12, memory_gib=80.0,
             gpus_per_node=4, intra_node_bytes_per_s=1e11, inter_node_bytes_per_s=1e10)  # fmt: skip
@@ -25,6 +26,11 @@ def test_shipped_profiles_load_and_cite_every_number():
             assert len(hw.sources.get(key, "")) > 20, (name, key)
     b200, h100, h200 = load_hardware("B200"), load_hardware("h100"), load_hardware("h200")
     assert b200.flops("bf16") == 2.25e15 and h100.flops("bf16") == h200.flops("bf16") == 9.89e14
+    for hw in (b200, h100, h200):  # every peak a plan runs at, tensor cores above CUDA-core fp32, cited
+        assert set(hw.dtype_flops) == {"bf16", "fp32", "tf32"} and "TF32" in hw.sources["dtype_flops"]
+        assert hw.flops("fp32") < hw.flops("tf32") < hw.flops("bf16")
+    assert (b200.flops("fp32"), b200.flops("tf32"), h200.flops("fp32"), h100.flops("tf32")) == (
+        8.0e13, 1.1e15, 6.7e13, 4.945e14)  # fmt: skip
     assert h200.hbm_bytes_per_s > h100.hbm_bytes_per_s
     assert b200.intra_node_bytes_per_s == 2 * h100.intra_node_bytes_per_s
     assert set(EFFICIENCY_REASONS) == set(EFFICIENCY) and all(0 < v <= 1 for v in EFFICIENCY.values())
@@ -36,6 +42,8 @@ def test_shipped_profiles_load_and_cite_every_number():
         ({"gpus_per_node": 0}, "gpus_per_node must be an integer >= 1"),
         ({"hbm_bytes_per_s": -1}, "hbm_bytes_per_s must be a positive number"),
         ({"dtype_flops": {"bf16": 1e15}}, "dtype_flops must map bf16 and fp32"),
+        ({"dtype_flops": {"bf16": 1e15, "fp32": 1e14, "fp8": 2e15}}, "dtype_flops.fp8: unknown dtype"),
+        ({"dtype_flops": {"bf16": 1e15, "fp32": 1e14, "tf32": 0}}, "dtype_flops.tf32 must be a positive number"),
         ({"efficiency": {"matmul": 1.5}}, "efficiency.matmul must be in (0, 1]"),
         ({"efficiency": {"tensor": 0.5}}, "efficiency.tensor: unknown class"),
         ({"nvlink": 1}, "unknown key 'nvlink'"),
@@ -197,3 +205,90 @@ def test_cli_plan_times_each_layout_and_ranks_by_throughput(tmp_path):
 def test_cli_plan_bad_speed_flags_are_one_line_exit_2(args, message):
     r = _plan(*args)
     assert r.exit_code == 2 and r.stdout == "" and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_each_component_is_timed_at_the_rate_of_what_runs():
+    """Component seconds = sum over its units of FLOPs / (peak(unit) x efficiency[class]), the peak being the one the
+    code runs at (``genoctx.plan.flops``' table): the DSA indexer's fp32 top-k dots and KL at the fp32 peak, not
+    bf16 (issue 43 item 10); the router's share of ``experts``, the mHC, the PyTorch KDA core and the CP state pass
+    at fp32; GEMMs, the Triton sparse attention and fla's core at bf16, fla's decay scores at tf32. An fp32 run
+    times ``run`` at fp32 and fla's dots at tf32 (Triton's default for fp32 operands)."""
+    hw = hardware_from_dict({**NODE, "dtype_flops": {"bf16": 1e15, "fp32": 1e14, "tf32": 5e14},
+                             "efficiency": {"matmul": 0.5, "attention": 0.25, "memory": 0.8}})  # fmt: skip
+    eff = {"matmul": 0.5, "attention": 0.25, "memory": 0.8}
+    peak = {"bf16": 1e15, "fp32": 1e14, "tf32": 5e14}
+    for kernel, dtype in (("torch", "bf16"), ("fla", "bf16"), ("fla", "fp32")):
+        cfg = preset("cpu-small", kda_kernel=kernel)
+        fl = step_flops(cfg, 16384, Layout(cp=2))
+        t = step_time(fl, [], cfg, Layout(cp=2), hw, dtype=dtype, seq_len=16384, batch_size=1,
+                      model_flops_per_token=1.0)  # fmt: skip
+        comps = fl["components"]
+        for name, c in comps.items():
+            want = sum(f / (peak[unit_dtype(u, dtype)] * eff[c["class"]]) for u, f in c["units"].items())
+            assert t["compute_by_component_s"][name] == pytest.approx(want), (kernel, dtype, name)
+        total = {k: c["forward"] + c["recompute"] + c["backward"] for k, c in comps.items()}
+        fp32 = 1e14 * eff["attention"]
+        assert t["compute_by_component_s"]["dsa_indexer"] == pytest.approx(total["dsa_indexer"] / fp32)
+        assert t["compute_s"] == pytest.approx(sum(t["compute_by_dtype_s"].values()))
+        if dtype == "bf16":
+            assert t["compute_by_component_s"]["dense_mlp"] == pytest.approx(total["dense_mlp"] / (1e15 * 0.5))
+            assert t["compute_by_component_s"]["dsa_attention"] == pytest.approx(total["dsa_attention"] / 2.5e14)
+            router = comps["experts"]["units"]["fp32"]
+            assert 0 < router < 0.05 * total["experts"] and t["compute_by_component_s"]["experts"] == pytest.approx(
+                router / (1e14 * 0.5) + (total["experts"] - router) / (1e15 * 0.5))  # fmt: skip
+        if kernel == "torch":
+            assert t["compute_by_component_s"]["kda_core"] == pytest.approx(total["kda_core"] / fp32)
+        else:  # the CP state pass in fp32, fla's decay scores in tf32, the rest in bf16 (tf32 in an fp32 run)
+            u = comps["kda_core"]["units"]
+            rest = 1e15 if dtype == "bf16" else 5e14
+            assert t["compute_by_component_s"]["kda_core"] == pytest.approx(
+                u["fp32"] / fp32 + u["tf32"] / (5e14 * 0.25) + u["run_tf32"] / (rest * 0.25))  # fmt: skip
+            assert set(t["compute_by_dtype_s"]) == ({"bf16", "fp32", "tf32"} if dtype == "bf16" else {"fp32", "tf32"})
+    # the published run's indexer on B200: the fp32 peak, 28x the seconds the bf16 rate gave
+    b200 = load_hardware("b200")
+    big = preset("glm-5.3-flash")
+    idx = step_flops(big, 1 << 20, Layout(cp=64, ep=32, ep_folded=True))["components"]["dsa_indexer"]
+    f = idx["forward"] + idx["recompute"] + idx["backward"]
+    assert idx["units"] == {"fp32": pytest.approx(f)}
+    secs = compute_seconds({"components": {"dsa_indexer": idx}}, big, b200, "bf16")["dsa_indexer"]
+    assert secs == pytest.approx(f / (8.0e13 * 0.15)) and secs * 8.0e13 / 2.25e15 == pytest.approx(f / (2.25e15 * 0.15))
+
+
+def test_a_profile_without_the_tf32_peak_is_one_line_when_a_plan_needs_it(tmp_path):
+    """``tf32`` is optional in a user's profile: plans that run nothing at it work, one that does (fla's core) says
+    which key is missing, in one line (exit 2 from the CLI)."""
+    hw = hardware_from_dict(NODE, where="mine.yaml")
+    tiny, fla = preset("tiny"), preset("tiny", kda_kernel="fla")
+    assert compute_seconds(step_flops(tiny, 256), tiny, hw, "bf16")["kda_core"] > 0
+    with pytest.raises(GenoctxError, match="dtype_flops has no tf32") as e:
+        compute_seconds(step_flops(fla, 256), fla, hw, "bf16")
+    assert "\n" not in str(e.value)
+    p, recipe = tmp_path / "mine.yaml", tmp_path / "fla.yaml"
+    p.write_text("name: mine\ndtype_flops: {bf16: 1.0e+15, fp32: 1.0e+14}\nhbm_bytes_per_s: 1.0e+12\nmemory_gib: 80\n"
+                 "gpus_per_node: 4\nintra_node_bytes_per_s: 1.0e+11\ninter_node_bytes_per_s: 1.0e+10\n")  # fmt: skip
+    recipe.write_text("model:\n  preset: tiny\n  kda_kernel: fla\n")
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--recipe", str(recipe), "--seq-len", "1k", "--gpus", "1",
+                                 "--hardware", str(p)])  # fmt: skip
+    assert r.exit_code == 2 and "dtype_flops has no tf32" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_genoctx_never_enables_tf32():
+    """The planner times fp32 GEMMs at the CUDA-core fp32 peak because nothing in genoctx turns TF32 on (PyTorch's
+    default for matmuls is off; genoctx's Triton kernels pass ``input_precision="ieee"`` for fp32 operands). A line
+    that enables it must come with a change to ``genoctx.plan.flops``' units."""
+    import pathlib
+
+    import genoctx
+
+    root = pathlib.Path(genoctx.__file__).parent.parent
+    files = [*(root / "genoctx").rglob("*.py"), *(root / "kernels").rglob("*.py")]
+    assert len(files) > 40
+    for f in files:
+        text = f.read_text()
+        for needle in ("allow_tf32", "set_float32_matmul_precision", "fp32_precision", '"tf32"', "'tf32'"):
+            if needle in text and f.parts[-3:-1] != ("genoctx", "plan") and f.name != "hardware.py":
+                raise AssertionError(f"{f}: {needle}")

@@ -32,6 +32,50 @@ expert parallelism each rank runs the routed experts of the tokens routed to its
 ``N x top-k`` token-slots; ``skew`` (busiest / mean expert load) scales them (the published run saw about
 ``PUBLISHED_SKEW``).
 
+Units (what each product runs on, so that ``genoctx.plan.time`` times it at the rate of what runs). Every term is
+tagged where it is counted: ``run``, the run's compute dtype (bf16 tensor cores under ``train.dtype: bf16``, where
+autocast lowers ``nn.Linear``/``einsum``/SDPA and FSDP2 gathers bf16 parameters; fp32 in an fp32 run); ``fp32``,
+fp32 whatever the run's dtype (an fp32 island with autocast off, or fp32 operands: CUDA-core FMA, since genoctx
+never enables TF32: no ``allow_tf32``, no ``set_float32_matmul_precision``, and its Triton kernels pass
+``input_precision="ieee"`` for fp32); ``tf32``, fp32 operands on TF32 tensor cores (Triton's default precision,
+in fla-core); ``run_tf32``, the run's dtype, or TF32 in an fp32 run (fla-core's other dots). Per component:
+
+==========================  =====================  =================================================================
+component / product         unit                   why (the code)
+==========================  =====================  =================================================================
+dense_mlp, experts (GEMMs)  run                    ``nn.Linear`` / ``F.linear`` under autocast (model/moe.py
+                                                   ``expert_ffn``, the shared expert, dense MLP)
+experts: router             fp32                   ``TopkRouter``: ``F.linear`` in fp32, autocast off (model/moe.py)
+attention_projections       run                    KDA q/k/v, gates, ``o_proj``; MLA projections and absorbed
+                                                   ``einsum`` products; the indexer's ``wq_b``, ``wk``, gate, weights
+attention_projections:      fp32                   ``KimiDeltaAttention.project``: the depthwise ``conv1d`` is an
+  KDA short convolution                            fp32 island (autocast off; no GEMM form: CUDA cores)
+kda_core, ``torch``         fp32                   ``chunk_kda``: autocast off, fp32 (model/kda.py)
+kda_core, ``fla``           tf32 (decay scores),   fla's off-diagonal sub-chunk scores load q, k, g as fp32 and
+                            run_tf32 (the rest)    ``tl.dot`` at Triton's default (tf32); the rest on q, k, v in the
+                                                   compute dtype (model/kda.py ``fla_core_inputs``)
+kda_core: CP state pass     fp32                   ``kda_cp_cache`` runs genoctx's ``chunk_kda`` and the fold with
+  and fold                                         autocast off whatever ``kda_kernel`` is (parallel/context.py)
+dsa_indexer: top-k scores   fp32                   the pooled keys are fp32 (``Indexer.pool``): the PyTorch top-k
+                                                   promotes, the Triton one dots in fp32 ``ieee`` (FMA; kernels/
+                                                   indexer_topk.py); ``dot_dtype`` is never set by genoctx
+dsa_indexer: the KL         fp32                   ``_IndexerKLSparse`` / ``_kl_warmup_tile``: autocast off, target
+                                                   scores and pool scores in fp32 (model/dsa.py)
+dsa_attention, sparse       run (``triton``),      kernels/sparse_mla.py dots q and latents in q's dtype; the
+                            fp32 (``torch``)       PyTorch ``_SparseMLA`` runs in fp32, autocast off
+dsa_attention, dense        run                    SDPA under autocast (``DeepSeekSparseAttention._dense``)
+lm_head_loss, own logits    run                    ``lm_head`` is an ``nn.Linear`` under autocast
+lm_head_loss, chunked head  run under FSDP,        ``_ChunkedHeadLoss``: autocast off, the weight's dtype (bf16
+  (training)                else fp32              parameters only where FSDP2 gathers them; model/head.py)
+lm_head_loss, scoring       run (full vocab),      ``VocabHead.log_probs``: the full vocabulary's product under
+                            fp32 (nucleotide rows) autocast, the nucleotide rows' ``.float()`` (model/vocab.py)
+mhc                         fp32                   ``HyperConnection``: coefficients and ``comb^T x`` with autocast
+                                                   off on the fp32 streams (model/hyper.py)
+==========================  =====================  =================================================================
+
+Each component's ``units`` (``step_flops``) gives its FLOPs (all phases) by unit; ``tests/plan/test_flops.py`` holds
+them equal to the FLOPs FlopCounterMode counts by operand dtype on a real bf16-autocast train step.
+
 Units: FLOPs (floats). ``tokens``: tokens the rank processes per step (``batch_size x seq_len / cp``).
 """
 
@@ -49,6 +93,8 @@ CLASSES = {
     "kda_core": "attention", "dsa_indexer": "attention", "dsa_attention": "attention", "mhc": "memory",
 }  # fmt: skip
 PHASES = ("forward", "recompute", "backward")
+# What each product runs on (module docstring, "Units"); ``genoctx.plan.time.unit_dtype`` maps them to a rate.
+UNITS = ("run", "fp32", "tf32", "run_tf32")
 
 # Copied from the code they describe (tests/plan/test_flops.py checks that they still match):
 SUB_CHUNK = 8  # genoctx.model.kda._SUB_CHUNK
@@ -58,23 +104,30 @@ INDEX_GROUP = 32  # genoctx.model.dsa.INDEX_GROUP
 
 
 class _Tally:
-    """FLOPs per component and phase. ``add(comp, fwd, bwd, depth)``: a product of ``fwd`` FLOPs forward and ``bwd``
-    backward, inside ``depth`` nested checkpoints of the layer (each reruns it once in backward)."""
+    """FLOPs per component and phase, and per unit (``UNITS``). ``add(comp, fwd, bwd, depth, unit=...)``: a product
+    of ``fwd`` FLOPs forward and ``bwd`` backward, inside ``depth`` nested checkpoints of the layer (each reruns it
+    once in backward), run on ``unit``."""
 
     def __init__(self) -> None:
         self.f = {c: dict.fromkeys(PHASES, 0.0) for c in COMPONENTS}
+        self.u = {c: {p: {} for p in PHASES} for c in COMPONENTS}  # component -> phase -> unit -> FLOPs
 
-    def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0, rerun: float | None = None) -> None:
+    def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0, rerun: float | None = None,
+            unit: str = "run") -> None:  # fmt: skip
         """``rerun``: FLOPs of one recomputation when it is less than ``fwd`` (default ``fwd``)."""
-        self.f[comp]["forward"] += fwd
-        self.f[comp]["recompute"] += (fwd if rerun is None else rerun) * depth
-        self.f[comp]["backward"] += bwd
+        assert unit in UNITS, unit
+        parts = {"forward": fwd, "recompute": (fwd if rerun is None else rerun) * depth, "backward": bwd}
+        for phase, v in parts.items():
+            self.f[comp][phase] += v
+            if v:
+                self.u[comp][phase][unit] = self.u[comp][phase].get(unit, 0.0) + v
 
 
-def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides: int = 2, depth: int = 0) -> None:
+def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides: int = 2, depth: int = 0,
+        unit: str = "run") -> None:  # fmt: skip
     """A linear map of ``n`` rows ``d_in -> d_out``: ``2 n d_in d_out`` forward, ``sides`` times that backward."""
     f = 2.0 * n * d_in * d_out
-    t.add(comp, f, f * sides if grad else 0.0, depth if grad else 0)
+    t.add(comp, f, f * sides if grad else 0.0, depth if grad else 0, unit=unit)
 
 
 # ------------------------------------------------------------------ layers, one call each
@@ -134,6 +187,26 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     return rows * H * fwd, rows * H * bwd, rows * H * (fwd - blocks * kv)
 
 
+def _add_kda_core(t: _Tally, cfg: ModelConfig, parts: tuple[float, float, float], rows: int, T: int, depth: int,
+                  fla: bool) -> None:  # fmt: skip
+    """Tally ``_kda_core``'s ``(forward, backward, rerun)`` of ``rows`` sequences of ``T`` tokens. genoctx's core
+    (``chunk_kda``): fp32 with autocast off. fla-core's: the off-diagonal sub-chunk decay scores in ``tf32`` (fla's
+    ``chunk_kda_fwd_kernel_inter_solve_fused`` loads q, k and g as fp32 and ``tl.dot``s them at Triton's default
+    precision), the rest on q, k, v in the compute dtype (``run_tf32``, ``genoctx.model.kda.fla_core_inputs``)."""
+    f, b, r = parts
+    if not fla:
+        t.add("kda_core", f, b, depth, r, unit="fp32")
+        return
+    C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
+    sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+    block = max(C, cfg.kda_block_tokens // C * C)
+    chunks = T // block * (block // C) + -(-(T % block) // C)
+    s = rows * H * chunks * 4.0 * (C - sub) * C * K  # forward of the scores (rerun whole; backward twice)
+    s_bwd = 2 * s if b else 0.0
+    t.add("kda_core", s, s_bwd, depth, s, unit="tf32")
+    t.add("kda_core", f - s, b - s_bwd, depth, r - s, unit="run_tf32")
+
+
 def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, output: bool = True, depth: int = 0) -> None:
     """``KimiDeltaAttention.project`` (q, k, v, the depthwise conv, the forget gate, beta) and, with ``output``, the
     output gate and ``o_proj`` of ``n`` tokens."""
@@ -141,7 +214,7 @@ def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, outpu
     hk = H * Dh
     c = "attention_projections"
     _mm(t, c, n, D, 3 * hk, grad, depth=depth)  # q, k, v
-    _mm(t, c, n, cfg.linear_conv_kernel_dim, 3 * hk, grad, depth=depth)  # depthwise conv: 2 n 3hk w
+    _mm(t, c, n, cfg.linear_conv_kernel_dim, 3 * hk, grad, depth=depth, unit="fp32")  # depthwise conv: 2 n 3hk w
     _mm(t, c, n, D, Dh, grad, depth=depth)  # forget gate f_a
     _mm(t, c, n, Dh, hk, grad, depth=depth)  # forget gate f_b
     _mm(t, c, n, D, H, grad, depth=depth)  # b_proj (beta)
@@ -164,17 +237,18 @@ def _kda_layer(t: _Tally, cfg: ModelConfig, B: int, pieces: list[tuple[int, int]
         _mm(t, "attention_projections", rows * w, cfg.hidden_size, 3 * H * K, grad)  # the pieces' conv tails
         depth = 1 if grad else 0  # the state pass is one checkpoint; its core's blocks a second one inside it
         _kda_projections(t, cfg, n, grad, output=False, depth=depth)
-        f, b, r = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
-        t.add("kda_core", f, b, depth + 1 if grad else 0, r)
+        # the state pass runs genoctx's chunk_kda (fp32) whatever kda_kernel is (genoctx.parallel.context.kda_cp_cache)
+        parts = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
+        _add_kda_core(t, cfg, parts, rows, c, depth + 1 if grad else 0, fla=False)
         P = ctx["n_pieces"]  # the fold S_{p+1} = M_p S_p + L_p over every natural piece, on every rank
         fold = 2.0 * B * H * K * K * V
         # backward: dM and dS (only dM for a zero S_0); the last product's state is used only when carried on
         back = sum(fold * (2 if p or ctx["carry_in"] else 1) for p in range(P) if p < P - 1 or ctx["carry_out"])
-        t.add("kda_core", P * fold, back if grad else 0.0)
+        t.add("kda_core", P * fold, back if grad else 0.0, unit="fp32")  # the fold: autocast off, fp32 states
     _kda_projections(t, cfg, n, grad)
-    f, b, r = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
-                        state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
-    t.add("kda_core", f, b, 1 if grad else 0, r)
+    parts = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
+                      state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
+    _add_kda_core(t, cfg, parts, rows, c, 1 if grad else 0, fla=cfg.kda_kernel == "fla")
 
 
 def _topk_scoring(cfg: ModelConfig, S: int, T: int) -> float:
@@ -223,8 +297,10 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
     tail = kp - 1 if cfg.index_kpool_always_select_tail else 0
     widths = {S: min(cfg.index_topk // kp, (S + T) // kp) for S, T in pieces}  # selected pools per call
     shared_k = max(widths.values())  # a shared layer under CP: the full layer's selections padded to the widest
+    # sparse MLA: the Triton kernel dots q and the latents in their compute dtype; the PyTorch path in fp32
+    attn_unit = "run" if cfg.kernels == "triton" else "fp32"
     for S, T in pieces:
-        if not sparse:
+        if not sparse:  # SDPA under autocast: the compute dtype
             keys = _dense_keys(cfg, S, T)
             t.add("dsa_attention", 4.0 * B * H * R * keys, 10.0 * B * H * R * keys if grad else 0.0)
             if kl and cfg.indexer_stage == "warmup":
@@ -233,11 +309,11 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
         Kp = widths[S] if full else shared_k
         W = Kp * kp + tail
         nq = B * T
-        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad else 0.0)
-        if full:
-            t.add("dsa_indexer", B * _topk_scoring(cfg, S, T))
+        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad else 0.0, unit=attn_unit)
+        if full:  # the pooled keys are fp32: the top-k's dots run in fp32 (FMA), the KL with autocast off
+            t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
             if kl and cfg.indexer_stage == "sparse":  # target scores, pool scores, and their gradients, in forward
-                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + HI * Kp))
+                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + HI * Kp), unit="fp32")
             elif kl:
                 _warmup_kl(t, cfg, B, S, T)
 
@@ -260,7 +336,7 @@ def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int) -> None:
     rows = max(1, cfg.indexer_tile_tokens // (N * H))
     keys, pools = _tiles(T, rows, S, kp)
     scores = 2.0 * B * HI * dI * pools
-    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, 2 * scores, 1)
+    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, 2 * scores, 1, unit="fp32")  # autocast off, fp32
 
 
 def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float) -> None:
@@ -271,7 +347,7 @@ def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_fac
         _mm(t, "dense_mlp", n, D, 3 * cfg.intermediate_size, grad)
         return
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-    _mm(t, "experts", n, D, cfg.n_routed_experts, grad, depth=1)  # router
+    _mm(t, "experts", n, D, cfg.n_routed_experts, grad, depth=1, unit="fp32")  # router: fp32, autocast off
     if shared:
         _mm(t, "dense_mlp", n, D, 3 * shared, grad, depth=1)
     slots = n * cfg.num_experts_per_tok * ep_factor
@@ -281,20 +357,29 @@ def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_fac
 def _mhc(t: _Tally, cfg: ModelConfig, n: float, grad: bool) -> None:
     """Two hyper-connections of a layer: ``x~ fn^T`` ``[nD] -> [(2 + n) n]`` and ``comb^T x`` (``n^2 D``) per token."""
     m, D = cfg.hc_mult, cfg.hidden_size
-    for _ in range(2):
-        _mm(t, "mhc", n, m * D, (2 + m) * m, grad)
-        _mm(t, "mhc", n, m * m, D, grad)
+    for _ in range(2):  # autocast off, fp32 coefficients and streams
+        _mm(t, "mhc", n, m * D, (2 + m) * m, grad, unit="fp32")
+        _mm(t, "mhc", n, m * m, D, grad, unit="fp32")
 
 
-def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None) -> None:
+def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None, ctx: dict) -> None:
     """The LM head and loss: the model's own ``lm_head`` (an 8-token vocabulary) or the chunked head of a text base
-    (``genoctx.model.head``: logits recomputed in backward) over ``rows`` softmax rows (default ``vocab_size``)."""
+    (``genoctx.model.head``: logits recomputed in backward) over ``rows`` softmax rows (default ``vocab_size``).
+
+    Units: ``lm_head`` is an ``nn.Linear`` under autocast (``run``). The chunked training head turns autocast off
+    and multiplies in the weight's dtype: bf16 where FSDP2 all-gathers bf16 parameters (``ctx["fsdp"]``), else the
+    fp32 master (``fp32``). Scoring (``ctx["eval"]``, ``VocabHead.log_probs``): the full vocabulary's product under
+    autocast (``run``), the nucleotide rows' in fp32 (``.float()``; issue 43 item 13 keeps autocast off it)."""
     D = cfg.hidden_size
     if cfg.vocab_size == NUCLEOTIDE_VOCAB:
         _mm(t, "lm_head_loss", n, D, cfg.vocab_size, grad)
         return
     V = rows or cfg.vocab_size
-    _mm(t, "lm_head_loss", n, D, V, grad, depth=1)
+    if ctx["eval"]:
+        unit = "run" if rows is None else "fp32"
+    else:
+        unit = "run" if ctx["fsdp"] else "fp32"
+    _mm(t, "lm_head_loss", n, D, V, grad, depth=1, unit=unit)
 
 
 # ------------------------------------------------------------------ the rank's calls
@@ -316,12 +401,13 @@ def _rank_rounds(L: int, cp: int, cp_layout: str, seq_chunk_tokens: int | None) 
 
 
 def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, ep_factor: float,
-          loss_vocab_rows: int | None) -> _Tally:  # fmt: skip
+          loss_vocab_rows: int | None, *, fsdp: bool, eval_mode: bool = False) -> _Tally:  # fmt: skip
     """One forward (with or without grad) over every round of the rank, and what its backward would cost."""
     t = _Tally()
     for k, pieces in enumerate(rounds):
         n = B * sum(T for _, T in pieces)
-        ctx = {"cp": cp > 1, "n_pieces": n_pieces, "carry_in": k > 0, "carry_out": k < len(rounds) - 1}
+        ctx = {"cp": cp > 1, "n_pieces": n_pieces, "carry_in": k > 0, "carry_out": k < len(rounds) - 1,
+               "fsdp": fsdp, "eval": eval_mode}  # fmt: skip
         for i, kind in enumerate(cfg.layer_types):
             if kind == DSA:
                 _dsa_layer(t, cfg, i, B, pieces, grad, ctx)
@@ -329,12 +415,18 @@ def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, 
                 _kda_layer(t, cfg, B, pieces, grad, ctx)
             _ffn_layer(t, cfg, i, n, grad, ep_factor)
             _mhc(t, cfg, n, grad)
-        _head(t, cfg, n, grad, loss_vocab_rows)
+        _head(t, cfg, n, grad, loss_vocab_rows, ctx)
     return t
 
 
-def _result(components: dict, tokens: int) -> dict:
-    out = {"components": {c: {**{p: components[c][p] for p in PHASES}, "class": CLASSES[c]} for c in COMPONENTS}}
+def _result(components: dict, units: dict, tokens: int) -> dict:
+    out = {"components": {}}
+    for c in COMPONENTS:
+        by_unit: dict = {}
+        for p in PHASES:
+            for u, v in units[c][p].items():
+                by_unit[u] = by_unit.get(u, 0.0) + v
+        out["components"][c] = {**{p: components[c][p] for p in PHASES}, "class": CLASSES[c], "units": by_unit}
     for p in PHASES:
         out[p] = sum(components[c][p] for c in COMPONENTS)
     out["total"] = out["forward"] + out["recompute"] + out["backward"]
@@ -376,8 +468,9 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
 
     Returns:
         ``{"components": {name: {"forward", "recompute", "backward": FLOPs, "class": "matmul" | "attention" |
-        "memory"}}, "forward", "recompute", "backward", "total": FLOPs, "tokens": N}`` for the names of
-        ``COMPONENTS``; ``N = batch_size x seq_len / cp``.
+        "memory", "units": {unit: FLOPs}}}, "forward", "recompute", "backward", "total": FLOPs, "tokens": N}`` for
+        the names of ``COMPONENTS`` (``units``: the component's FLOPs of all phases by ``UNITS``, module
+        docstring); ``N = batch_size x seq_len / cp``.
 
     Raises:
         ValueError: ``seq_len`` or ``batch_size`` below 1, ``skew`` below 0, or a window that does not split into the
@@ -390,16 +483,23 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
     skew = min(skew, float(layout.ep)) if layout.ep > 1 else 1.0
     rounds = _rank_rounds(seq_len, layout.cp, cp_layout, seq_chunk_tokens)
     B = batch_size
-    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows).f
-    comps = {c: dict(grad[c]) for c in COMPONENTS}
+    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp)
+    comps = {c: dict(grad.f[c]) for c in COMPONENTS}
+    units = {c: {p: dict(grad.u[c][p]) for p in PHASES} for c in COMPONENTS}
+
+    def rerun(c: str, tally: _Tally) -> None:  # tally's forward of c once more, as recompute
+        comps[c]["recompute"] += tally.f[c]["forward"]
+        for u, v in tally.u[c]["forward"].items():
+            units[c]["recompute"][u] = units[c]["recompute"].get(u, 0.0) + v
+
     for c in COMPONENTS:
-        if recompute:  # apply_ac: every decoder layer's forward once more (the head is outside the layers)
-            comps[c]["recompute"] += grad[c]["forward"] if c != "lm_head_loss" else 0.0
+        if recompute and c != "lm_head_loss":  # apply_ac: every decoder layer's forward once more (not the head)
+            rerun(c, grad)
     if len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len):
-        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows).f
+        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp)
         for c in COMPONENTS:
-            comps[c]["recompute"] += sweep[c]["forward"]
-    return _result(comps, B * seq_len // layout.cp)
+            rerun(c, sweep)
+    return _result(comps, units, B * seq_len // layout.cp)
 
 
 def eval_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, cp_layout: str = "contiguous",
@@ -408,8 +508,8 @@ def eval_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, cp_
     and backward 0). Args and errors as ``step_flops`` (one window)."""
     n_pieces = _check(cfg, seq_len, layout, 1, cp_layout)
     rounds = _rank_rounds(seq_len, layout.cp, cp_layout, None)
-    t = _pass(cfg, 1, rounds, False, layout.cp, n_pieces, 1.0, loss_vocab_rows)
-    return _result(t.f, seq_len // layout.cp)
+    t = _pass(cfg, 1, rounds, False, layout.cp, n_pieces, 1.0, loss_vocab_rows, fsdp=layout.fsdp, eval_mode=True)
+    return _result(t.f, t.u, seq_len // layout.cp)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int | None = None) -> dict:
@@ -440,4 +540,4 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int | None = 
     return out
 
 
-__all__ = ["CLASSES", "COMPONENTS", "PUBLISHED_SKEW", "eval_flops", "flops_per_token", "step_flops"]
+__all__ = ["CLASSES", "COMPONENTS", "PUBLISHED_SKEW", "UNITS", "eval_flops", "flops_per_token", "step_flops"]

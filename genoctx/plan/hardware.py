@@ -5,7 +5,7 @@ A profile is a YAML file: the shipped ones are ``genoctx/plan/hardware/{h100,h20
 b200``); a user's own is any path (``--hardware my-gpu.yaml``) with the same keys:
 
     name: B200
-    dtype_flops: {bf16: 2.25e15, fp32: 8.0e13}   # dense FLOP/s per GPU (2 FLOPs per multiply-add)
+    dtype_flops: {bf16: 2.25e15, fp32: 8.0e13, tf32: 1.1e15}  # dense FLOP/s per GPU (2 FLOPs per multiply-add)
     hbm_bytes_per_s: 8.0e12                       # device memory bandwidth, bytes/s
     memory_gib: 178.0                             # usable device memory, GiB
     gpus_per_node: 8
@@ -13,6 +13,10 @@ b200``); a user's own is any path (``--hardware my-gpu.yaml``) with the same key
     inter_node_bytes_per_s: 5.0e10                # per GPU, each way (the node's NICs / GPUs)
     sources: {dtype_flops: "...", ...}            # where each number comes from (shipped profiles: required)
     efficiency: {matmul: 0.6}                     # optional: overrides of EFFICIENCY (a measured profile)
+
+``dtype_flops``: ``bf16`` (tensor cores), ``fp32`` (CUDA-core FMA: fp32 GEMMs with TF32 off, as genoctx runs them) and,
+optional in a user's profile, ``tf32`` (tensor cores on fp32 operands; what fla-core's fp32 dots run at). Which
+peak each component of a step runs at: ``genoctx.plan.flops`` (its table) and ``genoctx.plan.time.unit_dtype``.
 
 Efficiencies are named defaults with their reasons (``EFFICIENCY``, ``EFFICIENCY_REASONS``), taken from public
 kernel and library measurements, never fitted to the published run the planner is checked against.
@@ -54,6 +58,7 @@ EFFICIENCY_REASONS = {
 }
 COLLECTIVE_LATENCY_S = 3.0e-5  # seconds per collective call (NCCL launch + sync, tens of microseconds)
 HOST_KEYS = ("host_memory_gib", "host_device_bytes_per_s", "host_memory_bytes_per_s")  # optional
+DTYPES = ("bf16", "fp32", "tf32")  # the peaks a profile may give (bf16 and fp32 required)
 _KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node", "intra_node_bytes_per_s",
          "inter_node_bytes_per_s")  # fmt: skip
 
@@ -81,7 +86,14 @@ class Hardware:
     collective_latency_s: float = COLLECTIVE_LATENCY_S
 
     def flops(self, dtype: str) -> float:
-        """Dense FLOP/s of ``dtype`` ("bf16" or "fp32")."""
+        """Dense FLOP/s of ``dtype`` (a key of ``DTYPES``).
+
+        Raises:
+            GenoctxError: one line, a peak the profile does not give (``tf32`` is optional in a user's profile).
+        """
+        if dtype not in self.dtype_flops:
+            raise GenoctxError(f"hardware {self.name}: dtype_flops has no {dtype}, which this plan runs at (add "
+                               f"dtype_flops.{dtype} to the profile)")  # fmt: skip
         return float(self.dtype_flops[dtype])
 
     def to_dict(self) -> dict:
@@ -119,6 +131,9 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
     flops = doc["dtype_flops"]
     if not isinstance(flops, dict) or "bf16" not in flops or "fp32" not in flops:
         raise GenoctxError(f"{where}: dtype_flops must map bf16 and fp32 to FLOP/s, got {flops!r}")
+    for k in flops:
+        if k not in DTYPES:
+            raise GenoctxError(f"{where}: dtype_flops.{k}: unknown dtype (known: {', '.join(DTYPES)})")
     flops = {k: _positive(where, f"dtype_flops.{k}", v) for k, v in flops.items()}
     eff = dict(EFFICIENCY)
     for k, v in (doc.get("efficiency") or {}).items():

@@ -92,7 +92,9 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     if timed:
         t = p0["time"]
         exposed = ", ".join(f"{k} {v:.2f}" for k, v in t["exposed_comm_s"].items())
-        lines.append(f"time of #1, s per step: compute {t['compute_s']:.2f}, memory-bound kernels "
+        by = t.get("compute_by_dtype_s") or {}
+        peaks = f" ({', '.join(f'{k} {v:.2f}' for k, v in sorted(by.items(), key=lambda kv: -kv[1]))})" if by else ""
+        lines.append(f"time of #1, s per step: compute {t['compute_s']:.2f}{peaks}, memory-bound kernels "
                      f"{t['memory_bound_s']:.2f}, exposed communication: {exposed} (of {sum(t['comm_s'].values()):.2f} "
                      "in all)")  # fmt: skip
     if p0.get("host_gib"):

@@ -3,10 +3,15 @@
 
 The model (every term is a place where a measurement can disagree):
 
-- **Compute.** Each FLOPs component runs at ``peak(dtype) x efficiency[class]``: ``matmul`` (dense and expert
+- **Compute.** Each FLOPs component runs at ``peak(unit) x efficiency[class]``: ``matmul`` (dense and expert
   GEMMs, attention projections, LM head), ``attention`` (KDA core, DSA indexer, sparse MLA), ``memory`` (mHC).
-  The dtype is the run's (``bf16``: tensor cores) except where genoctx computes in fp32 whatever the run's dtype:
-  the KDA core of ``kda_kernel: torch`` (an fp32 island) and the mHC mixings.
+  The rate is the one of what runs: ``step_flops`` gives each component's FLOPs by unit (``genoctx.plan.flops``,
+  its docstring's table: component -> unit -> why, with the code), and ``unit_dtype`` maps a unit to a peak of
+  the profile: the run's dtype (``bf16`` tensor cores), ``fp32`` (CUDA-core FMA: the fp32 islands, the DSA
+  indexer's fp32 top-k dots and KL, the MoE router, the mHC mixings, the PyTorch KDA core, the KDA short
+  convolution, the chunked head's fp32 master without FSDP; genoctx never enables TF32), ``tf32`` (fla-core's
+  fp32 decay-score dots). A component's seconds are the sum over its units of ``FLOPs / (peak(unit) x
+  efficiency[class])``.
 - **Memory-bound kernels.** Norms, gates, activations, softmax statistics, mHC stream mixing and Sinkhorn move
   bytes, not FLOPs: the activation bytes per token each layer writes (the planner's per-token sizes,
   ``genoctx.plan.sizes``, as kept without recompute) are written and read once in each forward (2x), read, and
@@ -40,8 +45,6 @@ from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _norm, _Sizes
 
 BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node", "host")
 OVERLAPPED_PREFIXES = ("fsdp_", "dp_")  # collectives FSDP2 / HSDP run beside compute (module docstring)
-_FP32_COMPONENTS_TORCH_KDA = ("kda_core",)
-_FP32_COMPONENTS = ("mhc",)
 
 
 def _dim_strides(layout: Layout) -> dict:
@@ -117,27 +120,49 @@ def activation_bytes_per_token(cfg: ModelConfig, dtype: str) -> float:
     return total
 
 
-def _component_dtype(name: str, cfg: ModelConfig, dtype: str) -> str:
-    if dtype == "fp32" or name in _FP32_COMPONENTS:
-        return "fp32"
-    if name in _FP32_COMPONENTS_TORCH_KDA and cfg.kda_kernel != "fla":
-        return "fp32"
-    return dtype
+def unit_dtype(unit: str, dtype: str) -> str:
+    """The peak (a ``Hardware.dtype_flops`` key) that FLOPs of ``unit`` (``genoctx.plan.flops.UNITS``) run at in a
+    run of compute dtype ``dtype`` ("bf16" or "fp32"): ``run`` -> ``dtype``; ``run_tf32`` -> ``dtype``, ``tf32`` in
+    an fp32 run; ``fp32`` and ``tf32`` -> themselves.
+
+    Raises:
+        ValueError: an unknown unit.
+    """
+    if unit == "run":
+        return dtype
+    if unit == "run_tf32":
+        return "tf32" if dtype == "fp32" else dtype
+    if unit in ("fp32", "tf32"):
+        return unit
+    raise ValueError(f"unknown compute unit {unit!r}")
 
 
 def compute_seconds(flops: dict, cfg: ModelConfig, hw: Hardware, dtype: str) -> dict:
-    """Seconds of each FLOPs component of ``flops`` (``step_flops``'s dict) at its class's efficiency: ``{name:
-    seconds}`` plus ``by_class`` (``{"matmul": s, "attention": s, "memory": s}``)."""
-    out, by_class = {}, {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
+    """Seconds of each FLOPs component of ``flops`` (``step_flops``'s dict) at its class's efficiency, each of its
+    units (``units``; a component without them runs wholly in the run's ``dtype``) at the peak ``unit_dtype``
+    gives: ``{name: seconds}`` plus ``by_class`` (``{"matmul": s, "attention": s, "memory": s}``) and ``by_dtype``
+    (``{peak: s}``: the seconds spent at each peak of ``hw``). ``cfg``: unused (kept for callers).
+
+    Raises:
+        GenoctxError: ``hw`` has no peak for a unit that runs (``Hardware.flops``).
+    """
+    out, by_class, by_dtype = {}, {"matmul": 0.0, "attention": 0.0, "memory": 0.0}, {}
     for name, c in flops["components"].items():
-        f = c["forward"] + c["recompute"] + c["backward"]
         cls = c["class"]
-        t = f / (hw.flops(_component_dtype(name, cfg, dtype)) * hw.efficiency["matmul" if cls == "matmul" else
-                                                                                "attention" if cls == "attention"
-                                                                                else "memory"])  # fmt: skip
+        eff = hw.efficiency["matmul" if cls == "matmul" else "attention" if cls == "attention" else "memory"]
+        units = c.get("units") or {"run": c["forward"] + c["recompute"] + c["backward"]}
+        t = 0.0
+        for unit, f in units.items():
+            if not f:
+                continue
+            dt = unit_dtype(unit, dtype)
+            s = f / (hw.flops(dt) * eff)
+            by_dtype[dt] = by_dtype.get(dt, 0.0) + s
+            t += s
         out[name] = t
         by_class[cls] = by_class.get(cls, 0.0) + t
     out["by_class"] = by_class
+    out["by_dtype"] = by_dtype
     return out
 
 
@@ -156,10 +181,12 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
     Returns:
         ``{"step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "comm_s": {"intra-node",
         "inter-node"} (all communication), "exposed_comm_s": {...}, "compute_by_component_s": {...},
-        "comm_by_collective_s": {name: s}, "hbm_bytes"}``; seconds, tokens/s, MFU a fraction.
+        "compute_by_dtype_s": {peak: s} (compute seconds at each peak of ``hw``), "comm_by_collective_s": {name: s},
+        "hbm_bytes"}``; seconds, tokens/s, MFU a fraction.
     """
     comp = compute_seconds(flops, cfg, hw, dtype)
-    compute_s = sum(v for k, v in comp.items() if k != "by_class")
+    comp_by = {k: v for k, v in comp.items() if k not in ("by_class", "by_dtype")}
+    compute_s = sum(comp_by.values())
     passes = 2 * (1 + flops["recompute"] / flops["forward"] if flops["forward"] else 1) + (
         4 if flops["backward"] else 0)  # fmt: skip
     hbm = activation_bytes_per_token(cfg, dtype) * flops["tokens"] * passes
@@ -195,7 +222,8 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
         "memory_bound_s": memory_s,
         "comm_s": _link_totals(comms, layout, hw),
         "exposed_comm_s": exposed,
-        "compute_by_component_s": {k: v for k, v in comp.items() if k != "by_class"},
+        "compute_by_component_s": comp_by,
+        "compute_by_dtype_s": comp["by_dtype"],
         "comm_by_collective_s": by_name,
         "hbm_bytes": hbm,
     }
@@ -216,7 +244,8 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
     ``hw``: ``step_time`` of ``step_flops`` / ``eval_flops`` and ``step_comms``, with the inputs recorded.
 
     Args:
-        cfg: the architecture (its compute knobs: ``kda_kernel`` picks the KDA core's dtype).
+        cfg: the architecture (its compute knobs: ``kda_kernel`` and ``kernels`` pick the KDA core's and the sparse
+            attention's units, ``genoctx.plan.flops``).
         seq_len: tokens per window; batch_size: windows per data-parallel rank.
         layout: the parallel layout; hw: the hardware profile (``load_hardware``).
         recompute: activation checkpointing of the decoder layers; dtype: "bf16" or "fp32".
@@ -302,8 +331,8 @@ def gpu_hours(step_s: float, steps: int, world: int) -> float:
     return step_s * steps * world / 3600.0
 
 
-TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "exposed_comm_s", "comm_s",
-             "hardware", "skew", "host_s")  # fmt: skip
+TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "compute_by_dtype_s", "memory_bound_s",
+             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s")  # fmt: skip
 
 
 def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:

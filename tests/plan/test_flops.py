@@ -40,18 +40,35 @@ def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, *arg
     return _sdpa_cpu(query_shape, key_shape, value_shape) * 5 // 2
 
 
-def _counter() -> FlopCounterMode:
+class _ByDtype(FlopCounterMode):
+    """``_counter()``'s FlopCounterMode that also sums each op's FLOPs by the dtype of its first tensor operand
+    (``by_dtype``): the unit a GEMM ran on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.by_dtype: dict = {}
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet in self.flop_registry:
+            n = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            dt = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+            self.by_dtype[dt] = self.by_dtype.get(dt, 0) + n
+        return super()._count_flops(func_packet, out, args, kwargs)
+
+
+def _counter(by_dtype: bool = False) -> FlopCounterMode:
     aten = torch.ops.aten
-    return FlopCounterMode(display=False, custom_mapping={
+    return (_ByDtype if by_dtype else FlopCounterMode)(display=False, custom_mapping={
         aten.convolution_backward: _conv_backward,
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
     })  # fmt: skip
 
 
-def _count(name: str, L: int, ac: bool, chunk: int | None = None, **overrides) -> tuple:
+def _count(name: str, L: int, ac: bool, chunk: int | None = None, bf16: bool = False, **overrides) -> tuple:
     """One train step of ``forward_backward``'s one-process objective, counted: (cfg, forward counter, backward
-    counter); the chunked backward (``chunk``) counted whole in the second."""
+    counter); the chunked backward (``chunk``) counted whole in the second. ``bf16``: the forward under bf16
+    autocast (``train.dtype: bf16``), the counters also by operand dtype."""
     torch.manual_seed(0)
     cfg = preset(name, kernels="torch", kda_kernel="torch", **overrides)
     model = build_model(cfg, activation_checkpointing=ac)
@@ -61,12 +78,13 @@ def _count(name: str, L: int, ac: bool, chunk: int | None = None, **overrides) -
         with _counter() as both:
             chunked_forward_backward(model, inputs, tokens, scored, chunk, scored.sum())
         return cfg, None, both
-    with _counter() as fwd:
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with _counter(bf16) as fwd, autocast:
         logits, _ = model(inputs)
         loss = token_losses(logits, tokens, scored).sum() / L
         aux = model.aux_loss()
         loss = loss if aux is None else loss + aux
-    with _counter() as bwd:
+    with _counter(bf16) as bwd:
         loss.backward()
     return cfg, fwd, bwd
 
@@ -156,6 +174,38 @@ def test_step_flops_equal_flop_counter_variants(overrides):
     plan = step_flops(cfg, 136, recompute=True)
     assert plan["forward"] == pytest.approx(fwd.get_total_flops(), rel=0.01)
     assert plan["total"] == pytest.approx(fwd.get_total_flops() + bwd.get_total_flops(), rel=0.01)
+
+
+def test_units_are_the_dtypes_a_bf16_step_runs():
+    """Each product's unit (``step_flops``' ``units``, the table in ``genoctx.plan.flops``) is the dtype it runs in:
+    a bf16-autocast train step of tiny (recomputed, 128 tokens: top-k and indexer KL active; the PyTorch kernels)
+    counted by operand dtype equals the plan's FLOPs per ``unit_dtype(unit, "bf16")``, bf16 and fp32 alike. The
+    indexer's scoring and KL, the router, the mHC, the KDA core and conv and the PyTorch sparse attention are fp32."""
+    from genoctx.plan.time import unit_dtype
+
+    cfg, fwd, bwd = _count("tiny", 128, True, bf16=True)
+    plan = step_flops(cfg, 128, recompute=True)
+    want = {"bf16": 0.0, "fp32": 0.0}
+    for c in plan["components"].values():
+        assert sum(c["units"].values()) == pytest.approx(c["forward"] + c["recompute"] + c["backward"])
+        for unit, f in c["units"].items():
+            want[unit_dtype(unit, "bf16")] += f
+    counted = {dt: fwd.by_dtype.get(dt, 0) + bwd.by_dtype.get(dt, 0) for dt in (torch.bfloat16, torch.float32)}
+    assert set(fwd.by_dtype) | set(bwd.by_dtype) == {torch.bfloat16, torch.float32}
+    assert counted[torch.float32] == pytest.approx(want["fp32"], rel=0.01)
+    assert counted[torch.bfloat16] == pytest.approx(want["bf16"], rel=0.01)
+    units = {k: set(c["units"]) for k, c in plan["components"].items()}
+    assert units["dsa_indexer"] == units["kda_core"] == units["mhc"] == units["dsa_attention"] == {"fp32"}
+    assert units["dense_mlp"] == units["lm_head_loss"] == {"run"} and units["experts"] == {"run", "fp32"}
+    # on a GPU: the Triton sparse attention runs in the compute dtype, fla's core in bf16 and tf32; the CP state
+    # pass stays genoctx's fp32 core; the chunked head of a text base in its weight's dtype (bf16 under FSDP)
+    gpu = step_flops(preset("tiny", kda_kernel="fla"), 128, Layout(cp=2), recompute=True)["components"]
+    assert set(gpu["dsa_attention"]["units"]) == {"run"}
+    assert set(gpu["kda_core"]["units"]) == {"fp32", "tf32", "run_tf32"}
+    base = preset("tiny", vocab_size=64)
+    assert set(step_flops(base, 128)["components"]["lm_head_loss"]["units"]) == {"fp32"}
+    assert set(step_flops(base, 128, Layout(dp_shard=2))["components"]["lm_head_loss"]["units"]) == {"run"}
+    assert set(eval_flops(base, 128)["components"]["lm_head_loss"]["units"]) == {"run"}
 
 
 def test_chunked_step_and_eval_equal_flop_counter():
