@@ -38,7 +38,6 @@ run here: this machine has no GPU; ``bench/gpu_check.sh`` is where it runs.)
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter
 
 import torch
@@ -60,13 +59,17 @@ SYNC_OPS = {
     _aten.is_nonzero.default: "item",
 }
 
-_state = threading.local()
+class _State:
+    """Process-wide, not thread-local: autograd may run a backward on a device thread of its own."""
+
+    counters: list = []
+    quiet = 0
+
+
+_state = _State()
 
 
 def _counters() -> list:
-    if not hasattr(_state, "counters"):
-        _state.counters = []
-        _state.quiet = 0
     return _state.counters
 
 
@@ -79,7 +82,6 @@ def reads_free(device: torch.device | str) -> bool:
 @contextlib.contextmanager
 def _quiet():
     """No counting (and no CUDA sync warning) inside: ``read``'s own copy is counted once, by its label."""
-    _counters()
     _state.quiet += 1
     mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     if mode:

@@ -435,7 +435,7 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
             auxes.append(module.aux_loss)
     merged = dict(stats[-1])
     for key in ("keys_scored", "keys_attended"):  # ints or device tensors (read after the step: no sync here)
-        merged[key] = sum((s.get(key) or 0) for s in stats)
+        merged[key] = sum(0 if s.get(key) is None else s[key] for s in stats)  # no truth test of a tensor
     losses = [s.get("indexer_loss") for s in stats]
     merged["indexer_loss"] = None if any(v is None for v in losses) else sum(losses) / len(losses)
     module.stats = merged
