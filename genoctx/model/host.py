@@ -27,7 +27,9 @@ ops forcing a device -> host read (``SYNC_OPS``: ``_local_scalar_dense`` behind 
 ``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``, indexing by
 a boolean mask, copies between a CUDA tensor and the host), plus the labelled ``read`` calls (on CPU ``.tolist()``
 dispatches no aten op at all, hence the one door). Inside it ``reads_free`` is False everywhere, so genoctx takes
-the paths it takes on an accelerator and what is counted on a CPU is what a GPU would wait for.
+the paths it takes on an accelerator and what is counted on a CPU is what a GPU would wait for. The body of a
+``torch.library`` custom op (the Triton kernels' ops) runs below the mode, unseen: a read there is counted on its
+launcher (``tests/train/test_syncs.py``).
 
 Where CUDA exists the real check is torch's own: ``torch.cuda.set_sync_debug_mode("warn")`` (or ``"error"``) warns
 on (raises at) every synchronising CUDA call. ``SyncCounter(cuda_debug="warn")`` turns it on for its duration, and
@@ -58,6 +60,7 @@ SYNC_OPS = {
     _aten.equal.default: "equal",
     _aten.is_nonzero.default: "item",
 }
+
 
 class _State:
     """Process-wide, not thread-local: autograd may run a backward on a device thread of its own."""

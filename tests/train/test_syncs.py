@@ -236,3 +236,29 @@ def test_indexer_topk_reads_nothing_when_the_caller_knows_visible():
     assert c.ops and torch.equal(pruned, ref)  # per-block reads: why the layer prunes only where they are free
     with pytest.raises(ValueError, match="non-decreasing"):
         indexer_topk(q, w, k, visible, 8, 64, visible_host=vis[::-1])
+
+
+def test_triton_indexer_topk_checks_visible_on_the_host():
+    """The Triton top-k (under the interpreter here) checks a host ``visible_host`` instead of reading ``visible``
+    back from the device: no read; without it, its device check is one read (``item``). Counted on the launcher: the
+    body of a ``torch.library`` op runs below the dispatch mode, where the counter does not see it."""
+    from kernels.indexer_topk import indexer_topk, indexer_topk_launch
+
+    g = torch.Generator().manual_seed(0)
+    T, N = 8, 6
+    q, w, k = (
+        torch.randn(1, T, 1, 16, generator=g),
+        torch.rand(1, T, 1, generator=g),
+        torch.randn(1, N, 16, generator=g),
+    )
+    vis = [(p + 1) * N // T for p in range(T)]
+    visible = torch.tensor(vis)
+    with SyncCounter() as c:
+        out = indexer_topk_launch(q, w, k, visible, 4, visible_host=vis)
+    assert c.total == 0
+    with SyncCounter() as c:
+        ref = indexer_topk_launch(q, w, k, visible, 4)
+    assert dict(c.ops) == {"item": 1} and torch.equal(out, ref)
+    assert torch.equal(indexer_topk(q, w, k, visible, 4, visible_host=vis), ref)  # the op, its device check skipped
+    with pytest.raises(ValueError, match="non-decreasing"):
+        indexer_topk(q, w, k, visible, 4, visible_host=vis[::-1])
