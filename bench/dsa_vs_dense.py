@@ -128,6 +128,8 @@ def worker(side: str, L: int, topk: int, shape: str, device: str) -> dict:
     import torch
     from _memory import peak_rss_mib, rss_now_mib  # bench/_memory.py, beside this script
 
+    from genoctx.model.stats import read_numbers
+
     torch.manual_seed(0)
     layer, step = _make(side, shape, topk, L, device)
     D = layer.o_proj.out_features
@@ -145,7 +147,8 @@ def worker(side: str, L: int, topk: int, shape: str, device: str) -> dict:
     _sync(device)
     seconds = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else peak_rss_mib()) - base
-    stats = layer.stats if side == "dsa" else {**layer.stats, "indexer": None}
+    stats = read_numbers([layer.stats])[0]  # device tensors until read (genoctx.model.stats)
+    stats = stats if side == "dsa" else {**stats, "indexer": None}
     out = {"seconds": round(seconds, 3), "peak_mib": round(peak, 1), "stats": stats}
     if side == "dsa":
         t_topk, t_kl = _indexer_seconds(layer, x, device)

@@ -224,6 +224,12 @@ def _check_static(index_q, index_w, index_k, visible, index_dtype) -> tuple:
     return B, T, H, D, N
 
 
+def _check_visible_host(vis: list[int], T: int, N: int) -> None:
+    """``visible``'s checks on its host copy (no device read). Raises ValueError as ``indexer_topk_launch``."""
+    if len(vis) != T or any(b < a for a, b in zip(vis, vis[1:], strict=False)) or (T and (vis[0] < 0 or vis[-1] > N)):
+        raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
+
+
 def indexer_topk_launch(
     index_q: torch.Tensor,
     index_w: torch.Tensor,
@@ -235,6 +241,8 @@ def indexer_topk_launch(
     prune: bool = True,
     *,
     dot_dtype: torch.dtype | None = None,
+    visible_host: list[int] | None = None,
+    check_visible: bool = True,
 ) -> torch.Tensor:
     """Top-k keys (pools) per query by the lightning indexer, fused in one Triton kernel.
 
@@ -250,6 +258,11 @@ def indexer_topk_launch(
         index_dtype: int64 (default) or int32.
         dot_dtype: dtype of the score products; default the promoted dtype of ``index_q`` and ``index_k`` (exact
             products, as the reference). ``torch.bfloat16`` rounds fp32 keys for tensor-core speed.
+        visible_host: ``visible``'s values as a host list, when the caller has them (the DSA layer computes them from
+            its positions): checked on the host. Without it ``visible`` is checked on the device and the verdict read
+            back: one host sync per call (``genoctx.model.host``).
+        check_visible: False skips the value checks of ``visible`` (the op does, after ``indexer_topk`` checked
+            ``visible_host``).
 
     Returns:
         ``[B, T, min(topk, N)]`` (``index_dtype``): key indices in descending score, ``-1`` in empty slots.
@@ -260,12 +273,14 @@ def indexer_topk_launch(
     if topk < 1 or (tile_tokens is not None and tile_tokens < 1):
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
     B, T, H, D, N = _check_static(index_q, index_w, index_k, visible, index_dtype)
-    if T > 0:
+    if visible_host is not None:
+        _check_visible_host(visible_host, T, N)
+    elif T > 0 and check_visible:
         vis = visible.to(torch.long)
         bad = (vis[0] < 0) | (vis[-1] > N)
         if T > 1:
             bad = bad | (vis[1:] < vis[:-1]).any()
-        if bool(bad):
+        if bool(bad):  # a host sync: callers that know ``visible`` pass ``visible_host``
             raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
     K = min(topk, N)
     out = torch.empty(B, T, K, dtype=index_dtype, device=index_q.device)
@@ -311,12 +326,15 @@ def _indexer_topk_op(
     topk: int,
     index_dtype: torch.dtype,
     dot_dtype: torch.dtype | None,
+    check_visible: bool = True,
 ) -> torch.Tensor:
-    return indexer_topk_launch(index_q, index_w, index_k, visible, topk, None, index_dtype, dot_dtype=dot_dtype)
+    return indexer_topk_launch(
+        index_q, index_w, index_k, visible, topk, None, index_dtype, dot_dtype=dot_dtype, check_visible=check_visible
+    )
 
 
 @_indexer_topk_op.register_fake
-def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype):
+def _indexer_topk_fake(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype, check_visible=True):
     """The checks of ``indexer_topk_launch`` that need no data (not ``visible``'s values), then the empty result."""
     B, T = _check_static(index_q, index_w, index_k, visible, index_dtype)[:2]
     return index_q.new_empty((B, T, torch.sym_min(topk, index_k.shape[1])), dtype=index_dtype)
@@ -333,6 +351,7 @@ def indexer_topk(
     prune: bool = True,
     *,
     dot_dtype: torch.dtype | None = None,
+    visible_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Top-k keys (pools) per query by the lightning indexer: the op ``torch.ops.genoctx.indexer_topk``.
 
@@ -341,13 +360,19 @@ def indexer_topk(
     there); on fake or meta tensors it returns an empty ``[B, T, min(topk, N)]`` tensor of ``index_dtype`` after the
     checks that need no data, so ``torch.compile(fullgraph=True)`` and meta-device runs trace through it.
     ``tile_tokens`` and ``prune`` are accepted for the reference's signature. Not differentiable (integer output).
+    ``visible_host`` (``visible``'s values on the host, as the DSA layer knows them from its positions) is checked
+    here and the op skips its device check: no host sync per call.
 
     Raises:
         ValueError: ``topk < 1`` or ``tile_tokens < 1``, and the errors of ``indexer_topk_launch``.
     """
     if topk < 1 or (tile_tokens is not None and tile_tokens < 1):
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
-    return torch.ops.genoctx.indexer_topk(index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype)
+    if visible_host is not None:
+        _check_visible_host(visible_host, index_q.shape[1], index_k.shape[1])
+    return torch.ops.genoctx.indexer_topk(
+        index_q, index_w, index_k, visible, topk, index_dtype, dot_dtype, visible_host is None
+    )
 
 
 __all__ = ["SENTINEL", "TIE_BREAK", "indexer_topk", "indexer_topk_launch"]

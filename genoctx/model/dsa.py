@@ -44,6 +44,10 @@ Design choices (why this is not the reference's code):
   equal to them under the Triton interpreter) unless ``kernels == "torch"``; on CPU this file's PyTorch path runs.
   ``stats["kernel"]`` says which ran ("triton" / "torch"). The kernels are imported only when used, so a CPU
   install without a working Triton imports this module. The indexer KL and dense attention stay PyTorch.
+- No host read per layer or chunk (``genoctx.model.host``): the visible pools of each query are computed on the host
+  from the positions (``visible_host``), loop bounds from Python ints, and ``stats`` counts and the indexer loss stay
+  0-dim device tensors until ``HybridLM.layer_stats`` reads them. The PyTorch top-k's pruning reads thresholds per
+  block, so the layer prunes only where host reads are free (a CPU).
 - Chunk contract: ``forward(x, cache, selection)`` takes the latents and pooled indexer keys of all earlier
   positions (``DSACache``: latents, complete pools' keys, and the raw keys/gates of the incomplete last pool)
   and returns them extended by this chunk (not detached: gradients reach earlier chunks).
@@ -60,6 +64,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .host import read, reads_free
 from .norms import RMSNorm
 from .precision import island
 from .stats import host_number
@@ -259,6 +264,8 @@ def indexer_topk(
     tile_tokens: int,
     index_dtype: torch.dtype = torch.long,
     prune: bool = True,
+    *,
+    visible_host: list[int] | None = None,
 ) -> Tensor:
     """Top-k keys (pools) per query by the lightning indexer (DeepSeek-V3.2), in query tiles.
 
@@ -282,7 +289,10 @@ def indexer_topk(
             exceeds the threshold are merged. Blocks are visited from the most recent keys backwards, so the
             threshold rises early. The result equals ``prune=False`` (the plain running top-k), tested, except
             where two keys have exactly equal scores at the k-th place (fp32 scores above ~1 round
-            ``TIE_BREAK`` away), where either may be kept.
+            ``TIE_BREAK`` away), where either may be kept. Pruning reads thresholds and candidate counts on the host
+            per block: the DSA layer prunes only where that is free (``genoctx.model.host.reads_free``: a CPU).
+        visible_host: ``visible``'s values as a host list when the caller has them (the DSA layer computes them from
+            its positions); else ``visible`` is read from the device (one host sync: the tiles are steered by it).
 
     Returns:
         ``idx`` (``index_dtype``) ``[B, T, min(topk, N)]``: selected key positions in descending score order;
@@ -300,7 +310,7 @@ def indexer_topk(
         raise ValueError(f"indexer_topk needs topk >= 1 and tile_tokens >= 1, got {topk}, {tile_tokens}")
     B, T, H_I, d_I = index_q.shape
     N = index_k.shape[1]
-    vis = [int(v) for v in visible.tolist()]
+    vis = list(visible_host) if visible_host is not None else read(visible, label="indexer_topk.visible")
     if len(vis) != T or any(b < a for a, b in zip(vis, vis[1:], strict=False)) or (T and (vis[0] < 0 or vis[-1] > N)):
         raise ValueError(f"indexer_topk: visible must be {T} non-decreasing counts in [0, {N}]")
     if index_dtype not in (torch.long, torch.int32) or (index_dtype == torch.int32 and N >= 2**31):
@@ -599,12 +609,12 @@ class _IndexerKLSparse(torch.autograd.Function):
 
 
 @_no_autocast
-def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale):
+def _kl_warmup_tile(q, kv, pos, iq, iw, pk, kpool, scale, n):
     """Indexer KL of one query tile, warm-up stage: target = dense attention (heads summed) over all visible
     tokens, summed per visible complete pool and renormalised; model = softmax over those pools. Computed in at
-    least fp32 with autocast off (its products would otherwise run in bf16 under autocast)."""
+    least fp32 with autocast off (its products would otherwise run in bf16 under autocast). ``n``: tokens visible to
+    the tile's last row (``pos[-1] + 1``, known on the host)."""
     B, R, H, _ = q.shape
-    n = int(pos[-1]) + 1  # tokens visible to the tile's last row
     P = n // kpool
     dev = q.device
     dt = _acc_dtype(iq.dtype)
@@ -806,7 +816,14 @@ class DeepSeekSparseAttention(nn.Module):
         if self.indexer is not None and need_sel:
             K = min(self.topk // kp, pool_k.shape[1])
             if K > 0:
-                pools = topk_fn(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32)
+                # visible pools of each query on the host (from the positions, no device read); the PyTorch top-k prunes
+                # by per-block host reads only where they are free (a CPU)
+                kw = {}  # compiled: the opaque op (it reads ``visible`` when it runs)
+                if not torch.compiler.is_compiling():
+                    kw["visible_host"] = [(p + 1) // kp for p in range(S, S + T)]
+                    if not use_triton:
+                        kw["prune"] = reads_free(x.device)
+                pools = topk_fn(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32, **kw)
                 ran_triton = use_triton
             else:
                 pools = torch.full((B, T, 0), SENTINEL, dtype=torch.int32, device=x.device)
@@ -884,7 +901,7 @@ class DeepSeekSparseAttention(nn.Module):
                 part = checkpoint(
                     _kl_warmup_tile,
                     q[:, r0:r1], kv, pos[r0:r1], iq[:, r0:r1], iw[:, r0:r1], pool_k, self.kpool, self.scale,
-                    use_reentrant=False,
+                    N - T + r1, use_reentrant=False,
                 )  # fmt: skip
                 total = part if total is None else total + part
         return total / (B * T)
@@ -903,7 +920,7 @@ def indexer_topk_op(
 ) -> Tensor:
     """``indexer_topk`` as one ``torch.library`` op (``genoctx::indexer_topk_torch``; the Triton kernel's op is
     ``genoctx::indexer_topk``), so that ``torch.compile`` calls it
-    without tracing its host-driven tiles (``visible.tolist()``, pruning thresholds, ragged candidates): the compiled
+    without tracing its host-driven tiles (reading ``visible``, pruning thresholds, ragged candidates): the compiled
     DSA layer has no graph break there. Same arguments and result; no gradient (integer output)."""
     return indexer_topk(index_q, index_w, index_k, visible, topk, tile_tokens, index_dtype, prune)
 

@@ -42,14 +42,17 @@ Design choices:
   This is a different objective from the full-vocabulary one (the model is never penalised for mass on the
   other 154k tokens, and its loss is not comparable to a full-vocabulary loss). Only the selected rows get a
   gradient (``index_add``; a row listed twice gets both contributions); all other rows get exactly 0.
-- Validation costs one host sync (range of the scored targets); errors are ``ValueError``: these are
-  programming errors (the tokenizer and windows validate user data before this point).
+- Validation costs one host sync (the ranges of ``rows`` and of the scored targets, read in one copy), none with
+  ``check_values=False`` (``VocabHead``, whose ids are in range by construction); errors are ``ValueError``: these
+  are programming errors (the tokenizer and windows validate user data before this point).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .host import read
 
 
 def _loss_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -64,8 +67,10 @@ def _check(
     scored: torch.Tensor,
     chunk_tokens: int,
     rows: torch.Tensor | None,
+    check_values: bool = True,
 ) -> None:
-    """Raise ValueError, naming the argument, for anything ``head_token_losses`` cannot run on."""
+    """Raise ValueError, naming the argument, for anything ``head_token_losses`` cannot run on; the ranges of
+    ``rows`` and the scored targets only with ``check_values`` (one host read)."""
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
     if hidden.dim() != 2 or not hidden.is_floating_point():
@@ -86,15 +91,20 @@ def _check(
     if rows is not None:
         if rows.dim() != 1 or rows.dtype != torch.int64 or rows.numel() < 1:
             raise ValueError(f"rows must be a non-empty int64 [R] tensor, got {rows.dtype} {tuple(rows.shape)}")
-        if int(rows.min()) < 0 or int(rows.max()) >= V:
-            raise ValueError(f"rows must lie in [0, {V}), got min {int(rows.min())} max {int(rows.max())}")
         classes = rows.numel()
-    t = targets[scored]
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= classes):
+    if not check_values:
+        return
+    # the ranges of rows and of the scored targets, read in one host copy (no boolean-mask index: no extra sync)
+    big = torch.iinfo(torch.int64).max
+    t_min = torch.where(scored, targets, big).amin() if N else targets.new_full((), big)
+    t_max = torch.where(scored, targets, -big).amax() if N else targets.new_full((), -big)
+    r = (rows.amin(), rows.amax()) if rows is not None else (t_min, t_min)
+    r_min, r_max, t_min, t_max = read(torch.stack([r[0], r[1], t_min, t_max]), label="head.check")
+    if rows is not None and (r_min < 0 or r_max >= V):
+        raise ValueError(f"rows must lie in [0, {V}), got min {r_min} max {r_max}")
+    if t_min <= t_max and (t_min < 0 or t_max >= classes):  # t_min > t_max: no scored token
         what = f"rows (R = {classes})" if rows is not None else f"weight rows (V = {classes})"
-        raise ValueError(
-            f"a scored target is out of range: targets must index {what}, got min {int(t.min())} max {int(t.max())}"
-        )
+        raise ValueError(f"a scored target is out of range: targets must index {what}, got min {t_min} max {t_max}")
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,6 +193,7 @@ def head_token_losses(
     scored: torch.Tensor,
     chunk_tokens: int = 2048,
     rows: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ weight.T``, computed ``chunk_tokens`` tokens at a time.
 
@@ -202,6 +213,9 @@ def head_token_losses(
         chunk_tokens: tokens per chunk of logits. Memory beyond inputs and gradients is one [chunk_tokens, V]
             fp32 tensor (x1.5 for a low-precision weight): at V = 154,880, 2048 tokens -> 1.18 GiB.
         rows: optional [R] int64 rows of ``weight`` to restrict the softmax to.
+        check_values: check that ``rows`` and the scored targets are in range (one host read per call, a sync on a
+            GPU); False for a caller whose ids are in range by construction (``VocabHead``: mapped through a token map
+            checked against the vocabulary when it was built).
 
     Returns:
         [N] per-token loss in nats: float32 (float64 when ``weight`` is float64); 0 where not scored.
@@ -213,7 +227,7 @@ def head_token_losses(
 
     Reference: ``head_token_losses_reference`` (same math on the full [N, V] logits).
     """
-    _check(hidden, weight, targets, scored, chunk_tokens, rows)
+    _check(hidden, weight, targets, scored, chunk_tokens, rows, check_values)
     return _ChunkedHeadLoss.apply(hidden, weight, targets, scored, chunk_tokens, rows)
 
 

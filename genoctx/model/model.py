@@ -38,7 +38,7 @@ from .kda import KimiDeltaAttention
 from .moe import MLP, MoE
 from .norms import RMSNorm
 from .precision import island
-from .stats import as_number
+from .stats import read_numbers
 
 # Parameter/buffer name suffixes kept in fp32 whatever the model dtype (transformers glm5_next
 # ``_keep_in_fp32_modules_strict``).
@@ -234,21 +234,22 @@ class HybridLM(nn.Module):
         out = []
         for i, layer in enumerate(self.layers):
             s = {"layer": i, "mixer": "dsa" if layer.layer_type == DSA else "kda"}
-            for k, v in (getattr(layer.self_attn, "stats", None) or {}).items():
-                s[k] = as_number(v)  # a 0-dim tensor under torch.compile (genoctx.model.stats)
+            s.update(getattr(layer.self_attn, "stats", None) or {})  # device tensors until read below
             fs = getattr(layer.mlp, "stats", None)
             if fs:
-                s["moe_load_max_over_mean"] = as_number(fs.get("load_max_over_mean"))
-                tpe = fs.get("tokens_per_expert")
-                s["moe_tokens_per_expert"] = tpe.tolist() if torch.is_tensor(tpe) else tpe
+                s["moe_load_max_over_mean"] = fs.get("load_max_over_mean")
+                s["moe_tokens_per_expert"] = fs.get("tokens_per_expert")
                 s.update({k: v for k, v in fs.items() if k.startswith("ep_")})  # expert-parallel dispatch, if any
             out.append(s)
-        return out
+        return read_numbers(out, label="layer_stats")  # every layer's tensors in one host copy (genoctx.model.host)
 
     @torch.no_grad()
-    def update_router_biases(self) -> list[dict]:
-        """Aux-loss-free MoE balancing step (DeepSeek-V3), called after each optimizer step."""
-        return [layer.mlp.update_bias() for layer in self.layers if isinstance(layer.mlp, MoE)]
+    def update_router_biases(self, read_now: bool = True) -> list[dict]:
+        """Aux-loss-free MoE balancing step (DeepSeek-V3), called after each optimizer step: ``MoE.update_bias`` of
+        every MoE layer, its statistics read in one host copy (``read_now``; else left as device tensors for the
+        caller's own combined read, ``genoctx.model.stats.read_numbers``)."""
+        out = [layer.mlp.update_bias(read_now=False) for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return read_numbers(out, label="moe_bias") if read_now else out
 
     def num_parameters(self) -> dict:
         """Parameter counts: ``total`` and ``active`` per token (total minus, in every MoE layer, the

@@ -28,6 +28,9 @@ Design choices:
   ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
   ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
 - Optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) when ``moe_aux_loss_coef > 0``.
+- Host reads (``genoctx.model.host``): one per token chunk, the experts' row counts that ``torch.split`` needs (in
+  training twice: forward and the checkpoint's recomputation). Loads and the load ratio stay on the device until
+  ``HybridLM.layer_stats`` / ``update_router_biases`` read every layer's in one copy.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .host import read
 from .precision import island
-from .stats import host_number
+from .stats import host_number, read_numbers
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -176,7 +180,9 @@ class Experts(nn.Module):
         N, k = experts.shape
         flat = experts.reshape(-1)  # [N*k]: slot j of token t is at t*k + j
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        # the split sizes on the host: the one read this dispatch needs (genoctx.model.host; index_add_, not bincount,
+        # whose CUDA kernel reads the max first: a second sync)
+        counts = read(flat.new_zeros(self.n_experts).index_add_(0, flat, torch.ones_like(flat)), label="moe.split")
         token_of = order // k
         xs = x[token_of]  # [N*k, D], grouped by expert
         outs = []
@@ -201,7 +207,8 @@ class MoE(nn.Module):
         recompute: checkpoint each token chunk when grad is enabled (bounded activation memory).
 
     Attributes set by ``forward``:
-        stats: {"tokens_per_expert": LongTensor [E] (this forward), "load_max_over_mean": float}.
+        stats: {"tokens_per_expert": LongTensor [E] (this forward), "load_max_over_mean": 0-dim fp32 tensor} (device
+            tensors: no host read per layer; ``HybridLM.layer_stats`` reads them).
         aux_loss: the sequence-wise balance loss x ``moe_aux_loss_coef`` (scalar fp32), or None.
         last_selection: with the balance loss on, each sequence's expert selection counts ``[B, E]`` of this
             forward (fp32), else None.
@@ -315,21 +322,23 @@ class MoE(nn.Module):
             self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
 
     @torch.no_grad()
-    def update_bias(self) -> dict:
+    def update_bias(self, read_now: bool = True) -> dict:
         """Auxiliary-loss-free balancing step (DeepSeek-V3) on ``gate.e_score_correction_bias``:
         b_e += u · sign(mean load − load_e), from ``load_counts`` (all-reduce it across ranks first), which is
         then reset. A step with no recorded tokens leaves the bias unchanged.
 
         Returns:
-            {"load_max_over_mean": float (0.0 when no tokens), "tokens_per_expert": list[int]}.
+            {"load_max_over_mean": float (0.0 when no tokens), "tokens_per_expert": list[int]}: one host read. With
+            ``read_now=False`` the same as device tensors (0-dim fp32, [E] int64) and no read
+            (``HybridLM.update_router_biases`` reads every layer's in one copy).
         """
         load = self.load_counts.float()
         mean = load.mean()
         bias = self.gate.e_score_correction_bias
         bias += (self.bias_rate * torch.sign(mean - load)).to(bias.dtype)
         out = {
-            "load_max_over_mean": float(load.max() / mean) if mean > 0 else 0.0,
-            "tokens_per_expert": self.load_counts.tolist(),
+            "load_max_over_mean": torch.where(mean > 0, load.max() / mean, 0.0),  # no branch on a device value
+            "tokens_per_expert": self.load_counts.clone(),
         }
         self.load_counts.zero_()
-        return out
+        return read_numbers([out], label="moe.bias")[0] if read_now else out

@@ -158,10 +158,18 @@ class VocabHead:
             raise GenoctxError(f"loss.vocab must be one of {', '.join(LOSS_VOCABS)}, got {vocab!r}")
         self.token_map, self.vocab, self.chunk_tokens = token_map, vocab, chunk_tokens
         self._ids = torch.tensor(token_map.ids, dtype=torch.long)
+        self._ids_on: dict[torch.device, torch.Tensor] = {}
+
+    def _ids_at(self, device: torch.device) -> torch.Tensor:
+        """The id map on ``device``, copied there once (a host -> device copy per call would be a sync per chunk)."""
+        ids = self._ids_on.get(device)
+        if ids is None:
+            ids = self._ids_on[device] = self._ids.to(device)
+        return ids
 
     def map_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """genoctx ids [B, T] int64 -> base ids [B, T] int64."""
-        return self._ids.to(tokens.device)[tokens]
+        return self._ids_at(tokens.device)[tokens]
 
     def token_losses(self, model, inputs: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy (nats, fp32, 0 where not scored, differentiable) of genoctx ``targets`` [B, T]
@@ -182,8 +190,11 @@ class VocabHead:
             rows = None
         else:  # targets index the rows A C G T N (unscored ids are clamped in range; their loss is masked)
             tgt = targets.reshape(-1).clamp(max=len(BASES) - 1)
-            rows = self._ids[: len(BASES)].to(h.device)
-        losses = head_token_losses(h.reshape(B * T, D), weight, tgt, flat_scored, self.chunk_tokens, rows=rows)
+            rows = self._ids_at(h.device)[: len(BASES)]
+        # ids in range by construction (the token map was checked against vocab_size): no value check, no host read
+        losses = head_token_losses(
+            h.reshape(B * T, D), weight, tgt, flat_scored, self.chunk_tokens, rows=rows, check_values=False
+        )
         return losses.view(B, T), cache
 
     @torch.no_grad()
@@ -197,7 +208,7 @@ class VocabHead:
         B, T, D = h.shape
         h = h.reshape(B * T, D)
         weight = model.lm_head.weight
-        rows = self._ids[: len(BASES)].to(h.device)
+        rows = self._ids_at(h.device)[: len(BASES)]
         out = torch.full((B * T, len(VOCAB)), _NEG, dtype=torch.float32, device=h.device)
         # the head's own precision, not autocast's (which would run both products in bf16 under a bf16 forward), as
         # genoctx.model.head's: the full vocabulary in the weight's dtype, the 5 nucleotide rows in fp32

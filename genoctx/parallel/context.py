@@ -180,16 +180,25 @@ class CPLayout:
         self.n_pieces = sum(len(p) for p in pieces)
         flat = {p: r * self.n_local + j for r, ps in enumerate(pieces) for j, p in enumerate(ps)}
         self._perm = [flat[p] for p in range(self.n_pieces)]
+        self._index_on: dict = {}
+
+    def _index(self, name: str, device: torch.device) -> Tensor:
+        """``self.<name>`` (a host list of piece indices) as an int64 tensor on ``device``, made once per device: a
+        host -> device copy per call would be a host sync per layer and round (``genoctx.model.host``)."""
+        t = self._index_on.get((name, device))
+        if t is None:
+            t = self._index_on[(name, device)] = torch.as_tensor(getattr(self, name)).to(device)
+        return t
 
     def gather_natural(self, x: Tensor) -> Tensor:
         """``x`` ``[n_local, ...]`` (this rank's pieces) -> ``[n_pieces, ...]`` of all ranks, natural order.
         Differentiable: backward returns each rank its pieces' gradient (the gather's reduce-scatter)."""
         stacked = torch.cat(_all_gather(x, self.group), dim=0)  # rank-major, local order inside a rank
-        return stacked.index_select(0, torch.tensor(self._perm, device=x.device))
+        return stacked.index_select(0, self._index("_perm", x.device))
 
     def local(self, x: Tensor) -> Tensor:
         """Rows ``self.mine`` of ``x`` ``[n_pieces, ...]`` -> ``[n_local, ...]``."""
-        return x.index_select(0, torch.tensor(self.mine, device=x.device))
+        return x.index_select(0, self._index("mine", x.device))
 
     def split(self, x: Tensor) -> tuple[int, int]:
         """``(B, c)`` for a local input ``x`` ``[B, n_local c, ...]``; ValueError when it does not split."""
@@ -426,8 +435,8 @@ def _dsa_forward(module, x: Tensor, cache, selection: DSASelection | None, layou
             stats.append(module.stats)
             auxes.append(module.aux_loss)
     merged = dict(stats[-1])
-    for key in ("keys_scored", "keys_attended"):
-        merged[key] = sum(int(s.get(key) or 0) for s in stats)
+    for key in ("keys_scored", "keys_attended"):  # ints or device tensors (read after the step: no sync here)
+        merged[key] = sum(0 if s.get(key) is None else s[key] for s in stats)  # no truth test of a tensor
     losses = [s.get("indexer_loss") for s in stats]
     merged["indexer_loss"] = None if any(v is None for v in losses) else sum(losses) / len(losses)
     module.stats = merged

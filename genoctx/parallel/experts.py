@@ -15,7 +15,10 @@ Algorithm of one MoE forward on a rank with ``N`` tokens (``k = num_experts_per_
 2. Counts: every rank all-gathers the [E] int64 counts of its (token, slot) rows per global expert, so every rank
    knows the whole matrix ``counts[s, e]`` and ``c[s, d]``, the rows source ``s`` sends to destination ``d``
    (the sum of ``counts[s, e]`` over ``d``'s experts). Rows are sorted by expert (stable), so the rows for ``d``
-   are one contiguous block of the sender's sorted rows, expert-major inside.
+   are one contiguous block of the sender's sorted rows, expert-major inside. The gathered counts are read on the
+   host once (``genoctx.model.host.read``): the one host sync of a MoE forward under EP, which
+   ``all_to_all_single``'s host split sizes need; every round's sizes, forward and backward, follow from them on the
+   host, and the grouping permutations reach the device by non-blocking copies (``to_device``).
 3. Rounds (``round_schedule``). With ``cap = moe_chunk_tokens * k`` rows and ``M`` the most rows any rank sends
    or receives (the largest row or column sum of ``c``), there are ``R = ceil(M / (cap - P + 1))`` rounds
    (``cap >= P`` is required) and round ``r`` carries, of every pair, the rows ``[floor(r c / R),
@@ -71,6 +74,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..model.host import cpu_values, read, to_device
 from ..model.moe import Experts, MoE, combine_path, expert_mlp
 from . import collectives as coll
 
@@ -79,7 +83,7 @@ def n_rounds(pair: Tensor, cap: int) -> int:
     """Rounds needed so that no rank sends or receives more than ``cap`` rows in a round (module docstring, 3).
 
     Args:
-        pair: [P, P] int64, ``pair[s, d]`` rows source ``s`` sends to destination ``d`` (>= 0).
+        pair: [P, P] int64 on the CPU, ``pair[s, d]`` rows source ``s`` sends to destination ``d`` (>= 0).
         cap: most rows a rank may receive (and send) in one round; must be >= P.
 
     Returns:
@@ -91,11 +95,12 @@ def n_rounds(pair: Tensor, cap: int) -> int:
     P = pair.shape[0]
     if pair.dim() != 2 or pair.shape[1] != P:
         raise ValueError(f"expert parallelism: the count matrix must be [ep, ep], got {list(pair.shape)}")
-    if bool((pair < 0).any()):
+    rows = cpu_values(pair)  # host counts (read once per forward by ``_plan``): no device read here
+    if any(c < 0 for row in rows for c in row):
         raise ValueError("expert parallelism: negative row counts")
     if cap < P:
         raise ValueError(f"expert parallelism: {cap} rows per round (moe_chunk_tokens x top-k) is less than ep={P}")
-    M = int(max(pair.sum(0).max(), pair.sum(1).max())) if P else 0
+    M = max(max(map(sum, rows)), max(map(sum, zip(*rows, strict=True)))) if P else 0
     return -(-M // (cap - P + 1))
 
 
@@ -184,24 +189,26 @@ class _Plan:
         int64 in send order (``token = slot // k``), rows received per (source, local expert) [P, El] int64)."""
         lo, hi = round_bounds(self.pair, self.rounds, r)
         me, El = self.me, self.n_local
-        send = (hi[me] - lo[me]).tolist()
+        send = cpu_values(hi[me] - lo[me])  # the plan is on the host: no device read per round
         pieces = [
             self.order[self.start[d] + a : self.start[d] + b]
-            for d, (a, b) in enumerate(zip(lo[me].tolist(), hi[me].tolist(), strict=True))
+            for d, (a, b) in enumerate(zip(cpu_values(lo[me]), cpu_values(hi[me]), strict=True))
         ]
         slots = torch.cat(pieces)
-        recv = (hi[:, me] - lo[:, me]).tolist()
+        recv = cpu_values(hi[:, me] - lo[:, me])
         per = rows_per_expert(self.counts[:, me * El : (me + 1) * El], lo[:, me], hi[:, me])
         return send, recv, slots, per
 
 
 def _group_by_expert(per: Tensor, device) -> tuple[Tensor, list[int]]:
     """Received rows are source-major, expert-sorted inside a source: (the permutation that groups them by local
-    expert [n] int64, rows per local expert)."""
+    expert [n] int64 on ``device``, rows per local expert). ``per`` is on the host: the permutation is made there
+    and copied without a sync (``to_device``)."""
     P, El = per.shape
-    eid = torch.arange(El).repeat(P).repeat_interleave(per.reshape(-1))
-    perm = torch.argsort(eid, stable=True).to(device)
-    return perm, per.sum(0).tolist()
+    sizes = cpu_values(per.reshape(-1))
+    eid = torch.arange(El).repeat(P).repeat_interleave(per.reshape(-1), output_size=sum(sizes))
+    perm = to_device(torch.argsort(eid, stable=True), device)
+    return perm, cpu_values(per.sum(0))
 
 
 def _run_experts(xr: Tensor, per: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
@@ -327,15 +334,17 @@ def _plan(experts: torch.Tensor, ex: Experts, cap: int) -> _Plan:
     """Exchange the counts (one all-gather of [E] int64 over the EP group) and build this forward's ``_Plan``."""
     E, P, me, El = ex.n_experts, ex.ep_size, ex.ep_rank, ex.n_local_experts
     flat = experts.reshape(-1)
-    mine = torch.bincount(flat, minlength=E)
+    mine = flat.new_zeros(E).index_add_(0, flat, torch.ones_like(flat))  # not bincount: on CUDA it reads the max
     if ex.ep_group is None:
-        counts = mine[None].cpu()
+        gathered = mine[None]
     else:
         parts = [torch.empty_like(mine) for _ in range(P)]
         coll.all_gather(parts, mine, group=ex.ep_group)
-        counts = torch.stack(parts).cpu()
+        gathered = torch.stack(parts)
+    # the one host read of this MoE forward (every round's split sizes follow from it; module docstring)
+    counts = torch.tensor(read(gathered, label="ep.counts"), dtype=torch.long)  # [P, E] on the host
     pair = counts.view(P, P, El).sum(-1)
-    start = [0] + pair[me].cumsum(0).tolist()[:-1]
+    start = [0, *cpu_values(pair[me].cumsum(0))[:-1]]
     return _Plan(
         counts=counts,
         pair=pair,
@@ -358,7 +367,7 @@ def _ep_experts_forward(ex: Experts, x: Tensor, experts: Tensor, weights: Tensor
     ex.combine = combine_path()  # as Experts.forward: index_add, or slot_sum under train.deterministic
     y = _EPExperts.apply(x, weights, ex.gate_up_proj, ex.down_proj, plan, ex.combine)
     lo_hi = [round_bounds(plan.pair, plan.rounds, r) for r in range(plan.rounds)]
-    rows = [int((hi[:, plan.me] - lo[:, plan.me]).sum()) for lo, hi in lo_hi]
+    rows = [cpu_values((hi[:, plan.me] - lo[:, plan.me]).sum()) for lo, hi in lo_hi]  # host plan: no device read
     ex.ep_stats = {"ep_received_rows": sum(rows), "ep_max_round_rows": max(rows, default=0), "ep_rounds": len(rows)}
     return y
 

@@ -48,6 +48,7 @@ import math
 import torch
 from torch import nn
 
+from ..model.host import read
 from ..model.kda import KimiDeltaAttention
 from ..model.moe import MoE
 from . import collectives as coll
@@ -352,14 +353,18 @@ def grad_norm(model: nn.Module, dims: ParallelDims | None) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, dims: ParallelDims | None) -> float:
     """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s rule) with
-    the global norm of ``grad_norm``. Returns the norm before clipping (float)."""
-    norm = grad_norm(model, dims)
-    coef = float(max_norm / (norm + 1e-6))
+    the global norm of ``grad_norm``. Returns the norm before clipping (float).
+
+    One host read (the norm, fp64; ``genoctx.model.host.read``): the coefficient is computed from it on the host in
+    fp64, as ``float(max_norm / (norm + 1e-6))`` of the tensor gives.
+    """
+    norm = read(grad_norm(model, dims), label="clip.norm")
+    coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coef)
-    return float(norm) if math.isfinite(float(norm)) else float("nan")
+    return norm if math.isfinite(norm) else float("nan")
 
 
 def apply_parallel(

@@ -140,7 +140,8 @@ _SUMMED = ("keys_scored", "keys_attended", "ep_received_rows", "ep_rounds")
 def _merge_stats(parts: list[dict | None], weights: list[float]) -> dict | None:
     """One layer module's ``stats`` over the chunks of a window: counts summed, ``tokens_per_expert`` summed and
     ``load_max_over_mean`` recomputed from it, ``indexer_loss`` the ``weights``-weighted sum (T_c / L: the window's
-    mean), ``ep_max_round_rows`` the max; anything else (path, kernel, indexer) as the chunks agree, else joined."""
+    mean), ``ep_max_round_rows`` the max; anything else (path, kernel, indexer) as the chunks agree, else joined.
+    Counts and losses may be device tensors: they are combined on the device (no host read per layer and chunk)."""
     parts_w = [(p, w) for p, w in zip(parts, weights, strict=True) if p]
     if not parts_w:
         return None
@@ -161,10 +162,10 @@ def _merge_stats(parts: list[dict | None], weights: list[float]) -> dict | None:
         else:
             uniq = list(dict.fromkeys(vals))
             out[key] = uniq[0] if len(uniq) == 1 else "+".join(map(str, uniq))
-    if "tokens_per_expert" in out:
+    if "tokens_per_expert" in out:  # on the device, read with the other layers' after the step (HybridLM.layer_stats)
         tpe = out["tokens_per_expert"]
         mean = tpe.float().mean()
-        out["load_max_over_mean"] = float(tpe.max() / mean) if mean > 0 else 0.0
+        out["load_max_over_mean"] = torch.where(mean > 0, tpe.max() / mean, 0.0)
     return out
 
 

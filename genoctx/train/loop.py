@@ -37,6 +37,7 @@ import torch
 from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
+from ..model.host import read
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..model.precision import island
 from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
@@ -223,7 +224,7 @@ def forward_backward(
     head=None,
     seq_chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One forward and backward over a batch of windows.
+    """One forward and backward over a batch of windows (``_forward_backward``, the auxiliary loss read as a float).
 
     tokens: [B, L] int64 window bases (this data-parallel rank's windows, whole; this rank's CP pieces are cut
     here, in the layout ``dims.cp_layout``: ``shard_sequence``).
@@ -252,6 +253,13 @@ def forward_backward(
     it) are trained as consecutive chunks by the exact chunked backward (``genoctx.train.chunked``), with the same
     objective; under CP each rank chunks its piece, one round of ``cp`` chunks at a time; None = one pass.
     """
+    loss_sum, count, aux = _forward_backward(model, tokens, autocast, dims, head, seq_chunk_tokens)
+    return loss_sum, count, float(read(aux, label="step.aux")) if aux is not None else 0.0
+
+
+def _forward_backward(model, tokens, autocast, dims=None, head=None, seq_chunk_tokens=None):
+    """``forward_backward`` with the auxiliary loss left on the device (a 0-dim tensor, or None without one): the
+    step reads it with its other metrics in one host copy (``train_step``)."""
     inputs = shift_inputs(tokens, BOS)
     scored = scored_mask(tokens)
     cp = dims.cp if dims is not None else 1
@@ -261,7 +269,7 @@ def forward_backward(
         loss_sum, aux = chunked_forward_backward(
             model, inputs, tokens, scored, seq_chunk_tokens, count, autocast=autocast, head=head
         )
-        return loss_sum, count, float(aux) if aux is not None else 0.0
+        return loss_sum, count, aux
     if dims is None or not dims.is_distributed:
         losses = _token_losses(model, inputs, tokens, scored, autocast, head)
         loss_sum = island("loss.sum", losses.sum())
@@ -270,7 +278,7 @@ def forward_backward(
         aux = model.aux_loss()
         total = loss + aux if aux is not None else loss
         total.backward()
-        return loss_sum.detach(), count, float(aux.detach()) if aux is not None else 0.0
+        return loss_sum.detach(), count, aux.detach() if aux is not None else None
     window = inputs, tokens, scored
     if dims.cp > 1:
         inputs, tokens, scored = (
@@ -297,7 +305,7 @@ def forward_backward(
     zero = loss_sum.new_zeros((), dtype=torch.float64)
     sums = torch.stack([loss_sum.detach().double(), aux_share.detach().double() if aux_share is not None else zero])
     sums = all_reduce_sum(sums, group)
-    return sums[0], count_g, float(sums[1])
+    return sums[0], count_g, sums[1]
 
 
 def _token_losses(model, inputs, tokens, scored, autocast, head) -> torch.Tensor:
@@ -326,7 +334,7 @@ def train_step(
         else None
     )
     with deterministic_mode(cfg.deterministic):  # the kernels train.deterministic selects (recorded below)
-        loss_sum, count, aux = forward_backward(model, tokens, autocast, dims, head, chunk)
+        loss_sum, count, aux = _forward_backward(model, tokens, autocast, dims, head, chunk)
         if dims is not None and dims.is_distributed:
             all_reduce_moe_loads(model, dims.dp_cp_group)
             grad_norm = clip_grad_norm(model, cfg.grad_clip, dims)  # the global norm over sharded/EP gradients
@@ -336,15 +344,19 @@ def train_step(
         optimizer.step()
     scheduler.step()
     # the indexer warm-up keeps the main model frozen, MoE routing biases included
-    moe = model.update_router_biases() if model.cfg.indexer_stage != "warmup" else []
-    loss = float(loss_sum / max(int(count), 1))
+    moe = model.update_router_biases(read_now=False) if model.cfg.indexer_stage != "warmup" else []
+    # the step's one host read: every metric and every MoE layer's load ratio in one copy (genoctx.model.host)
+    loss = loss_sum / count.clamp(min=1)  # on the device, in loss_sum's dtype (as loss_sum / max(int(count), 1))
+    loss, count, aux, grad_norm, *ratios = read(
+        loss, count, aux, grad_norm, *(m["load_max_over_mean"] for m in moe), label="step.metrics"
+    )
     return {
-        "loss": loss,
-        "aux_loss": aux,
+        "loss": float(loss),
+        "aux_loss": float(aux) if aux is not None else 0.0,
         "scored_tokens": int(count),
         "grad_norm": float(grad_norm),
         "lr": lr,
-        "moe_load_max_over_mean": max((m["load_max_over_mean"] for m in moe), default=None),
+        "moe_load_max_over_mean": max(map(float, ratios), default=None),
         # the path that ran: one pass over the window (None) or the chunked backward with chunks of this many tokens
         # (per rank: under CP each of the seq_chunks rounds is cp chunks of the window)
         "seq_chunk_tokens": chunk,

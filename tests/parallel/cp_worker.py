@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from genoctx.model.config import DSA, KDA, ModelConfig, preset
+from genoctx.model.host import SyncCounter
 from genoctx.model.model import HybridLM
 from genoctx.parallel.context import apply_cp, shard_sequence
 from genoctx.parallel.mesh import init_parallel, leaving_mesh
@@ -47,10 +48,12 @@ def _case(model, tokens, dims, seq_chunk=None):
     model.zero_grad(set_to_none=True)
     calls = [0]  # forwards of layer 0's mixer: 1 for one pass, 2 per round for the chunked backward
     hook = model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
-    loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims, None, seq_chunk)
+    with SyncCounter() as syncs:  # host reads (genoctx.model.host): the MoE split sizes and the aux loss only
+        loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims, None, seq_chunk)
     hook.remove()
     stats = model.layer_stats()
     return {
+        "syncs": (dict(syncs.reads), dict(syncs.ops)),
         "mixer_calls": calls[0],
         "loss_sum": float(loss_sum),
         "count": int(count),

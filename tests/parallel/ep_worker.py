@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from genoctx.model.config import ModelConfig, preset
+from genoctx.model.host import SyncCounter
 from genoctx.model.moe import MoE
 from genoctx.parallel.experts import apply_ep, expert_parameters
 from genoctx.parallel.mesh import leaving_mesh
@@ -78,12 +79,14 @@ def _equality_case(name: str, rank: int, group) -> dict:
     assert len(expert_parameters(moe)) == 2
     x, g = ep_tokens(name, rank, shapes[rank], moe.experts.hidden_size)
     x.requires_grad_(True)
-    y = moe(x)
-    loss = (y * g).sum()
-    if moe.aux_loss is not None:
-        loss = loss + moe.aux_loss
-    loss.backward()
+    with SyncCounter() as syncs:  # host reads of the dispatch (genoctx.model.host), however many rounds
+        y = moe(x)
+        loss = (y * g).sum()
+        if moe.aux_loss is not None:
+            loss = loss + moe.aux_loss
+        loss.backward()
     out = {
+        "syncs": (dict(syncs.reads), dict(syncs.ops)),
         "y": y.detach(),
         "x_grad": x.grad,
         "grads": {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in moe.named_parameters()},

@@ -23,6 +23,7 @@ from genoctx.data.fasta import iter_records
 from genoctx.data.tokenizer import N, encode
 from genoctx.model.dsa import DSASelection
 from genoctx.parallel.context import cat_selections, cp_pieces, shard_sequence
+from genoctx.train.chunked import chunk_bounds
 from genoctx.train.loop import forward_backward
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -196,6 +197,14 @@ def test_windows_make_sparse_selections_and_straddling_pools(reference):
     assert attended < 20 * L < L * (L + 1) // 2  # at most 16 + 3 tail tokens per query: far from dense
 
 
+def _split_reads(bounds: list[tuple[int, int]], world: int, passes: int) -> int:
+    """Host reads of the MoE split sizes on a CP rank (``genoctx.model.host``): per MoE layer, per pass over a round's
+    local tokens, one per ``moe_chunk_tokens`` chunk; nothing else of the CP path reads (no read per piece)."""
+    cfg = cp_config()
+    n_moe = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    return n_moe * passes * sum(-(-((e - s) // world) // cfg.moe_chunk_tokens) for s, e in bounds)
+
+
 @pytest.mark.parametrize("case", ["cp2", "cp2z"])
 def test_cp2_equals_cp1_loss_and_every_gradient(distributed, reference, case):
     ref = reference("dna")
@@ -205,6 +214,7 @@ def test_cp2_equals_cp1_loss_and_every_gradient(distributed, reference, case):
         got = distributed[rank][case]
         assert got["indexer"][FULL:] == ["full", "shared"] and got["path"][FULL:] == ["sparse", "sparse"]
         _assert_same(got, ref)
+        assert got["syncs"] == ({"step.aux": 1, "moe.split": _split_reads([(0, L)], 2, passes=2)}, {})
     for layer in (FULL, SHARED):  # the ranks' selections together attend exactly the one-process tokens
         assert sum(distributed[r][case]["keys_attended"][layer] for r in range(2)) == ref["keys_attended"][layer]
 
@@ -285,8 +295,11 @@ def test_each_cp_rank_chunks_its_piece_as_one_process(request, reference, case, 
     rounds = -(-length // (SEQ_CHUNK[world, layout] * world))
     assert rounds == 3 if world == 2 and layout == "contiguous" else rounds == 4
     ref = reference(window)
+    bounds = chunk_bounds(length, SEQ_CHUNK[world, layout] * world)
     for rank in range(world):
         assert ranks[rank][case]["mixer_calls"] == 2 * rounds  # the forward sweep, then each round again
         _assert_same(ranks[rank][case], ref)
+        # host reads: the aux loss, and the MoE split sizes of each round's forward sweep, forward and recomputation
+        assert ranks[rank][case]["syncs"] == ({"step.aux": 1, "moe.split": _split_reads(bounds, world, passes=3)}, {})
     for layer in (FULL, SHARED):
         assert sum(ranks[r][case]["keys_attended"][layer] for r in range(world)) == ref["keys_attended"][layer]

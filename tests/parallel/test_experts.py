@@ -274,6 +274,8 @@ def test_ep2_forced_routing_runs_in_rounds_of_bounded_size(distributed):
     assert (s0["ep_received_rows"], s1["ep_received_rows"], s1["ep_max_round_rows"]) == (total, 0, 0)
     assert s0["ep_max_round_rows"] <= cap
     assert s0["ep_rounds"] == s1["ep_rounds"] == -(-total // (cap - EP + 1)) == 16
+    for r in range(EP):  # one host read (the gathered counts) for the 16 rounds, forward and backward: none per round
+        assert distributed[r]["forced"]["syncs"] == ({"ep.counts": 1}, {})
 
 
 def test_ep2_rank_without_tokens_receives_and_takes_part(distributed):
