@@ -35,7 +35,9 @@
 #        step's loss and the attempt that ran it). At world size 1 genoctx applies no FSDP2 (Layout.fsdp is
 #        dp_shard > 1 or cp > 1), so no MixedPrecisionPolicy and no offload_optimizer, which the memory plan refuses
 #        there (mesh_offload_optimizer says so); one GPU cannot reach FSDP2 over NCCL: NCCL refuses two ranks on one
-#        GPU.
+#        GPU. Where two or more GPUs are visible (or GPU_CHECK_MESH_WORKERS=2), train and eval run on 2 workers
+#        with --fsdp 2 and train.offload_optimizer=true instead: FSDP2's bf16 MixedPrecisionPolicy, the CPU
+#        offload of parameters, gradients and AdamW state, and the sharded checkpoint, over NCCL.
 #      - mesh_eval, mesh_eval_one_process, mesh_eval_vs_one_process: genoctx eval --num-workers 1 of the run on the
 #        mesh (NCCL), the same eval in one process (--device cuda), and the two losses, which should agree.
 #      - mesh_plan, mesh_host: the run's peak memory against genoctx.plan.plan_memory; then one step of the same
@@ -377,6 +379,11 @@ def mesh_ray_parts(end):
     sets = [f"train.seq_len={seq}", "train.dtype=bf16", "train.activation_checkpointing=true",
             "train.offload_activations=true", "train.checkpoint_every=1", "train.keep_checkpoints=0",
             "train.log_every=1", "train.warmup_steps=0"]  # fmt: skip
+    # two or more GPUs: 2 workers with FSDP2 over NCCL (bf16 MixedPrecisionPolicy, offload_optimizer) as well
+    n_gpu = torch.cuda.device_count() if DEV == "cuda" else 0
+    workers = int(os.environ.get("GPU_CHECK_MESH_WORKERS") or (2 if n_gpu >= 2 else 1))
+    if workers > 1:
+        sets += [f"train.fsdp={workers}", "train.offload_optimizer=true"]
     sets_args = [x for kv in sets for x in ("--set", kv)]
 
     def cli(what, *args, cap):
@@ -419,13 +426,14 @@ def mesh_ray_parts(end):
         return
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     t0 = time.perf_counter()
-    ctx = ray.init(num_cpus=4 if DRY else max(4, os.cpu_count() or 4), num_gpus=gpus, include_dashboard=False,
+    ctx = ray.init(num_cpus=max(4, 2 * workers) if DRY else max(4, os.cpu_count() or 4), num_gpus=gpus * workers,
+                   include_dashboard=False,
                    _temp_dir=temp, object_store_memory=256 << 20, configure_logging=False,
                    logging_config=ray.LoggingConfig(log_level="ERROR"))  # fmt: skip
     address = ctx.address_info["gcs_address"]
-    emit(what="mesh_ray", seconds=time.perf_counter() - t0, gpus=gpus, prepare_s=dt)
+    emit(what="mesh_ray", seconds=time.perf_counter() - t0, gpus=gpus * workers, workers=workers, prepare_s=dt)
     try:
-        mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, address)
+        mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address)
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
@@ -435,7 +443,7 @@ def mesh_ray_parts(end):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, address):
+def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address):
     """Train (stop after step 1, resume), eval on the mesh and in one process, the plan (mesh_check)."""
     import re
 
@@ -448,16 +456,20 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, address):
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if DEV == "cuda" else 64.0
     plan_kw = dict(gpu_memory_gib=gib, recompute=True, dtype="bf16", device=DEV, seq_chunk_tokens=chunk,
                    offload_activations=True, batch_size=rec.train.batch_size)  # fmt: skip
-    plan = plan_memory(rec.model, seq, Layout(), **plan_kw)
+    layout = Layout(dp_shard=workers)
+    one = plan_memory(rec.model, seq, Layout(), **plan_kw)  # the in-process step's (host_step)
     try:
-        plan_memory(rec.model, seq, Layout(), **{**plan_kw, "optimizer_offload": True})
+        plan = plan_memory(rec.model, seq, layout, **{**plan_kw, "optimizer_offload": True})
         why = None
     except ValueError as e:
-        why = str(e)
-    emit(what="mesh_offload_optimizer", world=1, fsdp2_applied=Layout().fsdp, planner=why or "accepted",
-         note="train.offload_optimizer and FSDP2 mixed precision need dp_shard > 1 or cp > 1")  # fmt: skip
-    common = ["--data", str(data), "--out", str(run), "--recipe", recipe, "--num-workers", "1", "--gpus-per-worker",
-              str(gpus), "--address", address, "--seq-chunk", str(chunk), "--steps", "2", *sets_args]  # fmt: skip
+        plan, why = one, str(e)
+    emit(what="mesh_offload_optimizer", world=workers, fsdp2_applied=layout.fsdp, offload_optimizer=why is None,
+         planner=why or "accepted", note="FSDP2 (its bf16 MixedPrecisionPolicy, offload_optimizer) needs dp_shard > 1 "
+         "or cp > 1: two GPUs")  # fmt: skip
+    mesh = ["--num-workers", str(workers), "--gpus-per-worker", str(gpus), "--address", address]
+    mesh += ["--fsdp", str(workers)] if workers > 1 else []
+    common = ["--data", str(data), "--out", str(run), "--recipe", recipe, *mesh, "--seq-chunk", str(chunk),
+              "--steps", "2", *sets_args]  # fmt: skip
     peaks = []
     for what, extra, cap in (("mesh_train", ["--stop-after", "1"], 70 if not DRY else 300),
                              ("mesh_resume", ["--resume"], 55 if not DRY else 300)):  # fmt: skip
@@ -475,8 +487,7 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, address):
     losses = {}
     ev = ["--data", str(data), "--checkpoint", str(run), "--max-windows", "2", "--resamples", "0",
           "--format", "json", "--seq-chunk", str(chunk)]  # fmt: skip
-    for what, extra, cap in (("mesh_eval", ["--num-workers", "1", "--gpus-per-worker", str(gpus), "--address",
-                                            address], 50 if not DRY else 300),
+    for what, extra, cap in (("mesh_eval", mesh, 50 if not DRY else 300),
                              ("mesh_eval_one_process", ["--device", DEV], 30 if not DRY else 120)):  # fmt: skip
         rc, doc, dt = cli(what, "eval", *ev, *extra, cap=cap)
         if rc != 0 or not doc:
@@ -492,7 +503,7 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, address):
     emit(what="mesh_plan", seq_len=seq, seq_chunk=chunk, measured_peak_gib=max(peaks, default=0) / 2**30,
          predicted_gib=plan["total_gib"], predicted_phase=plan["peak_phase"], predicted_host_gib=plan["host_gib"],
          measured="torch.cuda.max_memory_allocated of the Ray worker" if DEV == "cuda" else "peak RSS (CPU)")  # fmt: skip
-    host_step(rec, seq, chunk, plan)
+    host_step(rec, seq, chunk, one)
 
 
 def host_step(rec, seq, chunk, plan):
