@@ -362,6 +362,7 @@ def mesh_check():
             try:
                 rc = warm.wait(timeout=max(1.0, start + LIMIT - 40 - time.monotonic()))
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: the check compiles what is left itself
+                warm.kill()  # (what it compiled stays in Triton's cache)
                 rc = None
             emit(what="kda_fla_warmup", rc=rc, seconds=time.monotonic() - start, finished=rc is not None)
         kda_fla_check()
@@ -469,20 +470,21 @@ def mesh_ray_parts(end):
     import ray
 
     data = work / "data"
+    fastas = [x for f in fasta for x in ("--fasta", f"data/hg38/{f}")]
     rc, _, dt = cli("mesh_prepare", "prepare", "--out", str(data), "--window", str(window), "--chroms", train_chroms,
-                    "--eval-chroms", "chr22", *[x for f in fasta for x in ("--fasta", f"data/hg38/{f}")], cap=60)  # fmt: skip
+                    "--eval-chroms", "chr22", *fastas, cap=60)  # fmt: skip
     if rc != 0:
         return
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     t0 = time.perf_counter()
-    ctx = ray.init(num_cpus=max(4, 2 * workers) if DRY else max(4, os.cpu_count() or 4), num_gpus=gpus * workers,
-                   include_dashboard=False,
-                   _temp_dir=temp, object_store_memory=256 << 20, configure_logging=False,
+    cpus = max(4, 2 * workers) if DRY else max(4, os.cpu_count() or 4)
+    ctx = ray.init(num_cpus=cpus, num_gpus=gpus * workers, include_dashboard=False, _temp_dir=temp,
+                   object_store_memory=256 << 20, configure_logging=False,
                    logging_config=ray.LoggingConfig(log_level="ERROR"))  # fmt: skip
     address = ctx.address_info["gcs_address"]
     emit(what="mesh_ray", seconds=time.perf_counter() - t0, gpus=gpus * workers, workers=workers, prepare_s=dt)
     try:
-        mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address)
+        mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address, end)
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
@@ -492,15 +494,15 @@ def mesh_ray_parts(end):
             shutil.rmtree(work, ignore_errors=True)
 
 
-def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address):
+def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, address, end):
     """Train (stop after step 1, resume), eval on the mesh and in one process, the plan (mesh_check)."""
     import re
 
-    data, run = work / "data", work / "run"
     from genoctx.parallel.layout import Layout
     from genoctx.plan import plan_memory
     from genoctx.recipes import load_recipe
 
+    data, run = work / "data", work / "run"
     rec = load_recipe(recipe, sets)
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if DEV == "cuda" else 64.0
     plan_kw = dict(gpu_memory_gib=gib, recompute=True, dtype="bf16", device=DEV, seq_chunk_tokens=chunk,
@@ -529,10 +531,12 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, add
         emit(what=what, rc=rc, seconds=dt, step=doc.get("step"), resumed_from=doc.get("resumed_from"),
              loss=doc.get("final_loss"), tokens_per_s=doc.get("tokens_per_s"), workers=doc.get("workers"),
              peak_gib=(doc.get("peak_memory_bytes") or 0) / 2**30, seq_len=seq, seq_chunk=chunk,
-             attempts=[(a["attempt"], a["resumed_from"], a["steps_run"], a["status"]) for a in doc.get("attempts", [])])  # fmt: skip
+             attempts=[(a["attempt"], a["resumed_from"], a["steps_run"], a["status"])
+                       for a in doc.get("attempts", [])])  # fmt: skip
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     emit(what="mesh_metrics", steps=[(r["step"], r.get("attempt"), r["loss"]) for r in rows],
-         kda_paths=sorted({s.get("path") for r in rows for s in r.get("layers", []) if s.get("mixer") == "kda"}))  # fmt: skip
+         kda_paths=sorted({s.get("path") for r in rows for s in r.get("layers", [])
+                           if s.get("mixer") == "kda"}))  # fmt: skip
     losses = {}
     ev = ["--data", str(data), "--checkpoint", str(run), "--max-windows", "2", "--resamples", "0",
           "--format", "json", "--seq-chunk", str(chunk)]  # fmt: skip
@@ -551,21 +555,25 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, add
         emit(what="mesh_eval_vs_one_process", mesh=a, one_process=b, rel_diff=abs(a - b) / max(abs(b), 1e-30))
     emit(what="mesh_plan", seq_len=seq, seq_chunk=chunk, measured_peak_gib=max(peaks, default=0) / 2**30,
          predicted_gib=plan["total_gib"], predicted_phase=plan["peak_phase"], predicted_host_gib=plan["host_gib"],
-         measured="torch.cuda.max_memory_allocated of the Ray worker" if DEV == "cuda" else "peak RSS (CPU)")  # fmt: skip
+         measured="torch.cuda.max_memory_allocated of the Ray worker" if DEV == "cuda" else "peak RSS (CPU)",
+         )  # fmt: skip
+    if time.monotonic() > end - 20:
+        emit(what="mesh_host", skipped="the section's time is spent")
+        return
     host_step(rec, seq, chunk, one)
 
 
 def host_step(rec, seq, chunk, plan):
     """One step of the mesh recipe in this process on a world-1 mesh (NCCL on a GPU): the pinned host bytes of
     offload_activations (the pinned allocator's blocks and the bytes asked) and the peak against the plan."""
+    import tempfile
+
     import torch.distributed as dist
 
     from genoctx.parallel.build import Fresh, build_model
     from genoctx.parallel.mesh import init_parallel, leaving_mesh
     from genoctx.parallel.offload import OffloadStats
     from genoctx.train.loop import build_optimizer, train_autocast, train_step
-
-    import tempfile
 
     init = tempfile.mktemp(prefix="gpu_check_pg.")
     dist.init_process_group("nccl" if DEV == "cuda" else "gloo", init_method=f"file://{init}", rank=0, world_size=1,
