@@ -353,8 +353,11 @@ def fla_gate_kwargs(gate: ForgetGate, raw: Tensor | None = None) -> dict:
     forget gate (``ForgetGate``), in one of two forms:
 
     - ``raw is None``: fla gets our precomputed ``g = gate(x)`` ``[B, T, H, K]`` as its ``g``. Returns
-      ``{"safe_gate": True}`` when the gate has a lower bound in fla's safe range ``[-5, 0)`` (``g`` then lies in
-      ``(lower_bound, 0)``, the bounded gates fla's M=16 tensor-core path requires), else ``{}``.
+      ``{"safe_gate": True, "lower_bound": lb}`` when the gate has a lower bound in fla's safe range ``[-5, 0)``
+      (``g`` then lies in ``[lower_bound, 0]``, the bounded gates fla's M=16 tensor-core path requires), else
+      ``{}``. fla 0.6 requires ``lower_bound`` with ``safe_gate`` only when it computes the gate itself; for
+      precomputed gates "the caller must provide pre-computed bounded gates" and fla reads the bound nowhere, so
+      passing it changes no result: it states the bound the gates obey (``tests/kernels/test_kda_fla.py``).
     - ``raw = gate.pre_activation(x)`` (no ``dt_bias``): fla computes the gate inside its kernel. Returns
       ``{"g": raw, "use_gate_in_kernel": True, "A_log": [H] fp32, "dt_bias": [H K] fp32, "lower_bound": lb}``
       (plus ``"safe_gate": True`` in the safe range): fla's ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``,
@@ -367,7 +370,7 @@ def fla_gate_kwargs(gate: ForgetGate, raw: Tensor | None = None) -> dict:
     """
     lb = gate.lower_bound
     safe = lb is not None and FLA_SAFE_GATE_RANGE[0] <= lb < FLA_SAFE_GATE_RANGE[1]
-    out: dict = {"safe_gate": True} if safe else {}
+    out: dict = {"safe_gate": True, "lower_bound": lb} if safe else {}
     if raw is None:
         return out
     return {"g": raw, "use_gate_in_kernel": True, "A_log": gate.A_log.float(), "dt_bias": gate.dt_bias.float(),
@@ -381,6 +384,54 @@ def fla_core_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Te
     sides: fp32 q, k with bf16 v does not compile on sm_90 or sm_100 (``bench/kernel_compile.py``: "Both operands
     must be same dtype"). g, beta and the state stay fp32."""
     return q.to(v.dtype), k.to(v.dtype), v
+
+
+FLA_DEVICES = ("cuda",)  # device types on which ``kda_kernel: fla`` runs fla's core (its Triton kernels)
+FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # compute dtypes fla's kernels take
+
+
+def fla_chunk_kda(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None, gate: ForgetGate
+) -> tuple[Tensor, Tensor]:
+    """genoctx's one call of fla-core's ``chunk_kda`` (``fla.ops.kda``, Triton, CUDA): the KDA core as
+    ``KimiDeltaAttention`` computes it with ``kda_kernel: fla``, in training (autograd through fla's backward,
+    the initial state's gradient included), chunked training and evaluation (a carried state), and under context
+    parallelism (each piece's state from ``genoctx.parallel.context``, fp32).
+
+    What fla 0.6 documents and genoctx passes (``tests/kernels/test_kda_fla.py`` runs fla's own argument checks
+    on this call, with a stand-in for its kernels):
+
+    - q, k, v ``[B, T, H, K]`` in one dtype (``fla_core_inputs``: v's compute dtype, bf16 under autocast; fla's
+      ``tl.dot`` needs one dtype), q and k already L2-normalised (``use_qk_l2norm_in_kernel`` off);
+    - g ``[B, T, H, K]`` fp32, our precomputed log decay in natural-log units per token (fla's default:
+      ``use_gate_in_kernel`` off), with ``safe_gate`` and ``lower_bound`` where ``fla_gate_kwargs`` says so;
+    - beta ``[B, T, H]`` fp32 after the sigmoid (``use_beta_sigmoid_in_kernel`` off); scale ``K^-1/2``;
+    - ``initial_state`` ``[B, H, K, V]`` in fp32: fla asserts "initial_state must be in float32", and a carried
+      state can reach the layer in another dtype (an FSDP2 ``MixedPrecisionPolicy`` that casts forward inputs
+      casts the cache's tensors to bf16), so it is cast here (a no-op for fp32; its gradient flows back through
+      the cast);
+    - ``output_final_state=True`` (the next chunk's state, fp32); no ``cu_seqlens`` (the B windows of a batch
+      are separate sequences of one length, fla's ``N = B``) and no ``cp_context`` (fla's own context
+      parallelism takes neither an initial nor a final state; genoctx passes states itself); fla's default chunk
+      of 64 tokens (``kda_chunk_size`` and ``kda_block_tokens`` are the torch core's knobs).
+
+    Returns ``(o [B, T, H, V] in q's dtype, state [B, H, K, V] fp32)``.
+
+    Raises:
+        GenoctxError: fla-core is not installed, or a compute dtype fla's kernels do not take (fp64).
+    """
+    try:
+        from fla.ops.kda import chunk_kda as fla_core
+    except ImportError as err:
+        raise GenoctxError("kda_kernel: fla needs fla-core (pip install 'genoctx[gpu]')") from err
+    if v.dtype not in FLA_DTYPES:
+        raise GenoctxError(f"kda_kernel: fla runs in bf16, fp16 or fp32, not {v.dtype}: use kda_kernel: torch")
+    q, k, v = fla_core_inputs(q, k, v)
+    h0 = None if initial_state is None else initial_state.float()
+    return fla_core(
+        q, k, v, g.float(), beta.float(), scale=q.shape[-1] ** -0.5, initial_state=h0, output_final_state=True,
+        **fla_gate_kwargs(gate),
+    )  # fmt: skip
 
 
 class GatedRMSNorm(nn.Module):
@@ -508,20 +559,12 @@ class KimiDeltaAttention(nn.Module):
         the start) -> ``(y [B, T, hidden_size], cache for the next chunk)``. Sets ``self.stats["path"]``.
 
         Raises:
-            GenoctxError: ``use_fla=True`` on CUDA but fla is not installed.
+            GenoctxError: ``use_fla=True`` on CUDA but fla is not installed, or an fp64 run (``fla_chunk_kda``).
         """
         q, k, v, g, beta, conv_state = self.project(x, None if cache is None else cache.conv_state)
         initial_state = None if cache is None else cache.state
-        if self.use_fla and x.is_cuda:
-            try:
-                from fla.ops.kda import chunk_kda as fla_chunk_kda
-            except ImportError as err:
-                raise GenoctxError("use_fla=True needs fla-core (pip install 'genoctx[gpu]')") from err
-            q, k, v = fla_core_inputs(q, k, v)
-            o, state = fla_chunk_kda(
-                q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                **fla_gate_kwargs(self.forget_gate),
-            )  # fmt: skip
+        if self.use_fla and x.device.type in FLA_DEVICES:
+            o, state = fla_chunk_kda(q, k, v, g, beta, initial_state, self.forget_gate)
             path = "fla"
         else:
             o, state = chunk_kda(

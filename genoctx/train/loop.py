@@ -126,6 +126,13 @@ def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
     (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone. ``cfg.optimizer_state_dtype``
     ``"fp32"``: ``torch.optim.AdamW`` (moments in the parameters' dtype, 8 bytes per fp32 parameter); ``"bf16"``:
     ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same update computed in fp32).
+
+    ``torch.optim.AdamW`` picks its foreach path where every parameter is a CUDA tensor or DTensor (on a mesh: one
+    ``_foreach_*`` call per group over the DTensors of the dense mesh and of the expert mesh together) and its
+    single-tensor path on the CPU and with ``offload_optimizer`` (CPU parameters). The two paths agree bit for bit
+    over FSDP=2 with folded EP=2 when foreach is forced on the CPU
+    (``tests/parallel/test_mesh.py::test_foreach_adamw_over_the_dense_and_expert_meshes_equals_single_tensor``), so
+    the groups are left to torch's choice.
     """
     from .optim import STATE_DTYPES, AdamW
 

@@ -4,7 +4,9 @@ Usage: python tests/parallel/mesh_worker.py OUT_DIR WINDOWS.pt WORLD CASE[,CASE.
 WINDOWS.pt holds {"windows": [4, L] int64} real-DNA windows. A case names a layout (``CASES``); the data ranks
 (dp_replicate x ep x dp_shard) take windows 0..dp-1, one each. Each rank writes OUT_DIR/rank{r}.pt with, per case
 and step: the step metrics (loss, grad norm), every gradient gathered to full size (a routed expert block: its rows,
-with its offset), the router biases after the step, and this rank's coordinates and MoE EP statistics.
+with its offset), the router biases after the step, and this rank's coordinates and MoE EP statistics. Besides the
+layouts: ``bf16`` (``run_bf16``), ``reshard`` (``RESHARD``) and ``foreach`` (``run_foreach``: AdamW's foreach path over
+the dense and the expert mesh against its single-tensor path).
 """
 
 import sys
@@ -265,6 +267,56 @@ def run_bf16_chunks(windows: torch.Tensor) -> dict:
     return out
 
 
+def run_foreach(windows: torch.Tensor) -> dict:
+    """FSDP=2 with EP=2 folded into it (dense parameters on the dp_shard mesh, routed experts on the expert mesh, both
+    in each AdamW param group): two steps with ``torch.optim.AdamW``'s foreach path forced (the CUDA default over
+    DTensors; the CPU default is the single-tensor path), then the same from the same start with foreach off. Returns
+    the number of foreach AdamW calls of each run, the meshes of the parameters, the largest difference of this
+    rank's parameters after the steps and the names of those the steps changed."""
+    import torch.optim.adam as adam
+
+    from genoctx.parallel.fsdp import apply_parallel
+    from genoctx.train.loop import build_optimizer, train_step
+
+    calls, multi = [0], adam._multi_tensor_adam
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return multi(*a, **k)
+
+    adam._multi_tensor_adam = counted  # looked up at each step (``torch.optim.adam.adam``)
+    res: dict = {"calls": {}, "params": {}}
+    try:
+        for foreach in (True, False):
+            dims = init_case("fsdp2_fep2")
+            model = mesh_model()
+            apply_parallel(model, dims)
+            cfg = train_config()
+            opt, sched = build_optimizer(model, cfg, cfg.steps)
+            for group in opt.param_groups:
+                group["foreach"] = foreach
+            calls[0] = 0
+            res["params"]["start"] = _locals(model)
+            for _ in range(STEPS):
+                train_step(model, opt, sched, windows[dims.dp_rank][None], cfg, nullcontext(), dims)
+            res["calls"][foreach] = calls[0]
+            res["params"][foreach] = _locals(model)
+            res["meshes"] = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()
+                                    if hasattr(p, "device_mesh")})  # fmt: skip
+    finally:
+        adam._multi_tensor_adam = multi
+    params = res.pop("params")
+    a, b, start = params[True], params[False], params["start"]
+    res["max_abs_diff"] = max(float((a[n] - b[n]).abs().max()) for n in a)
+    res["moved"] = [n for n in a if not torch.equal(a[n], start[n])]  # the parameters the steps changed here
+    return res
+
+
+def _locals(model) -> dict:
+    """This rank's pieces of the parameters (a DTensor's local shard), copied."""
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
+
+
 def _train(name: str, windows: torch.Tensor, steps: int, save: Path | None = None, load: Path | None = None):
     """``steps`` steps in layout ``name`` (after loading ``load``; saving a sharded checkpoint at ``save``).
     Returns the losses and, for the second layout of a pair, nothing else."""
@@ -318,6 +370,8 @@ def run(rank: int, world: int, init_file: str, out_dir: str, windows_path: str, 
                 res[name] = run_bf16(windows)
             elif name == "bf16_chunks":
                 res[name] = run_bf16_chunks(windows)
+            elif name == "foreach":
+                res[name] = run_foreach(windows)
             elif name == "reshard":
                 for src, dst in RESHARD:
                     res[f"{src}->{dst}"] = run_reshard(src, dst, windows, Path(out_dir), data.get("one_ckpt"))
