@@ -10,6 +10,7 @@ size 1 around the real ``_eval_worker``), so the patched table is what it reads 
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -38,12 +39,15 @@ def in_process(worker_fn, config, *, num_workers, **_):
 
     assert num_workers == 1
     threads = torch.get_num_threads()  # the worker sets its own (worker_threads): this process's are put back
+    glog = logging.getLogger("genoctx")  # and its logging (worker_logging): later tests log through the root again
+    saved = glog.handlers[:], glog.level, glog.propagate
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with leaving_mesh():
             return WorkerRun(0.0, worker_fn(config, LocalSession()))
     finally:
         torch.set_num_threads(threads)
+        glog.handlers[:], glog.level, glog.propagate = saved
 
 
 @pytest.fixture(scope="module")
