@@ -293,10 +293,11 @@ def test_saved_activation_formulas_match_autograd():
     for dtype, a in ((torch.float32, 4), (torch.bfloat16, 2)):
         s = PS._Sizes(a=a)
         x = torch.randn(1, T, cfg.hidden_size).to(dtype).requires_grad_(True)
+        norm = {k: PS._norm_in(s, cfg.hidden_size, casts) for k, casts in PS.INPUT_CASTS.items()}  # sizes._norm_in
         cases = [
-            (KimiDeltaAttention(cfg), PS._kda(cfg, s) - PS._norm(s, cfg.hidden_size)),
-            (DeepSeekSparseAttention(cfg, 1), PS._dsa(cfg, s, True) - PS._norm(s, cfg.hidden_size)),
-            (MLP(cfg.hidden_size, cfg.intermediate_size), PS._mlp(cfg, s) - PS._norm(s, cfg.hidden_size)),
+            (KimiDeltaAttention(cfg), PS._kda(cfg, s) - norm["kda"]),
+            (DeepSeekSparseAttention(cfg, 1), PS._dsa(cfg, s, True) - norm["dsa_full"]),
+            (MLP(cfg.hidden_size, cfg.intermediate_size), PS._mlp(cfg, s) - norm["mlp"]),
         ]
         for module, per_token in cases:
             cast_model(module, dtype)
@@ -381,7 +382,7 @@ def test_cli_plan_names_the_seq_chunk_that_fits():
     doc = json.loads(_cli(*args, "--format", "json").stdout)
     assert doc["layouts"] == [] and {k: doc["hint"][k] for k in want} == want
     assert doc["hint"]["message"].startswith("no training step fits in 12 GiB as planned, but one in chunks does: "
-                                             "--seq-chunk 256k --ep 2 --cp 2 --ep-folded (")  # fmt: skip
+                                             "--seq-chunk 256k --ep 2 --fsdp 2 --ep-folded (")  # fmt: skip
     table = _cli(*args).stdout
     assert table.splitlines()[-1] == "hint: " + doc["hint"]["message"]
     one = json.loads(_cli(*args, "--fsdp", "2", "--format", "json").stdout)  # one layout given: that layout chunked

@@ -230,28 +230,31 @@ def _layer_kind(cfg: ModelConfig, i: int) -> str:
 
 def _eval_layer(ev: _EvalRun, i: int, N: int, base: dict, mixer: list, where: str = "") -> list:
     """The phases of decoder layer ``i`` over ``N`` tokens: the mixer's (``mixer``: ``[(name, components)]``), then
-    the feed-forward and the mHC after it. ``residual_streams`` (``DecoderLayer.forward`` without gradients): in the
-    mixer the layer input and the normalised sub-layer input, ``N (nDa + Da)``; in the feed-forward half the input,
-    the streams after the mixer and three ``[N, D]`` tensors alive as locals (the mixer output, the mHC's sub-layer
-    input, its normalised copy), ``N (2 nDa + 3 Da)``; ``mhc``: the ``post`` of the feed-forward, ``3 N nDa`` (the
-    mixed streams, the scaled output, their sum), more than any ``pre`` (``f (nD + D + (2 + n) n)`` per token)."""
+    the feed-forward and the mHC after it. The streams and what ``HyperConnection`` returns in their dtype are fp32
+    (``r`` bytes, ``_Sizes.r``), and so is a sub-layer's normalised input (the norm's weight times its fp32
+    normalised input); the sub-layers' outputs are in ``a``. ``residual_streams`` (``DecoderLayer.forward`` without
+    gradients): in the mixer the layer input and the normalised sub-layer input, ``N (nDr + Dr)``; in the
+    feed-forward half the input, the streams after the mixer and three ``[N, D]`` tensors alive as locals (the mixer
+    output, the mHC's sub-layer input, its normalised copy), ``N (2 nDr + Da + 2 Dr)``; ``mhc``: the ``post`` of the
+    feed-forward, ``3 N nDr`` (the mixed streams, the scaled output, their sum), more than any ``pre`` (``f (nD + D +
+    (2 + n) n)`` per token)."""
     cfg, s = ev.cfg, ev.s
-    nDa, Da = N * cfg.hc_mult * cfg.hidden_size * s.a, N * cfg.hidden_size * s.a
+    nDr, Dr, Da = N * cfg.hc_mult * cfg.hidden_size * s.r, N * cfg.hidden_size * s.r, N * cfg.hidden_size * s.a
     head = f"forward layer {i} ({_layer_kind(cfg, i)})"
-    out = [(f"{head}: {name}{where}", _add(base, {"residual_streams": nDa + Da}, c)) for name, c in mixer]
-    mid = _add(base, {"residual_streams": 2 * nDa + 3 * Da})
+    out = [(f"{head}: {name}{where}", _add(base, {"residual_streams": nDr + Dr}, c)) for name, c in mixer]
+    mid = _add(base, {"residual_streams": 2 * nDr + Da + 2 * Dr})
     out.append((f"{head}: feed-forward{where}", _add(mid, _ffn_eval(cfg, s, i, N, ev.layout.ep))))
-    out.append((f"{head}: mHC{where}", _add(mid, {"mhc": 3 * nDa})))
+    out.append((f"{head}: mHC{where}", _add(mid, {"mhc": 3 * nDr})))
     return out
 
 
 def _eval_head(ev: _EvalRun, N: int, caches: float, io: float, where: str = "") -> tuple:
-    """The end of the forward: the final hidden states ``N D a`` and the head (``_head_eval``); the root's
-    parameters."""
+    """The end of the forward: the final hidden states ``N D r`` (the final norm of the fp32 streams' mean: fp32) and
+    the head (``_head_eval``); the root's parameters."""
     p = ev.params
     return (f"end of forward (head){where}", {
         "weights": p["weights"], "unsharded_params": p["root"], "window_io": io, "carried_caches": caches,
-        "residual_streams": N * ev.cfg.hidden_size * ev.s.a,
+        "residual_streams": N * ev.cfg.hidden_size * ev.s.r,
         "logits_loss": _head_eval(ev.cfg, ev.s, N, ev.rows, ev.head_chunk)})  # fmt: skip
 
 

@@ -32,9 +32,9 @@ Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = 
   routed experts: its ``E / ep`` local ones), and in backward the current layer's unsharded gradient; without FSDP
   and with bf16, a bf16 copy of the local parameters.
 - ``activations_*``: what the layers alive in the phase keep for backward, by layer type (the per-token sizes
-  of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D a`` residual streams each
+  of ``_kda``, ``_dsa``, ``_moe``, ``_mlp``, ``_hc`` (two per layer, plus the ``n D r`` residual streams each
   saves), ``activations_head`` the embedding's ids, final norm and loss). With ``recompute`` only the layer
-  being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D a`` per token).
+  being recomputed counts, and ``layer_inputs`` holds the other layers' inputs (``n D r`` per token).
   Under CP, KDA layers also keep the state their checkpointed ``[L | M]`` pass leaves (``f H K 2K``) and DSA
   layers the whole-window tensors of ``_dsa_cp_saved``.
 - ``returned_caches``: until the loss, the caches the layers return: a KDA cache's conv state is a view of
@@ -59,10 +59,12 @@ code, tensor by tensor: what autograd saves in ``genoctx.model`` with its recomp
 MoE chunks and the Sinkhorn map are always recomputed in backward). ``a`` is the activation element size (2 for
 bf16, 4 for fp32), ``f = 4`` (the fp32 islands: KDA core and gates, norms, mHC coefficients, DSA softmax
 statistics, the loss), ``c = f`` when ``a != f`` else 0 (an fp32 copy of a low-precision tensor), ``c_a = a``
-when ``a != f`` else 0 (a low-precision copy of an fp32 tensor). Model widths: ``D`` hidden, ``n`` mHC streams,
-``H``/``K`` KDA heads/head dim (``HK = H K``), ``C`` ``kda_chunk_size``, ``Q``/``R`` q-/kv-LoRA ranks, ``Hm``
-MLA heads with ``dq``/``dv`` head dims, ``HI``/``dI`` indexer heads/dim, ``kp`` ``index_kpool``, ``E``/``k``
-routed experts/top-k, ``I`` expert width, ``Is`` shared-expert width, ``Id`` dense-MLP width, ``V`` vocabulary.
+when ``a != f`` else 0 (a low-precision copy of an fp32 tensor), ``r = f`` (the mHC residual streams, fp32 in every
+layout: ``sizes._Sizes.r``; with them the sub-layers' inputs and their norms, ``sizes._norm_in``). Model widths:
+``D`` hidden, ``n`` mHC streams, ``H``/``K`` KDA heads/head dim (``HK = H K``), ``C`` ``kda_chunk_size``,
+``Q``/``R`` q-/kv-LoRA ranks, ``Hm`` MLA heads with ``dq``/``dv`` head dims, ``HI``/``dI`` indexer heads/dim, ``kp``
+``index_kpool``, ``E``/``k`` routed experts/top-k, ``I`` expert width, ``Is`` shared-expert width, ``Id`` dense-MLP
+width, ``V`` vocabulary.
 
 Assumptions (each one is a place where a measurement can disagree):
 
@@ -113,6 +115,7 @@ from .sizes import (
     DEVICES,
     DTYPE_BYTES,
     GIB,
+    INPUT_CASTS,
     NUCLEOTIDE_VOCAB,
     WORKING_SETS,
     _add,
@@ -138,7 +141,7 @@ from .sizes import (
     _moe,
     _moe_bwd,
     _moe_fwd,
-    _norm,
+    _norm_in,
     _Sizes,
     param_counts,
     seq_chunk_boundary_bytes,
@@ -327,7 +330,8 @@ def _kda_mixer(st: _Step) -> tuple:
     if st.layout.cp > 1:  # kda_cp_cache's [L | M] pass, checkpointed: it keeps its state, and is recomputed (the
         # projections again, [v | 0], the core block by block) after the layer's own graph is freed
         saved += windows * f * H * K * 2 * K
-        state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a)
+        # ... and its projections' bf16 copies of the fp32 layer input (INPUT_CASTS: all but g_a, which is not run)
+        state_pass = N * (_kda_project(cfg, s) + 2 * H * K * s.a + (INPUT_CASTS["kda"] - 1) * s.ca * cfg.hidden_size)
         core = max(core, state_pass + _kda_core_recompute(cfg, windows, T, 2 * K) - N * _kda(cfg, s))
         w_core = max(w_core, state_pass + _kda_core_fwd(cfg, s, windows, T, 2 * K))
     # KDACache.conv_state is a view of the pre-convolution input (3 HK a), saved only in fp32 without AC
@@ -371,7 +375,7 @@ def _dsa_mixer(st: _Step, full: bool) -> tuple:
 def _feed_forward(st: _Step, moe: bool) -> tuple:
     """The feed-forward half (MoE or dense MLP): ``(saved, w_fwd, w_bwd_ffn)``. ``saved``: ``_moe`` or ``_mlp`` per
     token; ``w_fwd``: one MoE dispatch chunk (``_moe_fwd``); ``w_bwd_ffn``: one chunk's backward (``_moe_bwd``) or the
-    dense MLP's ``(2 Id + D) a``, and ``stream_gradients``: the streams' gradients (two of ``n D a``) and the layer
+    dense MLP's ``(2 Id + D) a``, and ``stream_gradients``: the streams' gradients (two of ``n D r``) and the layer
     output's gradient (``D a``), on top of the sub-layer's working set."""
     cfg, s, N, ep = st.cfg, st.s, st.N, st.layout.ep
     D, a = cfg.hidden_size, s.a
@@ -383,21 +387,21 @@ def _feed_forward(st: _Step, moe: bool) -> tuple:
         saved = N * _mlp(cfg, s)
         w_fwd = {}
         w_bwd = {"stream_gradients": N * (2 * cfg.intermediate_size + D) * a}
-    stream = cfg.hc_mult * D * a
+    stream = cfg.hc_mult * D * s.r
     w_bwd["stream_gradients"] = w_bwd.get("stream_gradients", 0.0) + N * (2 * stream + D * a)
     return saved, w_fwd, w_bwd
 
 
 def _layer(st: _Step, i: int, mixer: str, ffn: str, indexer: str) -> dict:
     """Decoder layer ``i``, bytes on this rank: ``saved`` (what it keeps for backward, by layer type: ``kda``,
-    ``dsa``, ``moe``, ``dense_mlp``, ``mhc``, two mHC maps ``_hc`` and their ``n D a`` streams), ``ffn_part`` (what
-    the mixer's backward no longer holds: the feed-forward half's mHC, streams, norm, MLP/MoE), ``input`` (``n D a``
+    ``dsa``, ``moe``, ``dense_mlp``, ``mhc``, two mHC maps ``_hc`` and their ``n D r`` streams), ``ffn_part`` (what
+    the mixer's backward no longer holds: the feed-forward half's mHC, streams, norm, MLP/MoE), ``input`` (``n D r``
     per token: all it keeps under recomputation), ``cache`` (what it returns; none under CP), the working sets of its
     forward (``w_fwd``) and of the backward of its feed-forward (``w_bwd_ffn``), mHC (``w_bwd_hc``, ``_hc_bwd``) and
-    mixer (``w_bwd_mix``, plus the streams' gradient ``n D a + D a``), and its parameters: ``block`` all-gathered,
-    ``local``, ``block_bytes`` (all-gathered bytes, the fp32 islands in ``f``)."""
+    mixer (``w_bwd_mix``, plus the streams' gradient ``n D r`` and the mixer output's ``D a``), and its parameters:
+    ``block`` all-gathered, ``local``, ``block_bytes`` (all-gathered bytes, the fp32 islands in ``f``)."""
     cfg, s, N, lay = st.cfg, st.s, st.N, st.layout
-    stream, hc = cfg.hc_mult * cfg.hidden_size * s.a, _hc(cfg, s)
+    stream, hc = cfg.hc_mult * cfg.hidden_size * s.r, _hc(cfg, s)  # the streams are fp32 (``_Sizes.r``)
     saved = dict.fromkeys(("kda", "dsa", "moe", "dense_mlp", "mhc"), 0.0)
     saved["mhc"] = N * 2 * (stream + hc)
     if mixer == KDA:
@@ -435,7 +439,9 @@ def _head(st: _Step, loss_vocab_rows: int | None, loss_chunk_tokens: int) -> dic
     weight-gradient buffer ``rows D f`` and (bf16 or nucleotide rows) a ``[V, D]`` gradient in ``a``."""
     cfg, s, N = st.cfg, st.s, st.N
     a, f, V, D = s.a, s.f, cfg.vocab_size, cfg.hidden_size
-    saved = N * (8 + _norm(s, D))  # embedding indices; final RMSNorm (its output feeds lm_head)
+    # embedding indices; the final RMSNorm of the streams' mean (fp32, ``_norm_in``): its output feeds lm_head (one
+    # autocast copy) or the chunked head, which keeps it as it is
+    saved = N * (8 + _norm_in(s, D, 1 if V <= NUCLEOTIDE_VOCAB else 0))
     if V <= NUCLEOTIDE_VOCAB:  # the model's own logits
         saved += N * (f * (V + 2) + 8)  # log-softmax, targets, masked losses
         fwd = N * V * (a + s.c)  # logits and their fp32 copy (the log-softmax is saved)
@@ -514,7 +520,7 @@ def _forward_phases(st: _Step, p: _Held, layers: list, head: dict) -> list:
     activations, or under recomputation its input and the streams alive, its largest working set, the root and the
     current and prefetched block), then the end of forward (every layer's, the head's logits and loss)."""
     a, D = st.s.a, st.cfg.hidden_size
-    stream = st.cfg.hc_mult * D * a
+    stream = st.cfg.hc_mult * D * st.s.r
     out, caches = [], 0.0
     for i, x in enumerate(layers):
         # under AC only the input stays, plus the streams alive while the layer runs (the mid stream, a sub-layer's

@@ -127,7 +127,7 @@ def param_counts(cfg: ModelConfig) -> dict:
 @dataclasses.dataclass(frozen=True)
 class _Sizes:
     """Element sizes (bytes) of one plan: ``a`` activations, ``f`` fp32, ``c`` fp32 copies of activations,
-    ``ca`` activation copies of fp32 tensors."""
+    ``ca`` activation copies of fp32 tensors, ``r`` the residual streams."""
 
     a: int
     f: int = F32
@@ -140,19 +140,49 @@ class _Sizes:
     def ca(self) -> int:
         return self.a if self.a != self.f else 0
 
+    @property
+    def r(self) -> int:
+        """The mHC residual streams ``[B, T, n, D]`` and what ``HyperConnection`` returns in their dtype (the sub-layer
+        input ``h``, the next streams): fp32 whatever ``a`` is. One process runs fp32 parameters under bf16
+        autocast (``nn.Embedding`` gives fp32, ``genoctx.model.hyper`` keeps x's dtype); FSDP2 with bf16 parameters
+        casts no forward input and upcasts the embedding's output (``genoctx.parallel.fsdp._dtype_boundaries``)."""
+        return self.f
+
+
+# Matmuls that read a sub-layer's normalised input (``DecoderLayer``: ``input_layernorm`` / ``post_attention_layernorm``
+# output, fp32 as the streams): under bf16 autocast each saves its own bf16 copy (autocast caches the casts of
+# parameters, not of activations). KDA: q, k, v, f_a, b and g_a projections; a "full" DSA layer: q_a, kv_a, the
+# indexer's wk, compress gate and weights_proj; a "shared" DSA layer: q_a, kv_a; a dense MLP: gate and up. An MoE
+# checkpoints its chunks, which keep the fp32 input itself (0 casts).
+INPUT_CASTS = {"kda": 6, "dsa_full": 5, "dsa_shared": 2, "mlp": 2, "moe": 0}
+
 
 def _norm(s: _Sizes, W: int) -> float:
-    """RMSNorm of width W: ``f W`` (its input in fp32: the input itself in fp32, a copy otherwise) ``+ f`` (rsqrt)
-    ``+ 2 a W`` (the normalised tensor and the weighted output, which the next op saves)."""
+    """RMSNorm of width W of an input in the activation dtype (DSA's q/kv latent norms): ``f W`` (its input in fp32:
+    the input itself in fp32, a copy otherwise) ``+ f`` (rsqrt) ``+ 2 a W`` (the normalised tensor and the weighted
+    output, which the next op saves)."""
     return s.f * W + s.f + 2 * s.a * W
 
 
+def _norm_in(s: _Sizes, W: int, casts: int) -> float:
+    """RMSNorm of width W of a sub-layer's input ``h`` (the mHC collapse, in the streams' dtype ``r``: fp32) and what
+    its consumers keep of its output: ``f W`` (h itself) ``+ f`` (rsqrt) ``+ r W`` (the normalised h, cast back to
+    h's dtype) ``+`` the weighted output (fp32: the weight times the fp32 normalised h) as its consumers keep it:
+    under bf16 autocast ``casts`` bf16 copies (``casts c_a W``, ``INPUT_CASTS``), or the fp32 tensor itself
+    (``f W``: when ``a`` is fp32, or ``casts == 0``, a consumer that keeps it as it is). With ``a = f`` this is
+    ``_norm``'s ``3 f W + f``."""
+    kept = s.f * W if (s.ca == 0 or casts == 0) else casts * s.ca * W
+    return s.f * W + s.f + s.r * W + kept
+
+
 def _hc(cfg: ModelConfig, s: _Sizes) -> float:
-    """One mHC call (``pre`` + ``post``), besides its input streams: ``c nD`` (fp32 copy of the streams) ``+ f (nD +
-    1 + (2+n) n + 3n + n^2)`` (RMS-normalised streams, rsqrt, the projection, pre/post sigmoids, Sinkhorn input)
-    ``+ a (n + n^2 + D)`` (post, the transposed comb copy of ``comb^T x``, the sub-layer output)."""
+    """One mHC call (``pre`` + ``post``), besides its input streams (``r nD``, fp32: ``_Sizes.r``, so no copy of
+    them for the coefficients): ``f (nD + 1 + (2+n) n + 3n + n^2)`` (RMS-normalised streams, rsqrt, the projection,
+    pre/post sigmoids, Sinkhorn input) ``+ r (n + n^2 + D)`` (``post`` and ``comb`` cast to the streams' dtype:
+    themselves, saved by ``comb^T x`` and ``post ⊗ f_out``, and the sub-layer output's copy in that dtype; the
+    bf16 output of a sub-layer is freed)."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    return s.c * n * D + s.f * (n * D + 1 + (2 + n) * n + 3 * n + n * n) + s.a * (n + n * n + D)
+    return s.f * (n * D + 1 + (2 + n) * n + 3 * n + n * n) + s.r * (n + n * n + D)
 
 
 def _kda_project(cfg: ModelConfig, s: _Sizes) -> float:
@@ -165,11 +195,12 @@ def _kda_project(cfg: ModelConfig, s: _Sizes) -> float:
 
 
 def _kda(cfg: ModelConfig, s: _Sizes) -> float:
-    """A KDA mixer with its input norm: ``norm(D) + project + HK (4f + a) + K a + f H`` (the output: fp32 core
+    """A KDA mixer with its input norm: ``_norm_in(D, 6) + project + HK (4f + a) + K a + f H`` (the output: fp32 core
     output, normalised, gated, the gate's sigmoid; ``o_proj``'s input; the gate LoRA; the output norm's rsqrt).
     Altogether ``HK (15f + 4a + 2c) + 2 K a + H (a + c + 3f)`` besides the norm (19 HK fp32 elements in fp32)."""
     H, K = cfg.linear_num_heads, cfg.linear_head_dim
-    return _norm(s, cfg.hidden_size) + _kda_project(cfg, s) + H * K * (4 * s.f + s.a) + K * s.a + H * s.f
+    norm = _norm_in(s, cfg.hidden_size, INPUT_CASTS["kda"])
+    return norm + _kda_project(cfg, s) + H * K * (4 * s.f + s.a) + K * s.a + H * s.f
 
 
 def _kda_out_part(cfg: ModelConfig, s: _Sizes) -> float:
@@ -266,15 +297,16 @@ def _fla_backward(cfg: ModelConfig, s: _Sizes) -> float:
 
 
 def _dsa(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
-    """A DSA mixer with its input norm: ``norm(D) + norm(Q) + norm(R) + a Hm (dq + 2R + dv)`` (the query copy of
-    the absorbed product, the latent queries, the output latents' copy, ``o_proj``'s input) ``+ f Hm`` (softmax
-    log-sum-exp). A "full" layer adds its indexer: ``f (2 dI + 2) + a dI`` (the key LayerNorm in fp32: its input's
-    copy, mean and rstd; the pooling softmax; the keys the pooling saves) ``+ f (HI dI + HI + dI / kp)``
-    (the KL gradients, computed in forward) ``+ 4 topk / kp`` (int32 pool indices) ``+ 8`` (int64 query
+    """A DSA mixer with its input norm: ``_norm_in(D, 5 full / 2 shared) + norm(Q) + norm(R) + a Hm (dq + 2R + dv)``
+    (the query copy of the absorbed product, the latent queries, the output latents' copy, ``o_proj``'s input)
+    ``+ f Hm`` (softmax log-sum-exp). A "full" layer adds its indexer: ``f (2 dI + 2) + a dI`` (the key LayerNorm in
+    fp32: its input's copy, mean and rstd; the pooling softmax; the keys the pooling saves) ``+ f (HI dI + HI + dI /
+    kp)`` (the KL gradients, computed in forward) ``+ 4 topk / kp`` (int32 pool indices) ``+ 8`` (int64 query
     positions)."""
     D, Q, R = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
     Hm, dq, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
-    out = _norm(s, D) + _norm(s, Q) + _norm(s, R) + s.a * Hm * (dq + 2 * R + dv) + s.f * Hm
+    out = _norm_in(s, D, INPUT_CASTS["dsa_full" if full else "dsa_shared"]) + _norm(s, Q) + _norm(s, R)
+    out += s.a * Hm * (dq + 2 * R + dv) + s.f * Hm
     if full:
         dI, HI, kp = cfg.index_head_dim, cfg.index_n_heads, cfg.index_kpool
         out += s.f * (2 * dI + 2) + s.a * dI + 4 * cfg.index_topk / kp + 8
@@ -354,15 +386,15 @@ def _indexer_tiles(cfg: ModelConfig, tokens: int, ctx: int) -> float:
 
 
 def _mlp(cfg: ModelConfig, s: _Sizes) -> float:
-    """Dense SwiGLU MLP with its input norm: ``norm(D) + 6 Id a`` (gate and up outputs, the clamped gate, SiLU
+    """Dense SwiGLU MLP with its input norm: ``_norm_in(D, 2) + 6 Id a`` (gate and up outputs, the clamped gate, SiLU
     output, the clamped up, the down projection's input)."""
-    return _norm(s, cfg.hidden_size) + 6 * cfg.intermediate_size * s.a
+    return _norm_in(s, cfg.hidden_size, INPUT_CASTS["mlp"]) + 6 * cfg.intermediate_size * s.a
 
 
 def _moe(cfg: ModelConfig, s: _Sizes) -> float:
-    """MoE with its input norm: ``norm(D) + 8`` (each chunk is checkpointed: its input is the norm's output; int64
-    sequence ids)."""
-    return _norm(s, cfg.hidden_size) + 8
+    """MoE with its input norm: ``_norm_in(D, 0) + 8`` (each chunk is checkpointed: its input is the norm's fp32
+    output, kept as it is; int64 sequence ids)."""
+    return _norm_in(s, cfg.hidden_size, INPUT_CASTS["moe"]) + 8
 
 
 def _moe_rows(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
@@ -396,11 +428,11 @@ def _moe_bwd(cfg: ModelConfig, s: _Sizes, tokens: int, ep: int) -> float:
 
 
 def _hc_bwd(cfg: ModelConfig, s: _Sizes) -> float:
-    """One mHC call's backward: about ``nD (3f + a) + f iters (n^2 + n)`` (the streams' and normalised streams'
+    """One mHC call's backward: about ``nD (3f + r) + f iters (n^2 + n)`` (the streams' (``r``) and normalised streams'
     gradients and their temporaries; the Sinkhorn iterations recomputed, each division saving its input and
     denominator); fitted to measurements of tiny and cpu-small (within 20%; a small term at GLM-5.3-Flash's width)."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    return n * D * (3 * s.f + s.a) + s.f * cfg.hc_sinkhorn_iters * (n * n + n)
+    return n * D * (3 * s.f + s.r) + s.f * cfg.hc_sinkhorn_iters * (n * n + n)
 
 
 # ---------------------------------------------------------------- the plan

@@ -41,7 +41,7 @@ from __future__ import annotations
 from ..model.config import DSA, KDA, ModelConfig
 from ..parallel.layout import Layout
 from .hardware import Hardware
-from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _norm, _Sizes
+from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _moe, _Sizes
 
 BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node", "host")
 OVERLAPPED_PREFIXES = ("fsdp_", "dp_")  # collectives FSDP2 / HSDP run beside compute (module docstring)
@@ -99,7 +99,7 @@ def collective_seconds(entry: dict, layout: Layout, hw: Hardware) -> tuple[float
 
 def activation_bytes_per_token(cfg: ModelConfig, dtype: str) -> float:
     """Bytes each token's activations take in one forward of all decoder layers (kept as without recompute): per
-    layer its mixer (``_kda`` / ``_dsa``), its feed-forward (dense ``_mlp``; MoE: the norm, ``k`` routed rows of
+    layer its mixer (``_kda`` / ``_dsa``), its feed-forward (dense ``_mlp``; MoE: ``_moe``'s norm, ``k`` routed rows of
     ``6 I a`` and the shared expert's ``6 Is a``), two mHC calls (``_hc``) and its ``n`` fp32 input streams."""
     s = _Sizes(a=DTYPE_BYTES[dtype])
     n, D = cfg.hc_mult, cfg.hidden_size
@@ -113,7 +113,7 @@ def activation_bytes_per_token(cfg: ModelConfig, dtype: str) -> float:
             mixer = 0.0
         if cfg.mlp_layer_types[i] == "sparse":
             shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-            ffn = _norm(s, D) + 6 * s.a * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared)
+            ffn = _moe(cfg, s) - 8 + 6 * s.a * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared)
         else:
             ffn = _mlp(cfg, s)
         total += mixer + ffn + 2 * _hc(cfg, s) + n * D * s.f
