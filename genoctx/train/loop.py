@@ -212,10 +212,18 @@ def deterministic_mode(on: bool):
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
 
 
+def _reset_kernel_paths() -> None:
+    """Forget the sparse MLA backward an earlier step (or another model in this process) ran, so that
+    ``_kernel_paths`` reports this step's."""
+    mla = sys.modules.get("kernels.sparse_mla")
+    if mla is not None:
+        mla.LAST_BACKWARD = None
+
+
 def _kernel_paths(model) -> dict:
     """What the last step ran where ``train.deterministic`` chooses: ``moe_combine`` (the MoE layers' combines,
-    ``"index_add"``/``"slot_sum"``, None without MoE) and ``sparse_mla_backward`` (``kernels.sparse_mla``'s last
-    backward, None when the Triton kernel never ran)."""
+    ``"index_add"``/``"slot_sum"``, None without MoE) and ``sparse_mla_backward`` (``kernels.sparse_mla``'s backward
+    in this step, None when the Triton kernel did not run: ``_reset_kernel_paths`` before the step)."""
     from ..model.moe import MoE
 
     combines = sorted({m.stats.get("combine") for m in model.modules() if isinstance(m, MoE) and m.stats} - {None})
@@ -340,6 +348,7 @@ def train_step(
         if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens * cp < tokens.shape[1]
         else None
     )
+    _reset_kernel_paths()
     with deterministic_mode(cfg.deterministic):  # the kernels train.deterministic selects (recorded below)
         loss_sum, count, aux = _forward_backward(model, tokens, autocast, dims, head, chunk)
         if dims is not None and dims.is_distributed:
