@@ -142,7 +142,8 @@ class Layout:
         return self.dp_shard * self.cp // self.ep if self.ep_folded else self.dp_shard * self.cp
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict (``fsdp_one`` only when set: the dict of every other layout is as before it)."""
+        return {k: v for k, v in asdict(self).items() if k != "fsdp_one" or v}
 
     def describe(self) -> str:
         """``"dp_replicate=1 ep=2 dp_shard=2 cp=1"`` (folded: ``ep=32 (folded)``; fsdp_one: ``dp_shard=1 (fsdp)``)."""
