@@ -30,20 +30,20 @@
 #   4. mesh (180 s): what only a GPU with NCCL runs, at world size 1 (issue 43), then fla's KDA core:
 #      - mesh_train, mesh_resume: genoctx train --num-workers 1 --gpus-per-worker 1 through a Ray started here
 #        (--address) of recipes/gpu-check.yaml (GLM-5.3-Flash scaled to ~83M parameters; 64k-token windows of
-#        data/hg38, prepared here: mesh_prepare) with bf16, activation checkpointing with offload_activations,
-#        --seq-chunk 16k and a checkpoint every step: --stop-after 1, then --resume for step 2 (mesh_metrics: each
-#        step's loss and the attempt that ran it). At world size 1 genoctx applies no FSDP2 (Layout.fsdp is
-#        dp_shard > 1 or cp > 1), so no MixedPrecisionPolicy and no offload_optimizer, which the memory plan refuses
-#        there (mesh_offload_optimizer says so); one GPU cannot reach FSDP2 over NCCL: NCCL refuses two ranks on one
-#        GPU. Where two or more GPUs are visible (or GPU_CHECK_MESH_WORKERS=2), train and eval run on 2 workers
-#        with --fsdp 2 and train.offload_optimizer=true instead: FSDP2's bf16 MixedPrecisionPolicy, the CPU
-#        offload of parameters, gradients and AdamW state, and the sharded checkpoint, over NCCL.
+#        data/hg38, prepared here: mesh_prepare) with FSDP2 on the one worker (--fsdp-one: fully_shard over a
+#        1-rank mesh, Layout.fsdp_one) and its bf16 MixedPrecisionPolicy, train.offload_optimizer (CPUOffloadPolicy:
+#        parameters, gradients and AdamW state in pinned host memory, the gradient norm all-reduced over NCCL),
+#        activation checkpointing with offload_activations, --seq-chunk 16k and a DCP checkpoint every step:
+#        --stop-after 1, then --resume for step 2 (mesh_metrics: each step's loss and the attempt that ran it;
+#        mesh_offload_optimizer: the layout and the planner's verdict; mesh_train: the checkpoint's format and
+#        layout). Where two or more GPUs are visible (or GPU_CHECK_MESH_WORKERS=2), train and eval run on 2 workers
+#        with --fsdp 2 instead: the same, with parameters sharded and reduce-scattered over NCCL.
 #      - mesh_eval, mesh_eval_one_process, mesh_eval_vs_one_process: genoctx eval --num-workers 1 of the run on the
 #        mesh (NCCL), the same eval in one process (--device cuda), and the two losses, which should agree.
 #      - mesh_plan, mesh_host: the run's peak memory against genoctx.plan.plan_memory; then one step of the same
-#        recipe in this process on a world-1 mesh (its own NCCL group) for the pinned host bytes of
-#        offload_activations (torch.cuda.host_memory_stats: the pinned allocator's blocks, power-of-two rounded,
-#        and the bytes in use) against the plan's host_gib.
+#        recipe in this process on a world-1 mesh (its own NCCL group) with FSDP2 (fsdp_one, bf16 parameters),
+#        offload_optimizer and offload_activations, for the pinned host bytes (torch.cuda.host_memory_stats: the
+#        pinned allocator's blocks, power-of-two rounded, and the bytes in use) against the plan's host_gib.
 #      - kda_fla (last, in the time the Ray parts leave, at least 60 s; a process of its own compiles and
 #        autotunes fla's ~160 kernel configurations at the same shapes while the Ray parts run: kda_fla_warmup):
 #        fla-core's Triton chunk_kda as kda_kernel: fla calls it (genoctx.model.kda.fla_chunk_kda: bf16 q/k/v, fp32
@@ -429,11 +429,11 @@ def mesh_ray_parts(end):
     sets = [f"train.seq_len={seq}", "train.dtype=bf16", "train.activation_checkpointing=true",
             "train.offload_activations=true", "train.checkpoint_every=1", "train.keep_checkpoints=0",
             "train.log_every=1", "train.warmup_steps=0"]  # fmt: skip
-    # two or more GPUs: 2 workers with FSDP2 over NCCL (bf16 MixedPrecisionPolicy, offload_optimizer) as well
+    # FSDP2 (bf16 MixedPrecisionPolicy on CUDA) with offload_optimizer: on one worker over a 1-rank mesh
+    # (train.fsdp_one), with two or more GPUs sharded over 2 workers
     n_gpu = torch.cuda.device_count() if DEV == "cuda" else 0
     workers = int(os.environ.get("GPU_CHECK_MESH_WORKERS") or (2 if n_gpu >= 2 else 1))
-    if workers > 1:
-        sets += [f"train.fsdp={workers}", "train.offload_optimizer=true"]
+    sets += ["train.offload_optimizer=true", f"train.fsdp={workers}" if workers > 1 else "train.fsdp_one=true"]
     sets_args = [x for kv in sets for x in ("--set", kv)]
 
     def cli(what, *args, cap):
@@ -507,16 +507,16 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, add
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if DEV == "cuda" else 64.0
     plan_kw = dict(gpu_memory_gib=gib, recompute=True, dtype="bf16", device=DEV, seq_chunk_tokens=chunk,
                    offload_activations=True, batch_size=rec.train.batch_size)  # fmt: skip
-    layout = Layout(dp_shard=workers)
-    one = plan_memory(rec.model, seq, Layout(), **plan_kw)  # the in-process step's (host_step)
+    layout = Layout.for_world(workers, dp_shard=workers, fsdp_one=rec.train.fsdp_one)
+    plan_kw["optimizer_offload"] = rec.train.offload_optimizer
+    one = plan_memory(rec.model, seq, Layout(fsdp_one=True), **plan_kw)  # the in-process step's (host_step)
     try:
-        plan = plan_memory(rec.model, seq, layout, **{**plan_kw, "optimizer_offload": True})
-        why = None
+        plan, why = plan_memory(rec.model, seq, layout, **plan_kw), None
     except ValueError as e:
         plan, why = one, str(e)
-    emit(what="mesh_offload_optimizer", world=workers, fsdp2_applied=layout.fsdp, offload_optimizer=why is None,
-         planner=why or "accepted", note="FSDP2 (its bf16 MixedPrecisionPolicy, offload_optimizer) needs dp_shard > 1 "
-         "or cp > 1: two GPUs")  # fmt: skip
+    emit(what="mesh_offload_optimizer", world=workers, layout=layout.describe(), fsdp2_applied=layout.fsdp,
+         offload_optimizer=rec.train.offload_optimizer, planner=why or "accepted",
+         predicted_host_gib=plan["host_gib"])  # fmt: skip
     mesh = ["--num-workers", str(workers), "--gpus-per-worker", str(gpus), "--address", address]
     mesh += ["--fsdp", str(workers)] if workers > 1 else []
     common = ["--data", str(data), "--out", str(run), "--recipe", recipe, *mesh, "--seq-chunk", str(chunk),
@@ -528,7 +528,10 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, add
         if rc != 0 or not doc:
             return
         peaks.append(doc.get("peak_memory_bytes") or 0)
+        ckpt = run / "checkpoints" / f"step_{doc.get('step') or 0:06d}" / "state.json"  # what the run saved
+        state = json.loads(ckpt.read_text()) if ckpt.is_file() else {}
         emit(what=what, rc=rc, seconds=dt, step=doc.get("step"), resumed_from=doc.get("resumed_from"),
+             checkpoint_format=state.get("format"), checkpoint_layout=state.get("layout"),
              loss=doc.get("final_loss"), tokens_per_s=doc.get("tokens_per_s"), workers=doc.get("workers"),
              peak_gib=(doc.get("peak_memory_bytes") or 0) / 2**30, seq_len=seq, seq_chunk=chunk,
              attempts=[(a["attempt"], a["resumed_from"], a["steps_run"], a["status"])
@@ -564,11 +567,13 @@ def mesh_runs(cli, work, recipe, sets, sets_args, seq, chunk, gpus, workers, add
 
 
 def host_step(rec, seq, chunk, plan):
-    """One step of the mesh recipe in this process on a world-1 mesh (NCCL on a GPU): the pinned host bytes of
-    offload_activations (the pinned allocator's blocks and the bytes asked) and the peak against the plan."""
+    """One step of the mesh recipe in this process on a world-1 mesh (NCCL on a GPU) with FSDP2 (``fsdp_one``; bf16
+    parameters on CUDA), ``offload_optimizer`` and ``offload_activations``: the pinned host bytes (the pinned
+    allocator's blocks and the bytes asked) and the peak against the plan."""
     import tempfile
 
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from genoctx.parallel.build import Fresh, build_model
     from genoctx.parallel.mesh import init_parallel, leaving_mesh
@@ -580,12 +585,13 @@ def host_step(rec, seq, chunk, plan):
                             device_id=torch.device(DEV, 0) if DEV == "cuda" else None)  # fmt: skip
     try:
         with leaving_mesh():
-            dims = init_parallel(1)
+            dims = init_parallel(1, fsdp_one=True)
             cfg = rec.train
             cfg.seq_chunk_tokens = chunk
             torch.manual_seed(0)
             model = build_model(rec.model, dims, source=Fresh(), device=DEV, activation_checkpointing=True,
-                                offload_activations=True)  # fmt: skip
+                                offload_activations=True, offload_optimizer=True,
+                                param_dtype=torch.bfloat16 if DEV == "cuda" else None)  # fmt: skip
             opt, sched = build_optimizer(model, cfg, cfg.steps)
             tokens = torch.randint(0, 4, (1, seq), device=DEV)
             OffloadStats.reset()
@@ -599,6 +605,7 @@ def host_step(rec, seq, chunk, plan):
             dt = time.perf_counter() - t0
             host = torch.cuda.host_memory_stats() if DEV == "cuda" else {}
             emit(what="mesh_host", seq_len=seq, seq_chunk=cfg.seq_chunk_tokens, seconds=dt, loss=m["loss"],
+                 layout=dims.layout.describe(), fsdp2_applied=isinstance(model, FSDPModule), offload_optimizer=True,
                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else None,
                  predicted_gib=plan["total_gib"], offloaded_bytes=OffloadStats.to_host_bytes,
                  offloaded_copies=OffloadStats.to_host,

@@ -560,6 +560,14 @@ def train(
             "its own; = train.ep_folded.",
         ),
     ] = None,
+    fsdp_one: Annotated[
+        bool | None,
+        typer.Option(
+            "--fsdp-one/--no-fsdp-one",
+            help="FSDP2 on one worker (--num-workers 1): bf16 mixed precision and offload_optimizer as a sharded "
+            "layout runs them, on one GPU; = train.fsdp_one.",
+        ),
+    ] = None,
     seq_chunk: Annotated[
         str | None,
         typer.Option(
@@ -662,6 +670,8 @@ def train(
             overrides.append(f"train.{key}={value}")
     if ep_folded is not None:
         overrides.append(f"train.ep_folded={str(ep_folded).lower()}")
+    if fsdp_one is not None:
+        overrides.append(f"train.fsdp_one={str(fsdp_one).lower()}")
     if cp_layout is not None:
         if cp_layout not in ("contiguous", "zigzag"):
             raise GenoctxError(f"--cp-layout must be contiguous or zigzag, got {cp_layout!r}")
@@ -682,9 +692,9 @@ def train(
     if num_workers is None:
         ray_flags = (address, placement_timeout, gpu_memory_gib)
         if any(v not in (None, 1) for v in (cp, ep, fsdp)) or any(v is not None for v in ray_flags) or gpus_per_worker \
-                or ep_folded:  # fmt: skip
-            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --address, --gpus-per-worker, --gpu-memory-gib and "
-                               "--placement-timeout need --num-workers")  # fmt: skip
+                or ep_folded or rec.train.fsdp_one:  # fmt: skip
+            raise GenoctxError("--cp, --ep, --fsdp, --ep-folded, --fsdp-one, --address, --gpus-per-worker, "
+                               "--gpu-memory-gib and --placement-timeout need --num-workers")  # fmt: skip
         _emit_json(run_train(data, rec, out, resume=resume, device=dev, stop_after=stop_after, wait=wait,
                              allow_batch_change=allow_batch_change))  # fmt: skip
         return
@@ -752,7 +762,8 @@ def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b2
     cfg = _recipe_model(rec, "--dry-run")
     t = rec.train
     try:
-        layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp, ep_folded=t.ep_folded)
+        layout = Layout.for_world(num_workers or 1, ep=t.ep, dp_shard=t.fsdp, cp=t.cp, ep_folded=t.ep_folded,
+                                  fsdp_one=t.fsdp_one)  # fmt: skip
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     L = t.seq_len or WindowDataset(data, "train").window
@@ -1518,7 +1529,8 @@ def plan(
         from .parallel.layout import Layout
         from .train.dryrun import dry_run as run_dry
 
-        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")})
+        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")},
+                     fsdp_one=shown[0]["layout"].get("fsdp_one", False))  # fmt: skip
         doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
                                   optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer),
                                   optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32")),

@@ -78,6 +78,9 @@ class TrainConfig:
     # folded expert parallelism: the EP group drawn from the fsdp x cp ranks (MoE parallel folding; ep must divide
     # fsdp x cp) instead of a mesh axis of its own that multiplies the data ranks (genoctx.parallel.layout)
     ep_folded: bool = False
+    # FSDP2 on one worker (--num-workers 1): fully_shard over a 1-rank mesh, so that one GPU runs FSDP2's bf16 mixed
+    # precision and offload_optimizer as a sharded layout does (genoctx.parallel.layout.Layout.fsdp_one; --fsdp-one)
+    fsdp_one: bool = False
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (genoctx.parallel.fsdp.apply_ac)
     # keep the input each checkpointed decoder layer holds for its recompute ([B, T, hc_mult, D] residual streams) in
     # host memory: copied to host after the layer's forward, back before its recompute (genoctx.parallel.offload;

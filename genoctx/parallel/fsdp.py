@@ -219,7 +219,7 @@ def apply_fsdp(
 
     Args:
         model: a ``HybridLM`` (after ``apply_ep``/``apply_cp``/``apply_ac``), parameters still full tensors.
-        dims: from ``init_parallel`` with ``dp_shard > 1``.
+        dims: from ``init_parallel`` with ``dp_shard > 1``, ``cp > 1`` or ``fsdp_one``.
         param_dtype: compute dtype of the all-gathered parameters (``torch.bfloat16`` on GPU; None keeps fp32). With
             bf16 the forward must run under bf16 autocast (inputs are not cast: module docstring).
         reduce_dtype: dtype of the gradient reduce-scatter/all-reduce (fp32).
@@ -230,7 +230,7 @@ def apply_fsdp(
         The FSDP modules, innermost first (each with gradient divide factor 1: reductions are sums).
 
     Raises:
-        ValueError: ``dims`` has no FSDP mesh (``dp_shard == 1``).
+        ValueError: ``dims`` has no FSDP mesh (``dp_shard == cp == 1`` without ``fsdp_one``).
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -241,7 +241,8 @@ def apply_fsdp(
     )
 
     if not dims.fsdp or dims.dense_mesh is None:
-        raise ValueError("apply_fsdp needs dp_shard > 1 or cp > 1 (init_parallel(dp_shard=..., cp=...))")
+        raise ValueError("apply_fsdp needs dp_shard > 1, cp > 1 or fsdp_one (init_parallel(dp_shard=..., cp=..., "
+                         "fsdp_one=...))")  # fmt: skip
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     mp_island = MixedPrecisionPolicy(param_dtype=ISLAND_DTYPE if param_dtype is not None else None,
                                      reduce_dtype=reduce_dtype, cast_forward_inputs=False)  # fmt: skip

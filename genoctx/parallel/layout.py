@@ -28,6 +28,11 @@ parameter is sharded over all ``ep x dp_shard x cp`` ranks of its replica, every
 ``dp_shard x cp`` ranks that hold the same experts; replicas all-reduce. Otherwise (replicas and EP only)
 parameters are replicated (routed experts only across the ranks holding the same block) and gradients are
 all-reduced.
+
+``fsdp_one`` (``train.fsdp_one``, ``--fsdp-one``): FSDP2 on a mesh of one rank (``fully_shard`` over a 1-rank
+``dp_shard``: each "shard" is the whole tensor), so that one GPU runs what a sharded layout runs (bf16
+``MixedPrecisionPolicy``, the ``CPUOffloadPolicy`` of ``offload_optimizer``, DTensor parameters, DCP checkpoints).
+Only at world size 1: with more ranks ``dp_shard``/``cp`` say how parameters are sharded.
 """
 
 from __future__ import annotations
@@ -77,22 +82,27 @@ def uneven_seq_chunk_round(length: int, chunk_tokens: int, cp: int, layout: str,
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the four mesh dimensions (each >= 1) and whether EP is folded into ``dp_shard x cp``
-    (``ep_folded``, module docstring). ``world`` is the number of ranks."""
+    """Sizes of the four mesh dimensions (each >= 1), whether EP is folded into ``dp_shard x cp`` (``ep_folded``)
+    and whether one rank applies FSDP2 (``fsdp_one``; module docstring). ``world`` is the number of ranks."""
 
     dp_replicate: int = 1
     ep: int = 1
     dp_shard: int = 1
     cp: int = 1
     ep_folded: bool = False
+    fsdp_one: bool = False
 
     def __post_init__(self) -> None:
         for name in DIMS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel layout: {name} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.ep_folded, bool):
-            raise ValueError(f"parallel layout: ep_folded must be true or false, got {self.ep_folded!r}")
+        for name in ("ep_folded", "fsdp_one"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"parallel layout: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.fsdp_one and self.world > 1:
+            raise ValueError(f"parallel layout: fsdp_one is FSDP2 on one rank; {self.world} ranks shard with "
+                             "dp_shard (--fsdp) or cp")  # fmt: skip
         if self.ep_folded and (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"parallel layout: folded ep={self.ep} must divide dp_shard x cp = "
                              f"{self.dp_shard} x {self.cp} = {self.dp_shard * self.cp}")  # fmt: skip
@@ -114,8 +124,9 @@ class Layout:
 
     @property
     def fsdp(self) -> bool:
-        """True when parameters are sharded (FSDP2): ``dp_shard > 1`` or ``cp > 1``."""
-        return self.dp_shard > 1 or self.cp > 1
+        """True when FSDP2 is applied: ``dp_shard > 1`` or ``cp > 1`` (parameters sharded), or ``fsdp_one`` (one
+        rank: each shard is the whole tensor)."""
+        return self.dp_shard > 1 or self.cp > 1 or self.fsdp_one
 
     @property
     def dense_shard(self) -> int:
@@ -131,24 +142,26 @@ class Layout:
         return self.dp_shard * self.cp // self.ep if self.ep_folded else self.dp_shard * self.cp
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict (``fsdp_one`` only when set: the dict of every other layout is as before it)."""
+        return {k: v for k, v in asdict(self).items() if k != "fsdp_one" or v}
 
     def describe(self) -> str:
-        """``"dp_replicate=1 ep=2 dp_shard=2 cp=1"`` (folded: ``ep=32 (folded)``)."""
-        return " ".join(f"{k}={getattr(self, k)}" + (" (folded)" if k == "ep" and self.ep_folded else "")
-                        for k in DIMS)  # fmt: skip
+        """``"dp_replicate=1 ep=2 dp_shard=2 cp=1"`` (folded: ``ep=32 (folded)``; fsdp_one: ``dp_shard=1 (fsdp)``)."""
+        tags = {"ep": " (folded)" if self.ep_folded else "", "dp_shard": " (fsdp)" if self.fsdp_one else ""}
+        return " ".join(f"{k}={getattr(self, k)}{tags.get(k, '')}" for k in DIMS)
 
     @classmethod
     def for_world(cls, world: int, ep: int = 1, dp_shard: int = 1, cp: int = 1, ep_folded: bool = False,
-                  world_flag: str = "--num-workers") -> Layout:  # fmt: skip
+                  world_flag: str = "--num-workers", fsdp_one: bool = False) -> Layout:  # fmt: skip
         """The layout of ``world`` ranks with these ``ep``, ``dp_shard`` and ``cp``; the rest is ``dp_replicate``.
+        ``fsdp_one``: FSDP2 at world size 1 (``Layout.fsdp_one``; dropped where ``dp_shard x cp > 1`` shards anyway).
         ``world_flag`` names the flag that gave ``world`` in the messages (``--num-workers``, ``genoctx plan``'s
         ``--gpus``).
 
         Raises:
             ValueError: ``ep * dp_shard * cp`` (folded: ``dp_shard * cp``) does not divide ``world`` (with a hint to
                 fold EP where folding would fit), or a folded ``ep`` does not divide ``dp_shard * cp`` (the message
-                names the sizes).
+                names the sizes), or ``fsdp_one`` on several ranks that ``dp_shard``/``cp`` do not shard over.
         """
         shard_cp = dp_shard * cp
         inner = (1 if ep_folded else ep) * shard_cp
@@ -159,4 +172,7 @@ class Layout:
             folds = not ep_folded and ep > 1 and shard_cp % ep == 0 and world >= 1 and world % shard_cp == 0
             hint = f" (or add --ep-folded: --ep {ep} drawn from the --fsdp x --cp ranks)" if folds else ""
             raise ValueError(f"{what} = {inner} must divide {world_flag} {world}{hint}")
-        return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)
+        if fsdp_one and world > 1 and shard_cp == 1:
+            raise ValueError(f"--fsdp-one is FSDP2 on one rank: {world_flag} {world} shards with --fsdp or --cp")
+        return cls(dp_replicate=world // inner, ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded,
+                   fsdp_one=fsdp_one and shard_cp == 1)  # fmt: skip

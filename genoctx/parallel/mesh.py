@@ -18,6 +18,10 @@ Folded EP (``Layout.ep_folded``): the mesh's ``ep`` dimension has size 1 and a s
 expert rank order ``tp-ep-dp-pp``), gives ``ep_group`` (its ``ep``), ``expert_mesh`` (``(dp_replicate, efsdp)``)
 and ``expert_dtensor`` (``(ep, efsdp)``); every other group is the table's.
 
+``fsdp_one`` (``Layout.fsdp_one``): one rank with FSDP2: ``dense_mesh`` and ``expert_mesh`` are 1-rank meshes, and
+the dims count as distributed (``is_distributed``): the parameters are DTensors, so the step, the gradient norm and the
+checkpoints take the mesh's path (collectives over one rank, DCP checkpoints), not the one-process one.
+
 The model is written for one device; parallelism is applied from outside in this order (``apply_parallel``):
 expert parallel (``apply_ep``: keep this rank's experts), context parallel (``apply_cp``: mixing layers see their
 pieces' caches), activation checkpointing (``apply_ac``), FSDP2 (``apply_fsdp``), then the optimizer is built on the
@@ -90,7 +94,9 @@ class ParallelDims:
 
     @property
     def is_distributed(self) -> bool:
-        return self.world > 1
+        """The mesh's code path (collectives, DTensor parameters, DCP checkpoints): several ranks, or FSDP2 on one
+        (``Layout.fsdp_one``)."""
+        return self.world > 1 or self.fsdp
 
     def coordinates(self) -> dict:
         """This rank's place in the mesh, for metrics: ``{"cp_rank", "dp_rank", "ep_rank"}``."""
@@ -121,6 +127,7 @@ def init_parallel(
     dp_shard: int = 1,
     ep_folded: bool = False,
     device_type: str | None = None,
+    fsdp_one: bool = False,
 ) -> ParallelDims:
     """Build the mesh ``dp_replicate x ep x dp_shard x cp`` over the initialised default process group.
 
@@ -128,6 +135,7 @@ def init_parallel(
         cp, ep, dp_shard: sizes; ``dp_replicate`` is the rest of the world size.
         layout: the CP layout recorded in the returned dims (``cp_pieces``; ignored when ``cp == 1``).
         ep_folded: draw the EP groups from the ``dp_shard x cp`` ranks (module docstring) instead of an axis.
+        fsdp_one: FSDP2 on a world of one rank (``Layout.fsdp_one``; dropped where ``dp_shard x cp > 1``).
         device_type: ``"cpu"`` or ``"cuda"``; default from the backend (NCCL: cuda, else cpu).
 
     Returns:
@@ -135,7 +143,8 @@ def init_parallel(
 
     Raises:
         ValueError: torch.distributed is not initialised, ``ep x dp_shard x cp`` (folded: ``dp_shard x cp``) does
-            not divide the world size, a folded ``ep`` does not divide ``dp_shard x cp``, or an unknown CP layout.
+            not divide the world size, a folded ``ep`` does not divide ``dp_shard x cp``, an unknown CP layout, or
+            ``fsdp_one`` on several ranks that ``dp_shard``/``cp`` do not shard over.
     """
     import torch
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -143,7 +152,8 @@ def init_parallel(
     cp_pieces(max(cp, 1), layout)  # validates the layout
     if not dist.is_initialized():
         raise ValueError("init_parallel needs torch.distributed initialised (gloo on CPU, nccl on CUDA)")
-    lay = Layout.for_world(dist.get_world_size(), ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded)
+    lay = Layout.for_world(dist.get_world_size(), ep=ep, dp_shard=dp_shard, cp=cp, ep_folded=ep_folded,
+                           fsdp_one=fsdp_one)  # fmt: skip
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     sizes = {d: getattr(lay, d) for d in DIMS} | {"ep": lay.ep_axis}

@@ -193,7 +193,8 @@ def _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device,
             f"({cfg.kda_chunk_size})"
         )
     if optimizer_offload and not layout.fsdp:
-        raise ValueError("optimizer_offload needs FSDP (dp_shard > 1 or cp > 1): it is FSDP2's CPUOffloadPolicy")
+        raise ValueError("optimizer_offload needs FSDP (dp_shard > 1, cp > 1, or fsdp_one on one rank): it is FSDP2's "
+                         "CPUOffloadPolicy")  # fmt: skip
     if cfg.dsa_mode != "sparse" or cfg.indexer_stage == "warmup":
         raise ValueError("plan_memory models sparse DSA (dsa_mode='sparse', indexer_stage 'sparse' or 'off'), not the "
                          "dense indexer warm-up")  # fmt: skip

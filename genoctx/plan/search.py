@@ -19,7 +19,8 @@ def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offloa
     dividing ``n_routed_experts`` (1 without MoE layers), and the folded layouts (``Layout.ep_folded``:
     ``dp_replicate x dp_shard x cp == gpus``, ``ep > 1`` dividing both ``dp_shard x cp`` and the experts),
     ``cp`` dividing ``seq_len`` with pieces of at least one
-    KDA chunk (``kda_chunk_size`` tokens), FSDP (``dp_shard > 1`` or ``cp > 1``) when ``optimizer_offload``. With
+    KDA chunk (``kda_chunk_size`` tokens), FSDP (``dp_shard > 1`` or ``cp > 1``; on one GPU ``fsdp_one``) when
+    ``optimizer_offload``. With
     ``mode="eval"`` (``plan_eval``: no optimizer) the window must split into the CP pieces of ``cp_layout`` (``cp``, or
     ``2 cp`` under zigzag) of at least ``linear_conv_kernel_dim - 1`` tokens, as ``genoctx eval`` requires.
 
@@ -48,7 +49,9 @@ def valid_layouts(cfg: ModelConfig, seq_len: int, gpus: int, *, optimizer_offloa
             for dp_shard in _divisors(gpus // (cp * ep)):
                 lay = Layout(dp_replicate=gpus // (cp * ep * dp_shard), ep=ep, dp_shard=dp_shard, cp=cp)
                 if optimizer_offload and not lay.fsdp:
-                    continue
+                    if gpus > 1:
+                        continue
+                    lay = Layout(fsdp_one=True)  # FSDP2 on one rank (Layout.fsdp_one): what offload runs under
                 out.append(lay)
         if not moe:
             continue

@@ -478,8 +478,9 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
 
 
 def _layout_dict(layout: Layout) -> dict:
-    """A plan's ``"layout"``: the four sizes, ``ep_folded`` and ``world``."""
-    return {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world}
+    """A plan's ``"layout"``: the four sizes, ``ep_folded``, ``world`` (and ``fsdp_one: true`` when set)."""
+    return {**{d: getattr(layout, d) for d in DIMS}, "ep_folded": layout.ep_folded, "world": layout.world,
+            **({"fsdp_one": True} if layout.fsdp_one else {})}  # fmt: skip
 
 def _add(*ds: dict) -> dict:
     """The sum of component dicts, key by key."""

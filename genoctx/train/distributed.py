@@ -155,7 +155,7 @@ def _train_worker(config: dict, session) -> None:
     cfg = recipe.train
     out, data_dir = Path(config["out"]), Path(config["data"])
     dims = init_parallel(config["cp"], layout=cfg.cp_layout, ep=config.get("ep", 1), dp_shard=config.get("dp_shard", 1),
-                         ep_folded=config.get("ep_folded", False))  # fmt: skip
+                         ep_folded=config.get("ep_folded", False), fsdp_one=config.get("fsdp_one", False))  # fmt: skip
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(worker_threads(session, cfg.num_threads))
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
@@ -217,7 +217,7 @@ def _train_worker(config: dict, session) -> None:
                         log_step(step + 1, cfg.steps, m, row["tokens_per_s"], _rank_line(dims, ranks))
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                     report = {"step": step + 1, "loss": m["loss"]}
-                    if world > 1:  # every rank writes its shards (genoctx.train.sharded)
+                    if dims.is_distributed:  # every rank writes its shards (genoctx.train.sharded; also fsdp_one)
                         state = {"data": data_state, "seed": cfg.seed, **extra, "cp": dims.cp, "dp": dims.dp}
                         path = save_sharded(out, step + 1, model, optimizer, scheduler, recipe, state, dims,
                                             keep=cfg.keep_checkpoints)  # fmt: skip
@@ -315,7 +315,7 @@ def _resume(
     from .sharded import load_any
 
     def load(path: Path) -> None:  # any layout into this one (a collective when distributed)
-        if world > 1:
+        if dims is not None and dims.is_distributed:
             load_any(path, model, optimizer, scheduler, dims)
         else:
             load_training_state(path, model, optimizer, scheduler)
@@ -463,7 +463,8 @@ def train_distributed(
 
     check_loggers(recipe.train.loggers)  # a logger's missing package: before Ray starts (rank 0 imports it)
     try:
-        mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp, ep_folded=ep_folded)
+        mesh_layout = Layout.for_world(num_workers, ep=ep, dp_shard=fsdp, cp=cp, ep_folded=ep_folded,
+                                       fsdp_one=recipe.train.fsdp_one)  # fmt: skip
     except ValueError as e:
         raise GenoctxError(str(e)) from None
     out, data_dir = Path(out).resolve(), Path(data_dir).resolve()
@@ -545,6 +546,7 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
         "ep": layout.ep,
         "dp_shard": layout.dp_shard,
         "ep_folded": layout.ep_folded,
+        "fsdp_one": layout.fsdp_one,
         "stop_after": stop_after,
         "gpus_per_worker": gpus_per_worker,
         "seq_len": seq_len,

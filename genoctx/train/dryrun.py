@@ -157,7 +157,7 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
     dist.init_process_group("fake", rank=rank, world_size=layout.world)
     try:
         dims = init_parallel(layout.cp, "contiguous", ep=layout.ep, dp_shard=layout.dp_shard,
-                             ep_folded=layout.ep_folded)
+                             ep_folded=layout.ep_folded, fsdp_one=layout.fsdp_one)
         assert dims.layout == layout, (dims.layout, layout)
         model = build_model(cfg, dims, activation_checkpointing=activation_checkpointing,
                             param_dtype=DTYPES[dtype], offload_optimizer=optimizer_offload,

@@ -70,6 +70,8 @@ def _losses(run):
         (["--cp", "2"], "need --num-workers"),
         (["--num-workers", "3", "--cp", "2"], "divide --num-workers 3"),
         (["--ep", "2"], "need --num-workers"),
+        (["--fsdp-one"], "need --num-workers"),  # FSDP2 on one rank: the mesh's path, through Ray
+        (["--num-workers", "2", "--fsdp-one"], "--fsdp-one is FSDP2 on one rank: --num-workers 2 shards with --fsdp"),
         (["--num-workers", "4", "--ep", "2", "--fsdp", "2", "--cp", "2"], "--ep 2 x --fsdp 2 x --cp 2 = 8 must divide"),
         (["--num-workers", "3", "--ep", "3"], "--ep 3 must divide model.n_routed_experts (4)"),
         (["--num-workers", "2", "--fsdp", "0"], "--fsdp"),
