@@ -11,17 +11,9 @@ and CUDA tensors, a fake kernel gives shapes and dtypes on fake and meta tensors
 autograd formula, so ``torch.compile(fullgraph=True)`` traces through them. The public functions (``indexer_topk``,
 ``sparse_mla``) call the ops; ``indexer_topk_launch``, ``sparse_mla_fwd`` and ``sparse_mla_bwd`` are the launchers.
 
-Tested against the references under ``TRITON_INTERPRET=1`` on CPU (``tests/kernels``). Nothing is imported here:
+- ``kernels.launch``: ``on_device``, the context every launch runs in (the tensors' CUDA device).
+
+Tested against the references under ``TRITON_INTERPRET=1`` on CPU (``tests/kernels``). Nothing is imported or defined
+here (under pytest ``tests/kernels`` can make ``kernels`` a namespace package, where only submodules resolve):
 ``genoctx.model`` imports a kernel module only when it runs it on CUDA.
 """
-
-
-def on_device(t):
-    """The context a kernel is launched in: ``torch.cuda.device(t.device)`` for a CUDA tensor ``t`` (Triton launches
-    on the current CUDA device and its stream, which need not be the tensors' own: ``--device cuda:1`` from a process
-    whose current device is 0), a no-op for a CPU tensor (the interpreter)."""
-    import contextlib
-
-    import torch
-
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import on_device
+from kernels.launch import on_device
 
 TIE_BREAK = 2.0**-40  # as genoctx.model.dsa.TIE_BREAK (checked by the tests)
 SENTINEL = -1

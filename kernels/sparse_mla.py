@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import on_device
+from kernels.launch import on_device
 
 ATTN_TILE_TOKENS = 1 << 16  # the reference's tile knob; accepted and unused (the kernels tile by themselves)
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -70,7 +70,7 @@ def test_every_triton_launch_runs_on_its_tensors_device():
 
     import torch
 
-    from kernels import on_device
+    from kernels.launch import on_device
 
     launches = []
     for path in sorted((REPO / "kernels").glob("*.py")):
