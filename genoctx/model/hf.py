@@ -31,7 +31,11 @@ transformers' own in-memory names (``attn_hc.fn``, ``forget_gate.*``, ``conv1d.w
 
 Block-wise fp8 (``quantization_config.weight_block_size`` ``[b0, b1]`` in ``config.json``): a weight stored as
 float8 comes with ``<name>_scale_inv`` ``[ceil(out / b0), ceil(in / b1)]`` and is dequantized on load,
-``w[r, c] = fp8[r, c] * scale_inv[r // b0, c // b1]`` (DeepSeek-V3's ``weight_dequant``).
+``w[r, c] = fp8[r, c] * scale_inv[r // b0, c // b1]`` (DeepSeek-V3's ``weight_dequant``: ``fp8.dequant_fp8``).
+``load_hf(..., keep_fp8=True)`` instead keeps each weight the checkpoint stores in fp8 as stored, with its scale
+blocks, in a ``genoctx.model.fp8.FP8Weight`` holder that the layer dequantizes per use (one device, for now; a
+published expert's ``gate_proj`` / ``up_proj`` go into the stacked ``gate_up_proj`` holder, so ``b0`` must divide
+``moe_intermediate_size``, as 128 divides 2048).
 
 Loading reads one tensor at a time into a model whose parameters were allocated once (on the meta device, then
 ``to_empty``): peak memory is the model plus one tensor, never two copies of the model.
