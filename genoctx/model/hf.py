@@ -31,7 +31,11 @@ transformers' own in-memory names (``attn_hc.fn``, ``forget_gate.*``, ``conv1d.w
 
 Block-wise fp8 (``quantization_config.weight_block_size`` ``[b0, b1]`` in ``config.json``): a weight stored as
 float8 comes with ``<name>_scale_inv`` ``[ceil(out / b0), ceil(in / b1)]`` and is dequantized on load,
-``w[r, c] = fp8[r, c] * scale_inv[r // b0, c // b1]`` (DeepSeek-V3's ``weight_dequant``).
+``w[r, c] = fp8[r, c] * scale_inv[r // b0, c // b1]`` (DeepSeek-V3's ``weight_dequant``: ``fp8.dequant_fp8``).
+``load_hf(..., keep_fp8=True)`` instead keeps each weight the checkpoint stores in fp8 as stored, with its scale
+blocks, in a ``genoctx.model.fp8.FP8Weight`` holder that the layer dequantizes per use (one device, for now; a
+published expert's ``gate_proj`` / ``up_proj`` go into the stacked ``gate_up_proj`` holder, so ``b0`` must divide
+``moe_intermediate_size``, as 128 divides 2048).
 
 Loading reads one tensor at a time into a model whose parameters were allocated once (on the meta device, then
 ``to_empty``): peak memory is the model plus one tensor, never two copies of the model.
@@ -59,6 +63,8 @@ import torch
 
 from ..errors import GenoctxError
 from .config import DSA, ModelConfig
+from .fp8 import SUFFIX, freeze_to_fp8
+from .fp8 import dequant_fp8 as _dequant_fp8
 from .model import HybridLM, cast_model
 
 log = logging.getLogger("genoctx")
@@ -277,17 +283,6 @@ def tensor_files(path: str | Path, warn: bool = True) -> dict[str, Path]:
     return {k: p / weight_map[k] for k in held if k in weight_map}  # file order
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], origin=(0, 0)) -> torch.Tensor:
-    """Block-wise fp8 -> fp32 (DeepSeek-V3's ``weight_dequant``): ``w[r, c] * scale_inv[r // b0, c // b1]`` over the
-    last two dims, for ``w`` the box of a weight starting at row, column ``origin`` and ``scale_inv`` the scale
-    blocks that cover it (the whole scale for a whole weight)."""
-    b0, b1 = block
-    rows, cols = w.shape[-2:]
-    r, c = origin[0] % b0, origin[1] % b1
-    s = scale_inv.float().repeat_interleave(b0, -2)[..., r : r + rows, :]
-    return w.float() * s.repeat_interleave(b1, -1)[..., c : c + cols]
-
-
 def _check_scale(shape: tuple, scale_shape: tuple, block: tuple[int, int], scale_key: str, file: Path) -> None:
     """A weight of ``shape`` needs ``scale_inv`` of ``[*lead, ceil(rows / b0), ceil(cols / b1)]``.
 
@@ -388,6 +383,36 @@ def _read_box(reader: SliceReader, f: Path, key: str, box: tuple[slice, ...], sc
     return _dequant_fp8(t, reader.read(sf, sk, sbox), block, origin=(r0, c0))
 
 
+def _read_kept_fp8(reader: SliceReader, f: Path, key: str, scale, block, region: list, targets: dict, kept: str) -> int:
+    """Copy checkpoint tensor ``key`` (fp8) and its scale blocks, as stored, into the holder ``kept``'s
+    ``weight`` / ``scale_inv`` at ``region`` (``_slot_region``): no dequantization. Returns the bytes read.
+
+    Raises:
+        GenoctxError: ``key`` is not stored as the holder's fp8 dtype, the holder is not whole (one device only,
+            for now), or ``region`` cuts a scale block (a stacked expert half whose rows ``b0`` does not divide).
+    """
+    w, shape, box = targets[f"{kept}.weight"]
+    s, sshape, _ = targets[f"{kept}.scale_inv"]
+    stored = reader.handle(f).get_slice(key).get_dtype()
+    if scale is None or w.dtype != {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}.get(stored):
+        raise GenoctxError(f"{f.name}: {key} is {stored}, not an fp8 weight with a scale to keep as {w.dtype}")
+    if [(b.start, b.stop) for b in box] != [(0, n) for n in shape]:
+        raise GenoctxError(f"{f.name}: keeping {key} in fp8 reads whole tensors only (one device)")
+    (b0, b1), (r0, r1), (c0, c1) = block, region[-2], region[-1]
+    if r0 % b0 or c0 % b1 or (r1 % b0 and r1 != shape[-2]) or (c1 % b1 and c1 != shape[-1]):
+        raise GenoctxError(f"{f.name}: {key} fills rows {r0}:{r1}, columns {c0}:{c1} of {kept[: -len(SUFFIX)]}, "
+                           f"which cut its {tuple(block)} fp8 blocks: it cannot be kept in fp8")  # fmt: skip
+    sregion = [*region[:-2], (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))]
+    t, st = (reader.read(sf, k, tuple(slice(0, n) for n in reader.handle(sf).get_slice(k).get_shape()))
+             for sf, k in ((f, key), scale))  # fmt: skip
+    with torch.no_grad():
+        dst = w[tuple(slice(lo, hi) for lo, hi in region)]
+        dst.copy_(t.reshape(dst.shape))
+        sdst = s[tuple(slice(lo, hi) for lo, hi in sregion)]
+        sdst.copy_(st.reshape(sdst.shape))
+    return t.numel() + st.numel() * st.element_size()
+
+
 def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict, warn: bool = True) -> dict:
     """Fill this rank's pieces of a model from an HF glm5_next directory, reading only the bytes they need.
 
@@ -444,9 +469,10 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict, warn: bool =
             slot = layout.get(short)
             if slot is None and short in targets:  # transformers' in-memory names (attn_hc.fn, stacked experts, ...)
                 slot = Slot(short)
-            if slot is None or slot.name not in targets:
+            holder = f"{slot.name}{SUFFIX}" if slot is not None else ""  # an fp8 holder (load_hf keep_fp8)
+            if slot is None or (slot.name not in targets and f"{holder}.weight" not in targets):
                 raise GenoctxError(f"{f.name}: unknown tensor {key} (not a glm5_next text-model tensor)")
-            local, shape, box = targets[slot.name]
+            local, shape, box = targets[slot.name] if slot.name in targets else targets[f"{holder}.weight"]
             region, kept = _slot_region(slot.index, shape)
             want = tuple(region[d][1] - region[d][0] for d in kept)
             sl = reader.handle(f).get_slice(key)
@@ -461,6 +487,9 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict, warn: bool =
                 _check_scale(got, reader.handle(where[sk]).get_slice(sk).get_shape(), block, sk, where[sk])
                 scale = (where[sk], sk)
             filled.add((slot.name, repr(slot.index)))
+            if slot.name not in targets:
+                read += _read_kept_fp8(reader, f, key, scale, block, region, targets, holder)
+                continue
             inter = [(max(r0, b.start), min(r1, b.stop)) for (r0, r1), b in zip(region, box, strict=True)]
             if any(hi <= lo for lo, hi in inter):
                 continue  # nothing of this tensor is on this rank
@@ -523,7 +552,27 @@ def hf_dtype(root: str | Path) -> torch.dtype:
     return torch.float32
 
 
-def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | None = None) -> HybridLM:
+def fp8_weights(root: str | Path, cfg: ModelConfig) -> list[str]:
+    """The genoctx parameters (``checkpoint_layout`` names) that an HF directory stores as block-wise fp8 (every
+    checkpoint tensor that fills them is float8 with a ``_scale_inv``), from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    layout, where = checkpoint_layout(cfg), tensor_files(root, warn=False)
+    fp8, other = set(), set()
+    for key, f in where.items():
+        if key.endswith("_scale_inv") or not_text_model(key, cfg.num_hidden_layers) is not None:
+            continue
+        short = _short_name(key)
+        name = (layout.get(short) or Slot(short)).name
+        with safe_open(str(f), framework="pt") as h:
+            is_fp8 = h.get_slice(key).get_dtype() in ("F8_E4M3", "F8_E5M2") and key + "_scale_inv" in where
+        (fp8 if is_fp8 else other).add(name)
+    return sorted(fp8 - other)
+
+
+def load_hf(
+    path: str | Path, dtype: torch.dtype | None = None, runtime: dict | None = None, keep_fp8: bool = False
+) -> HybridLM:
     """Load a glm5_next HF model directory into a one-device ``HybridLM`` (module docstring: names, skips, fp8):
     built on the meta device, allocated once, every tensor read whole by ``read_hf_into`` (the reader every rank of
     a mesh uses for its own slices: ``genoctx.parallel.build``).
@@ -534,6 +583,9 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | 
             fp32 (fp64 when ``dtype`` is fp64).
         runtime: genoctx compute knobs (``ModelConfig._runtime`` fields: chunk sizes, ``dsa_mode``, ...) to set;
             config.json has none.
+        keep_fp8: keep the weights the checkpoint stores as block-wise fp8 as they are, in
+            ``genoctx.model.fp8.FP8Weight`` holders (fp8 bytes and fp32 scale blocks, dequantized per use to
+            ``dtype``; ``fp8_weights`` names them); False (the default): dequantize them on load.
 
     Returns:
         ``HybridLM`` on the CPU, in training mode; ``forward`` returns logits over the whole vocabulary. Its
@@ -541,12 +593,13 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | 
 
     Raises:
         GenoctxError: a missing, misshapen or unknown tensor (named with its file), an fp8 weight without its
-            scale, or a bad config (the message names the file and key).
+            scale, or a bad config (the message names the file and key); ``keep_fp8`` for a checkpoint with no
+            fp8 blocks, or whose fp8 pieces cut the blocks of the tensor they fill.
     """
     from .init import whole
 
     root = Path(path)
-    cfg, _ = read_config(root)
+    cfg, raw = read_config(root)
     if runtime:  # genoctx compute knobs (ModelConfig._runtime): not in config.json
         cfg = dataclasses.replace(cfg, **runtime)
     weight_files(root)
@@ -554,6 +607,10 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None, runtime: dict | 
     with torch.device("meta"):
         model = HybridLM(cfg)
     cast_model(model, dtype)
+    if keep_fp8:
+        if block_size(raw) is None:
+            raise GenoctxError(f"{root}/config.json declares no quantization_config.weight_block_size: no fp8 to keep")
+        freeze_to_fp8(model, fp8_weights(root, cfg), block_size(raw))  # empty holders on the meta device
     model.materialize("cpu")
     for b in model.buffers():  # router biases are read; load counts start at 0
         b.zero_()

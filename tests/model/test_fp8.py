@@ -1,0 +1,182 @@
+"""``genoctx.model.fp8``: frozen weights kept in block-scaled fp8, dequantized per use, equal to the dequantized
+weights bit for bit (forward and input gradients); fp8 + scales bytes; the keep-fp8 checkpoint path."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from glm5_reference import build, save, text_config
+from safetensors.torch import load_file
+from test_hf import _write
+from torch import nn
+
+from genoctx.errors import GenoctxError
+from genoctx.model import load_hf
+from genoctx.model.config import preset
+from genoctx.model.fp8 import FP8Weight, dequant_fp8, fp8_bytes, freeze_to_fp8, holders, quantize_fp8
+from genoctx.model.model import HybridLM
+
+
+def test_quantize_blocks_of_a_shape_the_block_does_not_divide():
+    """[2, 13, 20] in (8, 7) blocks: scale [2, 2, 3] = amax / 448 per (partial) block, w ~ q * scale per element,
+    an all-zero block stays zero (finite scale)."""
+    w = torch.randn(2, 13, 20)
+    w[1, 8:, 14:] = 0
+    q, s = quantize_fp8(w, (8, 7))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and s.shape == (2, 2, 3) and s.dtype == torch.float32
+    assert torch.equal(s[0, 1, 2], w[0, 8:, 14:].abs().max() / 448)
+    d = dequant_fp8(q, s, (8, 7))
+    for e in range(2):
+        for i in range(2):
+            for j in range(3):
+                blk = (e, slice(8 * i, 8 * i + 8), slice(7 * j, 7 * j + 7))
+                assert torch.equal(d[blk], q[blk].float() * s[e, i, j])
+                assert (d[blk] - w[blk]).abs().max() <= w[blk].abs().max() / 16
+    assert torch.equal(d[1, 8:, 14:], torch.zeros(5, 6))
+
+
+def test_linear_forward_and_gradients_equal_the_dequantized_weight():
+    """An fp8 nn.Linear (13 x 20, (8, 7) blocks: ragged) equals nn.Linear with ``dequantize()``'s weight bit for
+    bit, forward and input/bias gradients; the weight gets no gradient; a module cast keeps the storage fp8."""
+    lin = nn.Linear(20, 13)
+    (holder,) = freeze_to_fp8(lin, ["weight"], (8, 7)).values()
+    ref = nn.Linear(20, 13)
+    with torch.no_grad():
+        ref.weight.copy_(holder.dequantize())
+        ref.bias.copy_(lin.bias)
+    assert [n for n, _ in lin.named_parameters()] == ["bias"]
+    assert {n: b.dtype for n, b in lin.named_buffers()} == {"weight_fp8.weight": torch.float8_e4m3fn,
+                                                            "weight_fp8.scale_inv": torch.float32}  # fmt: skip
+    assert torch.equal(lin.weight, ref.weight)
+    x = torch.randn(3, 5, 20, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = lin(x)
+    assert {t.dtype for t in saved} == {torch.float8_e4m3fn, torch.float32} and len(saved) == 2  # fp8 + scale
+    yr = ref(xr)
+    assert torch.equal(y, yr)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    assert torch.equal(x.grad, xr.grad) and torch.equal(lin.bias.grad, ref.bias.grad)
+    assert all(b.grad is None and not b.requires_grad for b in lin.buffers())
+    lin.to(torch.bfloat16)  # storage stays fp8 / fp32; the weight now computes in bf16
+    assert lin.weight_fp8.weight.dtype == torch.float8_e4m3fn and lin.weight_fp8.scale_inv.dtype == torch.float32
+    assert lin.weight.dtype == torch.bfloat16 and torch.equal(lin.weight, ref.weight.to(torch.bfloat16))
+
+
+def _frozen(name: str, p: torch.Tensor) -> bool:
+    """The routed experts and every projection of the blocks (not embeddings, head, router or norms)."""
+    return name.startswith("layers.") and p.dim() >= 2 and (".experts." in name or "proj.weight" in name)
+
+
+def test_model_forward_and_gradients_equal_the_dequantized_model():
+    """tiny preset with the experts and every block projection in fp8 ((8, 7) blocks): logits and the gradients of
+    what still trains equal the model whose weights are the dequantized ones, bit for bit (MoE recomputes its
+    chunks: the experts are dequantized again in backward); bytes of the frozen weights are 1 per element + 4 per
+    block."""
+    model = HybridLM(preset("tiny"), seed=0)
+    ref = copy.deepcopy(model)
+    held = freeze_to_fp8(model, _frozen, (8, 7))
+    assert "layers.1.mlp.experts.gate_up_proj" in held and "layers.1.mlp.experts.down_proj" in held
+    assert "layers.0.self_attn.q_proj.weight" in held and len(held) > 20
+    with torch.no_grad():
+        for n, h in held.items():
+            ref.get_parameter(n).copy_(h.dequantize())
+    assert not any(n in held for n, _ in model.named_parameters())
+    E, D, I = model.cfg.n_routed_experts, model.cfg.hidden_size, model.cfg.moe_intermediate_size
+    assert held["layers.1.mlp.experts.down_proj"].scale_inv.shape == (E, -(-D // 8), -(-I // 7))
+    want = sum(p.numel() + 4 * (-(-p.shape[-2] // 8) * -(-p.shape[-1] // 7)) * p[..., 0, 0].numel()
+               for n, p in ref.named_parameters() if n in held)  # fmt: skip
+    assert fp8_bytes(model) == want == sum(h.weight.numel() + 4 * h.scale_inv.numel() for h in held.values())
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    out, out_ref = model(ids)[0], ref(ids)[0]
+    assert torch.equal(out, out_ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_ref.backward(g)
+    trained = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        if n in held:
+            continue
+        assert (trained[n].grad is None) == (p.grad is None), n
+        assert p.grad is None or torch.equal(trained[n].grad, p.grad), n
+
+
+def test_experts_dequantize_once_per_call_and_keep_nothing():
+    """The experts' loop reads ``gate_up_proj[e]`` per expert; the holder dequantizes once per forward call and the
+    owner keeps no dequantized weight after it."""
+    model = HybridLM(preset("tiny"), seed=0)
+    experts = model.layers[1].mlp.experts
+    freeze_to_fp8(experts, ["gate_up_proj", "down_proj"], (8, 7))
+    calls = []
+    for h in holders(experts).values():
+        h.dequantize = lambda h=h: calls.append(1) or FP8Weight.dequantize(h)
+    N, k = 12, model.cfg.num_experts_per_tok
+    routed = torch.arange(N * k).reshape(N, k) % model.cfg.n_routed_experts
+    experts(torch.randn(N, model.cfg.hidden_size), routed, torch.rand(N, k))
+    assert len(calls) == 2 and "_fp8_scope" not in experts.__dict__
+
+
+def test_bad_choices_raise():
+    model = HybridLM(preset("tiny"), seed=0)
+    with pytest.raises(ValueError, match="no parameter 'layers.0.nope'"):
+        freeze_to_fp8(model, ["layers.0.nope"])
+    with pytest.raises(ValueError, match="fp8 blocks need >= 2"):
+        freeze_to_fp8(model, ["norm.weight"])
+    with pytest.raises(ValueError, match="scale_inv"):
+        FP8Weight(torch.zeros(4, 4, dtype=torch.float8_e4m3fn), torch.ones(1, 2), (4, 4), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tmp_path_factory):
+    """A tiny glm5_next checkpoint with every 2-D block projection in fp8 blocks of (8, 7) (8 divides the expert
+    halves' rows, 7 divides few column counts), each weight and its scale as stored; and one in (5, 7) blocks."""
+    root = tmp_path_factory.mktemp("fp8keep")
+    save(build(text_config(), seed=0), root / "vl")
+    tensors = load_file(root / "vl" / "model.safetensors")
+    config = json.loads((root / "vl" / "config.json").read_text())
+    dirs = {}
+    for block in ((8, 7), (5, 7)):
+        out = {}
+        for name, w in tensors.items():
+            skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "visual")
+            if w.dim() != 2 or not name.endswith(".weight") or any(s in name for s in skip):
+                out[name] = w
+                continue
+            out[name], out[name + "_scale_inv"] = quantize_fp8(w, block)
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+        dirs[block] = _write(root / f"fp8-{block[0]}", out, {**config, "quantization_config": qc})
+    return dirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, None])
+def test_keep_fp8_load_equals_the_dequantized_load(fp8_dir, dtype):
+    """``load_hf(keep_fp8=True)``: holders (fp8 as stored, experts stacked per expert) whose ``dequantize()``
+    equals today's dequantized load bit for bit (fp32, and the default bf16); every other tensor equal; logits
+    equal."""
+    today = load_hf(fp8_dir[(8, 7)], dtype=dtype)
+    kept = load_hf(fp8_dir[(8, 7)], dtype=dtype, keep_fp8=True)
+    held = holders(kept)
+    assert "layers.1.mlp.experts.gate_up_proj" in held and "layers.0.self_attn.q_proj.weight" in held
+    assert all(h.weight.dtype == torch.float8_e4m3fn for h in held.values())
+    for n, h in held.items():
+        assert torch.equal(h.dequantize(), today.get_parameter(n)), n
+    rest = kept.state_dict()
+    for n, t in today.state_dict().items():
+        assert n in held or torch.equal(rest[n], t), n
+    ids = torch.randint(0, 16, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(kept.eval()(ids)[0], today.eval()(ids)[0])
+
+
+def test_keep_fp8_refuses_blocks_cut_by_stacking(fp8_dir):
+    """(5, 7) blocks: a published expert's up_proj starts at row I = 16 of the stacked gate_up_proj, inside a block
+    of 5 rows, so the stacked fp8 weight cannot hold it: one line, not a silent dequantization."""
+    with pytest.raises(GenoctxError, match="cut its \\(5, 7\\) fp8 blocks") as e:
+        load_hf(fp8_dir[(5, 7)], keep_fp8=True)
+    assert "\n" not in str(e.value)
