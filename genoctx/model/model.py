@@ -56,11 +56,12 @@ FP32_PARAMETERS = (
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast floating parameters and buffers to ``dtype`` in place, except ``FP32_PARAMETERS``, which are never
-    below fp32 (fp32 for bf16/fp16/fp32, fp64 for an fp64 model, so that fp64 checks are fp64 throughout).
+    below fp32 (fp32 for bf16/fp16/fp32, fp64 for an fp64 model, so that fp64 checks are fp64 throughout), and the
+    fp8 frozen weights' holders (``genoctx.model.fp8.FP8Weight``: their e4m3 bytes and fp32 scales stay as loaded).
     Returns ``model``."""
     island = torch.promote_types(dtype, torch.float32)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not t.is_floating_point():
+        if not t.is_floating_point() or any(part.endswith("_fp8") for part in name.split(".")[:-1]):
             continue
         want = island if name.endswith(FP32_PARAMETERS) else dtype
         if t.dtype != want:

@@ -17,7 +17,7 @@ from genoctx.errors import GenoctxError
 from genoctx.model import load_hf
 from genoctx.model.config import preset
 from genoctx.model.fp8 import FP8Weight, dequant_fp8, fp8_bytes, freeze_to_fp8, holders, quantize_fp8
-from genoctx.model.model import HybridLM
+from genoctx.model.model import HybridLM, cast_model
 
 
 def test_quantize_blocks_of_a_shape_the_block_does_not_divide():
@@ -180,3 +180,17 @@ def test_keep_fp8_refuses_blocks_cut_by_stacking(fp8_dir):
     with pytest.raises(GenoctxError, match="cut its \\(5, 7\\) fp8 blocks") as e:
         load_hf(fp8_dir[(5, 7)], keep_fp8=True)
     assert "\n" not in str(e.value)
+
+
+def test_cast_model_keeps_the_fp8_holders_as_they_are():
+    """``cast_model`` (the model's compute dtype) casts the other weights and leaves each holder's e4m3 bytes and fp32
+    scales alone: its check of floating tensors would otherwise turn the fp8 weights into bf16."""
+    model = HybridLM(preset("tiny"), seed=0)
+    freeze_to_fp8(model, lambda n, p: n.endswith(("experts.gate_up_proj", "q_proj.weight")), block=(8, 8))
+    before = {n: t.clone() for n, t in model.named_buffers() if "_fp8." in n}
+    cast_model(model, torch.bfloat16)
+    after = dict(model.named_buffers())
+    assert len(before) == 2 * len(holders(model)) > 0
+    for n, t in before.items():
+        assert after[n].dtype == t.dtype and torch.equal(after[n], t)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
