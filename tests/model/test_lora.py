@@ -19,6 +19,7 @@ from genoctx.model.lora import (
     is_lora_name,
     lora_parameters,
     merge_lora,
+    reset_lora,
     to_peft_experts,
 )
 from genoctx.model.model import HybridLM, cast_model
@@ -205,3 +206,17 @@ def test_init_as_peft_and_errors():
 
     with pytest.raises(ValueError, match="LoRA adapters on the routed experts"):
         apply_ep(model, None, 1, 0)
+
+
+def test_meta_built_adapters_redrawn_by_reset_lora_equal_a_direct_apply():
+    cfg = preset("tiny")
+    direct = HybridLM(cfg, seed=0)
+    apply_lora(direct, RANK, ALPHA, seed=5)
+    with torch.device("meta"):
+        meta = HybridLM(cfg, seed=0)
+    apply_lora(meta, RANK, ALPHA, seed=5)
+    meta.materialize("cpu")
+    reset_lora(meta, seed=5)
+    got, want = lora_parameters(meta), lora_parameters(direct)
+    assert list(got) == list(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
