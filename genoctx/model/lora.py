@@ -31,6 +31,8 @@ Design choices:
   unchanged (bit for bit up to the sign of a zero).
 - ``kv_b_proj`` is read by DSA as a weight (the absorbed MLA ``W_UK``/``W_UV``), not called: ``LoRALinear``
   offers ``merged_weight()`` (``W + s B A`` with autograd to A, B and W) and ``DSA.absorbed`` uses it when present.
+- The slow reference is the merged formulation itself: ``merged_parameters`` gives ``W + s B A`` for every adapted
+  weight, differentiable, to run through ``functional_call`` on the merged model (tests/model/test_lora.py).
 - ``merge_lora`` folds every adapter into its base weight (export, ``--merge``); ``lora_parameters`` lists the
   adapters by name (checkpoints); ``is_lora_name`` tells an adapter's parameter name (suffix ``lora_A``/``lora_B``).
 
@@ -222,6 +224,26 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dt
     ``dtype`` promoted to at least fp32)."""
     ct = torch.promote_types(dtype, torch.float32)
     return (torch.bmm(b.to(ct), a.to(ct)) * scale).to(dtype)
+
+
+def merged_parameters(model: nn.Module, params: dict | None = None) -> dict[str, torch.Tensor]:
+    """The slow reference of the adapters: ``{base weight name: W + s B A}`` for every adapted weight (linears
+    [out, in], experts [E, out, in] with ``B_e A_e`` per expert), built by autograd-tracked ops from ``params``
+    (``named_parameters()`` name -> tensor; default the model's own), so that ``torch.func.functional_call`` of the
+    merged model (``merge_lora`` of a copy) with these weights is the merged formulation, forward and backward."""
+    params = dict(model.named_parameters()) if params is None else params
+    out = {}
+    for path, mod in model.named_modules():
+        pre = f"{path}." if path else ""
+        if isinstance(mod, LoRALinear):
+            W, A, B = params[pre + "weight"], params[pre + "lora_A"], params[pre + "lora_B"]
+            out[pre + "weight"] = W + mod.scaling * (B @ A)
+        elif isinstance(mod, Experts) and mod.lora_scale is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                if f"{pre}{name}_lora_A" in params:
+                    A, B = params[f"{pre}{name}_lora_A"], params[f"{pre}{name}_lora_B"]
+                    out[pre + name] = params[pre + name] + mod.lora_scale * torch.bmm(B, A)
+    return out
 
 
 @torch.no_grad()

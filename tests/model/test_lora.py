@@ -19,6 +19,7 @@ from genoctx.model.lora import (
     is_lora_name,
     lora_parameters,
     merge_lora,
+    merged_parameters,
     reset_lora,
     to_peft_experts,
 )
@@ -44,22 +45,6 @@ def _randomize_b(model, seed=2):
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
 
 
-def _merged_overrides(model, leaves):
-    """{base weight name: W + s B A} built from the leaf tensors ``leaves`` (clones of every parameter of
-    ``model``), i.e. the merged formulation as a function of W, A and B (the slow reference)."""
-    out = {}
-    for path, mod in model.named_modules():
-        pre = f"{path}." if path else ""
-        if isinstance(mod, LoRALinear):
-            W, A, B = leaves[pre + "weight"], leaves[pre + "lora_A"], leaves[pre + "lora_B"]
-            out[pre + "weight"] = W + mod.scaling * (B @ A)
-        elif isinstance(mod, Experts) and mod.lora_scale is not None:
-            for name in ("gate_up_proj", "down_proj"):
-                A, B = leaves[f"{pre}{name}_lora_A"], leaves[f"{pre}{name}_lora_B"]
-                out[pre + name] = leaves[pre + name] + mod.lora_scale * torch.bmm(B, A)
-    return out
-
-
 def _check_against_merged(model, run, inp):
     """``run(module, params_or_None, inp)`` -> output. The LoRA model's output and the gradients of every parameter
     (adapters, base) and of a float input equal autograd through ``merged = W + s B A`` on the merged module."""
@@ -68,7 +53,7 @@ def _check_against_merged(model, run, inp):
         weight = torch.randn_like(run(model, None, inp), generator=torch.Generator().manual_seed(3))
     leaves = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     ref_inp = inp.detach().clone().requires_grad_() if inp.is_floating_point() else inp
-    overrides = _merged_overrides(model, leaves)
+    overrides = merged_parameters(model, leaves)
     params = {n: overrides.get(n, leaves[n]) for n, _ in ref.named_parameters()}
     y_ref = run(ref, params, ref_inp)
     (y_ref * weight).sum().backward()
@@ -129,7 +114,7 @@ def test_moe_layer_input_gradient_equals_the_merged_formulation():
     weight = torch.randn(2, 20, cfg.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     ref = merge_lora(copy.deepcopy(moe))
     leaves = {n: p.detach().clone().requires_grad_() for n, p in moe.named_parameters()}
-    overrides = _merged_overrides(moe, leaves)
+    overrides = merged_parameters(moe, leaves)
     params = {n: overrides.get(n, leaves[n]) for n, _ in ref.named_parameters()}
     xr = x.clone().requires_grad_()
     y_ref = run(ref, params, xr)
