@@ -755,8 +755,12 @@ class DeepSeekSparseAttention(nn.Module):
         self.aux_loss: Tensor | None = None
 
     def absorbed(self) -> tuple[Tensor, Tensor]:
-        """``(W_UK [H, qk_head_dim, R], W_UV [H, v_head_dim, R])``, views of ``kv_b_proj.weight``."""
-        W = self.kv_b_proj.weight.view(self.n_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank)
+        """``(W_UK [H, qk_head_dim, R], W_UV [H, v_head_dim, R])``, views of ``kv_b_proj.weight`` (of its
+        ``merged_weight()`` ``W + s B A`` when it carries a LoRA adapter, ``genoctx.model.lora``)."""
+        lin = self.kv_b_proj
+        W = (lin.merged_weight() if hasattr(lin, "merged_weight") else lin.weight).view(
+            self.n_heads, self.qk_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
         return W[:, : self.qk_head_dim], W[:, self.qk_head_dim :]
 
     def latent(self, x: Tensor) -> Tensor:

@@ -126,12 +126,25 @@ class TopkRouter(nn.Module):
         return island("moe.router.topk", choice).topk(self.top_k, dim=-1, sorted=False).indices
 
 
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> torch.Tensor:
+def expert_mlp(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float, lora: tuple | None = None
+) -> torch.Tensor:
     """One routed expert: ``down · swiglu(gate x, up x)`` for x [n, D], ``gate_up`` [2I, D] (gate rows first),
-    ``down`` [D, I] -> [n, D] in x's dtype (or autocast's). Also run by expert parallelism on received rows."""
+    ``down`` [D, I] -> [n, D] in x's dtype (or autocast's). Also run by expert parallelism on received rows.
+
+    ``lora`` (optional, ``genoctx.model.lora``): this expert's adapters ``(A_gu [r, D], B_gu [2I, r], A_dn [r, I],
+    B_dn [D, r], scale)`` (a pair may be None: that projection has none); each adapted projection adds the low-rank
+    term ``scale · (h A^T) B^T`` to ``h W^T``, i.e. it runs ``W + scale · B A`` without forming it.
+    """
     I = down.shape[1]
     gu = F.linear(x, gate_up)
-    return F.linear(swiglu(gu[:, :I], gu[:, I:], limit), down)
+    if lora is not None and lora[0] is not None:
+        gu = gu + lora[4] * F.linear(F.linear(x, lora[0]), lora[1])
+    h = swiglu(gu[:, :I], gu[:, I:], limit)
+    y = F.linear(h, down)
+    if lora is not None and lora[2] is not None:
+        y = y + lora[4] * F.linear(F.linear(h, lora[2]), lora[3])
+    return y
 
 
 COMBINES = ("index_add", "slot_sum")  # the MoE combine: float atomics on CUDA / a fixed-order sum (deterministic)
@@ -173,6 +186,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * cfg.initializer_range)
         self.down_proj = nn.Parameter(torch.randn(E, D, I) * cfg.initializer_range)
         self.combine = "index_add"  # the combine the last forward ran (combine_path)
+        self.lora_scale: float | None = None  # alpha / rank once genoctx.model.lora.apply_lora adds adapters
+
+    def adapter(self, e: int) -> tuple | None:
+        """Expert ``e``'s LoRA adapters for ``expert_mlp`` (``(A_gu, B_gu, A_dn, B_dn, scale)``, views of
+        ``{gate_up_proj,down_proj}_lora_{A,B}`` [E, ...]; a pair is None where that projection has none), or None
+        without adapters."""
+        if self.lora_scale is None:
+            return None
+        gu_a, gu_b = getattr(self, "gate_up_proj_lora_A", None), getattr(self, "gate_up_proj_lora_B", None)
+        dn_a, dn_b = getattr(self, "down_proj_lora_A", None), getattr(self, "down_proj_lora_B", None)
+        return (*(None if t is None else t[e] for t in (gu_a, gu_b, dn_a, dn_b)), self.lora_scale)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
@@ -189,7 +213,7 @@ class Experts(nn.Module):
         for e, xe in enumerate(torch.split(xs, counts)):
             if xe.shape[0] == 0:
                 continue
-            outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit))
+            outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit, self.adapter(e)))
         ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         self.combine = combine_path()

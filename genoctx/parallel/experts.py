@@ -458,6 +458,10 @@ def apply_ep(model: nn.Module, ep_group, ep_size: int, ep_rank: int) -> list[_EP
             )
         if "forward" in vars(moe) or hasattr(moe.experts, "ep_size"):
             raise ValueError("apply_ep: the model already has expert parallelism applied")
+        if getattr(moe.experts, "lora_scale", None) is not None:  # the EP path would silently skip them
+            raise ValueError(
+                "apply_ep: LoRA adapters on the routed experts are not supported under expert parallelism yet"
+            )
     if ep_group is None and ep_size > 1:
         raise ValueError(f"expert parallelism: ep={ep_size} needs a process group")
     if ep_group is not None and (dist.get_world_size(ep_group), dist.get_rank(ep_group)) != (ep_size, ep_rank):
