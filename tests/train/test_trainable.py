@@ -1,5 +1,6 @@
 """``train.trainable`` (issue 44): the recipe key, the frozen groups (no gradient, no optimizer state, bit-identical
 after several steps), the gradient norm over what trains, the log line and a resume of a run with frozen groups.
+``genoctx train --dry-run``'s ``"trainable"``: ``tests/test_dryrun.py::test_cli_train_dry_run``.
 
 The mesh (FSDP2 x folded EP=2, two gloo ranks) is ``tests/parallel/test_mesh.py::test_frozen_groups_on_a_mesh``."""
 
