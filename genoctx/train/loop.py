@@ -144,7 +144,7 @@ def freeze_untrained(model: HybridLM, spec: str) -> None:
     optimizer state.
 
     Raises:
-        GenoctxError: as ``check_trainable``.
+        GenoctxError: as ``check_trainable``; a spec that leaves no parameter to train.
     """
     groups = check_trainable(spec)
     if groups == GROUPS:
@@ -152,6 +152,9 @@ def freeze_untrained(model: HybridLM, spec: str) -> None:
     for name, p in model.named_parameters():
         if group_of(name, model.cfg.layer_types) not in groups:
             p.requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):  # e.g. "head" of a tied model: lm_head is embed_tokens
+        raise GenoctxError(f"train.trainable {spec}: no parameter of this model is left to train (a tied lm_head is "
+                           "the embed group; under model.indexer_stage=warmup only the indexer trains)")  # fmt: skip
 
 
 def trainable_counts(model: HybridLM, spec: str) -> dict:
@@ -188,7 +191,8 @@ def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
     (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone, and of those only the groups of
     ``cfg.trainable`` (``freeze_untrained``, applied here: a frozen tensor has no optimizer state).
     ``cfg.optimizer_state_dtype`` ``"fp32"``: ``torch.optim.AdamW`` (moments in the parameters' dtype, 8 bytes per
-    fp32 parameter); ``"bf16"``: ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same update computed in fp32).
+    fp32 parameter); ``"bf16"``: ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same
+    update computed in fp32).
 
     ``torch.optim.AdamW`` picks its foreach path where every parameter is a CUDA tensor or DTensor (on a mesh: one
     ``_foreach_*`` call per group over the DTensors of the dense mesh and of the expert mesh together) and its

@@ -91,6 +91,9 @@ def test_all_freezes_nothing_and_the_line_says_what_trains():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     c = trainable_counts(model, "all")
     assert set(c["groups"]) == set(GROUPS) and c["trainable_parameters"] == c["parameters"]
+    tied = HybridLM(preset("tiny", tie_word_embeddings=True), seed=0)
+    with pytest.raises(GenoctxError, match="train.trainable head: no parameter of this model is left to train"):
+        build_optimizer(tied, TrainConfig(trainable="head"), 1)
     counts = {"trainable": "kda,dsa", "trainable_parameters": 12_345_678, "parameters": 313_300_000_000}
     assert describe_trainable(counts) == "trainable: kda,dsa (12.3M of 313.3B parameters)"
 
