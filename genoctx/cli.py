@@ -646,6 +646,7 @@ def train(
     """
     _setup_logging(verbose)
     from .recipes import load_recipe
+    from .train.loop import check_trainable
     from .train.loop import train as run_train
 
     _at_least("--steps", steps, 0)
@@ -683,6 +684,7 @@ def train(
     if no_verify:
         overrides.append("train.verify_checkpoints=false")
     rec = load_recipe(recipe, overrides)
+    check_trainable(rec.train.trainable)  # lora: one line before anything is built
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
@@ -774,7 +776,22 @@ def _train_dry_run(data: Path, rec, num_workers: int | None, hardware: str = "b2
     out = dry_run(cfg, layout, activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
                   optimizer_offload=t.offload_optimizer, optimizer_state_dtype=t.optimizer_state_dtype)  # fmt: skip
     out["time"] = _predicted_time(cfg, L, layout, hw, t)
+    out["trainable"] = _trainable_meta(cfg, t.trainable)
     return out
+
+
+def _trainable_meta(cfg, spec: str) -> dict:
+    """What ``train.trainable`` trains of ``cfg`` (``genoctx.train.loop.trainable_counts`` on the meta device), logged
+    on stderr as ``trainable: kda,dsa (12.3M of 313.3B parameters)``."""
+    import torch
+
+    from .model.model import HybridLM
+    from .train.loop import describe_trainable, trainable_counts
+
+    with torch.device("meta"):
+        counts = trainable_counts(HybridLM(cfg), spec)
+    logging.getLogger("genoctx.train").info(describe_trainable(counts))
+    return counts
 
 
 def _predicted_time(cfg, seq_len: int, layout, hw, t) -> dict:

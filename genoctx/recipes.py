@@ -30,6 +30,7 @@ import yaml
 from .data.tokenizer import VOCAB
 from .errors import GenoctxError
 from .model.config import PRESETS, ModelConfig, preset
+from .model.groups import parse_trainable
 
 SECTIONS = ("model", "train", "data", "loss")
 LOGGERS = ("tensorboard", "mlflow")  # train.loggers: where metrics go besides RUN/metrics.jsonl
@@ -94,6 +95,11 @@ class TrainConfig:
     # (genoctx.train.optim.AdamW: 4 bytes per parameter, updated in fp32, stored rounded; fp32 masters and
     # gradients either way, DeepSeek-V3 section 3.3); changes the numbers, so off by default
     optimizer_state_dtype: str = "fp32"
+    # what trains (issue 44; genoctx.model.groups): "all", or a comma list of the named groups (kda, dsa, indexer,
+    # router, experts, shared_experts, dense_mlp, mhc, norms, embed, head) and lora; every other parameter is frozen
+    # (requires_grad false: no gradient, no optimizer state) and, with router frozen, so are the MoE routing biases.
+    # lora needs the adapters (genoctx.model.lora), not yet built: a run with it is refused
+    trainable: str = "all"
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
@@ -120,6 +126,11 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f"train.{name}", f"must be {' or '.join(map(repr, allowed))}", getattr(self, name))
+        try:  # one canonical spelling ("all" stays "all"), so that a resume compares like with like
+            groups = parse_trainable(self.trainable)
+            self.trainable = "all" if self.trainable.strip() == "all" else ",".join(groups)
+        except ValueError as e:
+            raise RecipeValueError("train.trainable", str(e)) from None
         for name, lo, hi, what in _TRAIN_RANGES:
             v = getattr(self, name)
             if v is not None and not ((lo is None or v >= lo) and (hi is None or v < hi)):

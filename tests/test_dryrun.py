@@ -171,11 +171,15 @@ def test_cli_train_dry_run(prepared, tmp_path):
     assert f"{steps} steps = " in r.stderr and "GPU-hours on 4 GPUs" in r.stderr
     # bf16 moments (no cost the time model sees) on an H100: the same layout's step, on a slower GPU
     bf16 = genoctx(*args, "--num-workers", 4, "--fsdp", 2, "--ep", 2, "--hardware", "h100",
-                   "--set", "train.optimizer_state_dtype=bf16")  # fmt: skip
+                   "--set", "train.optimizer_state_dtype=bf16", "--set", "train.trainable=kda,dsa")  # fmt: skip
     assert bf16.returncode == 0, bf16.stderr[-2000:]
     dr16 = json.loads(bf16.stdout)["dry_run"]
     assert dr16["time"]["hardware"] == "H100" and dr16["time"]["step_s"] > t["step_s"]
     assert dr16["optimizer_state_dtype"] == "bf16"
+    got = dr16["trainable"]  # what train.trainable trains (issue 44), said on stderr too
+    assert got["trainable_parameters"] == got["groups"]["kda"] + got["groups"]["dsa"] < got["parameters"]
+    assert f"trainable: kda,dsa ({got['trainable_parameters'] / 1e3:.1f}K of " in bf16.stderr
+    assert json.loads(r.stdout)["dry_run"]["trainable"]["trainable"] == "all"
     assert all(x["optimizer_state"] == 4 * x["params_local"] > 0 for x in dr16["ranks"])
     bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fsdp 3" in bad.stderr

@@ -138,12 +138,14 @@ def _train_worker(config: dict, session) -> None:
     from .init import base_source
     from .loop import (
         build_optimizer,
+        describe_trainable,
         end_attempt,
         log_step,
         sample_batch,
         save_run_checkpoint,
         train_autocast,
         train_step,
+        trainable_counts,
     )
     from .metrics import MetricsLog
     from .sharded import save_sharded
@@ -178,6 +180,8 @@ def _train_worker(config: dict, session) -> None:
                         offload_activations=cfg.offload_activations,
                         offload_optimizer=cfg.offload_optimizer, compile=cfg.compile)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
+    if rank == 0 and cfg.trainable != "all":
+        log.info(describe_trainable(trainable_counts(model, cfg.trainable)))
     head = None
     if extra.get("token_map"):
         head = VocabHead(TokenMap.from_dict(extra["token_map"]), extra["loss_vocab"], recipe.loss.chunk_tokens)

@@ -37,6 +37,7 @@ import torch
 from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
+from ..model.groups import GROUPS, LORA, group_of, parse_trainable
 from ..model.host import read
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..model.precision import island
@@ -119,13 +120,79 @@ def is_indexer_parameter(name: str) -> bool:
     return ".self_attn.indexer." in f".{name}"
 
 
+def check_trainable(spec: str) -> tuple[str, ...]:
+    """The groups ``train.trainable`` names (``genoctx.model.groups.parse_trainable``), refusing what cannot run yet.
+
+    Raises:
+        GenoctxError: ``lora`` in the list (the adapters, ``genoctx.model.lora``, are not built yet), or a bad spec.
+    """
+    try:
+        groups = parse_trainable(spec)
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
+    if LORA in groups:
+        raise GenoctxError("train.trainable: lora needs the adapters (issue 44), not yet built")
+    return groups
+
+
+def freeze_untrained(model: HybridLM, spec: str) -> None:
+    """``train.trainable``: ``requires_grad_(False)`` on every parameter whose group (``genoctx.model.groups.group_of``
+    of its name and ``model.cfg.layer_types``) is not in ``spec``; the others are left as they are (the indexer
+    warm-up may have frozen them). ``"all"`` changes nothing. Works on a plain or a parallelized model (FSDP2/DTensor
+    parameters keep their names; call it before the first forward, as ``build_optimizer`` does, so that FSDP2's
+    unsharded parameters take the flag). A frozen parameter then gets no gradient (``p.grad`` stays None) and no
+    optimizer state.
+
+    Raises:
+        GenoctxError: as ``check_trainable``; a spec that leaves no parameter to train.
+    """
+    groups = check_trainable(spec)
+    if groups == GROUPS:
+        return
+    for name, p in model.named_parameters():
+        if group_of(name, model.cfg.layer_types) not in groups:
+            p.requires_grad_(False)
+    if not any(p.requires_grad for p in model.parameters()):  # e.g. "head" of a tied model: lm_head is embed_tokens
+        raise GenoctxError(f"train.trainable {spec}: no parameter of this model is left to train (a tied lm_head is "
+                           "the embed group; under model.indexer_stage=warmup only the indexer trains)")  # fmt: skip
+
+
+def trainable_counts(model: HybridLM, spec: str) -> dict:
+    """Parameters (global element counts; a DTensor counts its full size) of ``model`` by group, and how many of them
+    ``spec`` trains. Returns ``{"trainable": spec, "trainable_parameters": int, "parameters": int, "groups":
+    {group: int}}``. Works on the meta device."""
+    groups = parse_trainable(spec)
+    by_group: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        g = group_of(name, model.cfg.layer_types)
+        by_group[g] = by_group.get(g, 0) + p.numel()
+    trained = sum(n for g, n in by_group.items() if g in groups)
+    return {"trainable": spec, "trainable_parameters": trained, "parameters": sum(by_group.values()),
+            "groups": by_group}  # fmt: skip
+
+
+def describe_trainable(counts: dict) -> str:
+    """``trainable_counts`` as one log line: ``trainable: kda,dsa (12.3M of 313.3B parameters)``."""
+    return (f"trainable: {counts['trainable']} ({_human(counts['trainable_parameters'])} of "
+            f"{_human(counts['parameters'])} parameters)")  # fmt: skip
+
+
+def _human(n: int) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
 def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
     """AdamW (decoupled weight decay on matrices only) and its warm-up + cosine LambdaLR schedule.
 
     Only parameters that require grad are optimised; during the indexer warm-up stage
-    (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone. ``cfg.optimizer_state_dtype``
-    ``"fp32"``: ``torch.optim.AdamW`` (moments in the parameters' dtype, 8 bytes per fp32 parameter); ``"bf16"``:
-    ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same update computed in fp32).
+    (``freeze_for_indexer_warmup``, applied here) those are the indexers' alone, and of those only the groups of
+    ``cfg.trainable`` (``freeze_untrained``, applied here: a frozen tensor has no optimizer state).
+    ``cfg.optimizer_state_dtype`` ``"fp32"``: ``torch.optim.AdamW`` (moments in the parameters' dtype, 8 bytes per
+    fp32 parameter); ``"bf16"``: ``genoctx.train.optim.AdamW`` with bf16 moments (4 bytes per parameter, the same
+    update computed in fp32).
 
     ``torch.optim.AdamW`` picks its foreach path where every parameter is a CUDA tensor or DTensor (on a mesh: one
     ``_foreach_*`` call per group over the DTensors of the dense mesh and of the expert mesh together) and its
@@ -137,6 +204,7 @@ def build_optimizer(model: HybridLM, cfg: TrainConfig, total_steps: int):
     from .optim import STATE_DTYPES, AdamW
 
     freeze_for_indexer_warmup(model)
+    freeze_untrained(model, cfg.trainable)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -359,8 +427,14 @@ def train_step(
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
     scheduler.step()
-    # the indexer warm-up keeps the main model frozen, MoE routing biases included
-    moe = model.update_router_biases(read_now=False) if model.cfg.indexer_stage != "warmup" else []
+    # the indexer warm-up keeps the main model frozen, MoE routing biases included; a frozen router (train.trainable
+    # without "router") keeps its biases too, its load statistics still read
+    if model.cfg.indexer_stage == "warmup":
+        moe = []
+    elif "router" in parse_trainable(cfg.trainable):
+        moe = model.update_router_biases(read_now=False)
+    else:
+        moe = _router_loads_only(model)
     # the step's one host read: every metric and every MoE layer's load ratio in one copy (genoctx.model.host)
     loss = loss_sum / count.clamp(min=1)  # on the device, in loss_sum's dtype (as loss_sum / max(int(count), 1))
     loss, count, aux, grad_norm, *ratios = read(
@@ -382,9 +456,21 @@ def train_step(
     }
 
 
+@torch.no_grad()
+def _router_loads_only(model) -> list[dict]:
+    """``update_router_biases(read_now=False)``'s statistics (and its reset of the load counts) with every routing bias
+    left bit-identical: the balancing step of a frozen router."""
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    kept = [b.clone() for b in biases]
+    moe = model.update_router_biases(read_now=False)
+    for b, k in zip(biases, kept, strict=True):
+        b.copy_(k)
+    return moe
+
+
 # what a resume must keep (the run's data order, objective and window start); other train keys may change
 _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"), ("loss", "vocab"),
-                 ("data", "window_start_token"))  # fmt: skip
+                 ("data", "window_start_token"), ("train", "trainable"))  # fmt: skip
 
 
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
@@ -679,6 +765,8 @@ def train_unlocked(
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
+    if cfg.trainable != "all":
+        log.info(describe_trainable(trainable_counts(model, cfg.trainable)))
     if resuming:
         state = load_training_state(latest, model, optimizer, scheduler)
         start, loaded = int(state["step"]), latest

@@ -57,7 +57,10 @@ CASES = {
     # with CP each rank chunks its piece: rounds of CP x CHUNK tokens, each rank a CHUNK-token piece of each round
     "cp2_chunk": (1, 1, 2),
     "fsdp2_cp2_chunk_ac": (1, 2, 2),
+    # "_frozen": train.trainable FROZEN_SPEC (issue 44): the routed experts, dense MLPs, embedding and head frozen
+    "fsdp2_fep2_frozen": (2, 2, 1, True),
 }
+FROZEN_SPEC = "kda,dsa,indexer,router,mhc,norms"
 CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long (CP=2: two rounds, the last one 32)
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
@@ -129,7 +132,11 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     cfg = train_config()
     if "_chunk" in name:
         cfg.seq_chunk_tokens = CHUNK
+    if "_frozen" in name:
+        cfg.trainable = FROZEN_SPEC
     opt, sched = build_optimizer(model, cfg, cfg.steps)
+    start, named = _locals(model), dict(model.named_parameters())
+    frozen = {n: t for n, t in start.items() if not named[n].requires_grad}  # this rank's frozen shards
     tokens = windows[dims.dp_rank][None]
     steps = []
     for _ in range(STEPS):
@@ -137,9 +144,14 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         # the gradients left by the step: summed over the ranks and clipped by the global norm, as one process's
         steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    after = _locals(model)
     return {
         "mixer_forwards": calls[0],
         "local_numel": local,  # parameters this rank holds (sharded: about full / shard size)
+        "trainable_numel": sum(after[n].numel() for n, p in named.items() if p.requires_grad),
+        # the frozen parameters' local shards (train.trainable): their names, and those the steps changed
+        "frozen": sorted(frozen),
+        "frozen_changed": [n for n, t in frozen.items() if not torch.equal(after[n], t)],
         "optimizer_numel": sum(
             t.numel() if not hasattr(t, "to_local") else t.to_local().numel()
             for st in opt.state.values()

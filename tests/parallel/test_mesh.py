@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 import mesh_worker  # noqa: E402
 from mesh_runner import fork_ranks  # noqa: E402
-from mesh_worker import CASES, CHUNK, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
+from mesh_worker import CASES, CHUNK, FROZEN_SPEC, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
 
 L = 160  # window tokens: CP=2 pieces of 80
 TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac",
@@ -49,12 +49,13 @@ def windows() -> torch.Tensor:
     return torch.stack([m[2000 + 3000 * i : 2000 + 3000 * i + L] for i in range(4)])
 
 
-def _reference(batch: torch.Tensor) -> list[dict]:
+def _reference(batch: torch.Tensor, trainable: str = "all") -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = mesh_model()
         cfg = train_config()
+        cfg.trainable = trainable
         opt, sched = build_optimizer(model, cfg, cfg.steps)
         steps = []
         for _ in range(STEPS):
@@ -92,7 +93,8 @@ def _spawn(windows, out: Path, world: int, cases: list[str], **extra) -> list[di
 
 @pytest.fixture(scope="module")
 def two(windows, tmp_path_factory):
-    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, [*TWO, "bf16", "bf16_chunks", "foreach"])
+    return _spawn(windows, tmp_path_factory.mktemp("mesh2"), 2, [*TWO, "bf16", "bf16_chunks", "foreach",
+                                                                    "fsdp2_fep2_frozen"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +111,19 @@ def _expert_rows(name: str, grad: torch.Tensor, offsets: dict, ref: torch.Tensor
 
 
 def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[dict]) -> None:
-    full = sum(g.numel() for g in ref[0]["grads"].values())
+    sizes = {n: p.numel() for n, p in mesh_model().named_parameters()}  # every parameter, frozen ones included
+    full = sum(sizes.values())
     for r, res in enumerate(ranks):
         got = res[case]
         lay = got["layout"]
-        experts = sum(g.numel() for n, g in ref[0]["grads"].items() if ".mlp.experts." in n)
+        experts = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
         # what this rank holds: dense parameters / dense_shard, routed experts / (ep x expert_shard) (FSDP pads
         # uneven shards by < 1 row per parameter); AdamW keeps two moments of the same shape
         layout = Layout(**lay)
         want = (full - experts) / layout.dense_shard + experts / (layout.ep * layout.expert_shard)
         assert want * 0.9 <= got["local_numel"] <= want * 1.1, (case, got["local_numel"], want, full)
-        assert got["optimizer_numel"] == 2 * got["local_numel"]
+        assert got["optimizer_numel"] == 2 * got["trainable_numel"]  # no state for a frozen tensor (train.trainable)
+        assert got["trainable_numel"] == got["local_numel"] or got["frozen"], case
         # recomputed in backward; chunked: a forward sweep over the chunks, then each chunk again in backward
         chunks = -(-L // (CHUNK * layout.cp)) if "_chunk" in case else 0  # under CP: rounds of cp chunks
         per_step = (2 if case.endswith("_ac") else 1) if not chunks else chunks * (3 if case.endswith("_ac") else 2)
@@ -149,6 +153,21 @@ def test_layout_equals_one_process(request, reference, case):
     layout = Layout(**ranks[0][case]["layout"])
     assert (layout.ep, layout.dp_shard, layout.cp, layout.ep_folded) == (ep, dp_shard, cp, bool(folded))
     _assert_layout_equals_one_process(ranks, case, reference(layout.dp))
+
+
+def test_frozen_groups_on_a_mesh(two, windows):
+    """``train.trainable`` (issue 44) on FSDP=2 with folded EP=2: the routed experts, dense MLP, embedding and head
+    frozen. Their local shards stay bit-identical over the steps and get no gradient (FSDP2 reduce-scatters, and the
+    global norm sums, the trainable ones alone), the optimizer holds the trainable shards alone, and the run equals one
+    process with the same groups frozen (loss, norm, every gradient, router biases)."""
+    ref = _reference(windows[:2], FROZEN_SPEC)
+    for res in two:
+        got = res["fsdp2_fep2_frozen"]
+        assert got["frozen_changed"] == [] and any(".mlp.experts." in n for n in got["frozen"])
+        assert "embed_tokens.weight" in got["frozen"] and "lm_head.weight" in got["frozen"]
+        assert not set(got["frozen"]) & set(got["steps"][-1]["grads"])
+        assert 0 < got["trainable_numel"] < got["local_numel"] / 2
+    _assert_layout_equals_one_process(two, "fsdp2_fep2_frozen", ref)
 
 
 def _three_steps(batch: torch.Tensor, ckpt_dir: Path | None = None) -> list[float]:
