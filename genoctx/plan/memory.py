@@ -312,7 +312,7 @@ def _split(st: _Step, entries) -> dict:
             out["local"] += _numel(e["shape"], lay, False)
             g = _numel(e["shape"], lay, True)
             out["gathered"] += g
-            if e["layer"] is not None and not e["lora"] and _is_island(cfg, e["layer"], e["name"]):
+            if e["layer"] is not None and _is_island(cfg, e["layer"], e["name"]):  # adapters of a KDA mixer too
                 out["island"] += g
         else:
             out["frozen"] += sum(_numel(sh, lay, False) * b for sh, b in e["store"])

@@ -184,3 +184,23 @@ def test_cli_plan_trainable_flags():
     assert p["trainable"]["frozen_dtype"] == "fp8" and p["time"]["step_s"] > 0
     bad = CliRunner().invoke(app, [*args, "--trainable", "lora,bogus"])
     assert bad.exit_code != 0 and "bogus" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("spec", "rank", "dtype"), [("lora", 4, "fp8"), ("kda,norms", 0, "bf16"), ("lora,mhc", 2, "bf16")]
+)
+def test_memory_and_comms_gather_the_same_frozen_and_trainable_bytes(spec, rank, dtype):
+    """The all-gathered layer the memory plan holds equals what comms' FSDP groups gather (up to FSDP2's padding)."""
+    from genoctx.plan.comms import fsdp_groups
+    from genoctx.plan.trainable import param_entries
+
+    tr = check_trainable(spec, rank, dtype)
+    entries = tuple(param_entries(TINY, tr))
+    st = memory._step(TINY, L, SHARD2, True, False, 1, "bf16", "cuda", None)
+    layers = memory._layers(memory.dataclasses.replace(st, tr=tr, entries=entries))
+    groups = fsdp_groups(TINY, SHARD2, "bf16", entries)
+    for i, x in enumerate(layers):
+        gathered = 2 * sum(g["gather_bytes"] for g in groups if g["layer"] == i)  # 2 shards, each a padded piece
+        assert x["block_bytes"] == pytest.approx(gathered, rel=0.01)
+    full = memory._layers(st)
+    assert all(x["dequant"] == 0 for x in full) and (dtype != "fp8" or all(x["dequant"] > 0 for x in layers))
