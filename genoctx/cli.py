@@ -1413,6 +1413,24 @@ def plan(
             "old name --chunk-tokens).",
         ),
     ] = None,
+    trainable: Annotated[
+        str,
+        typer.Option(help="What trains (train.trainable): all, or a comma list of lora and the groups kda, dsa, "
+                     "indexer, router, experts, shared_experts, dense_mlp, mhc, norms, embed, head; the rest is frozen "
+                     "(weights only, in --frozen-dtype)."),  # fmt: skip
+    ] = "all",
+    lora_rank: Annotated[
+        int | None,
+        typer.Option(help="LoRA rank (train.lora_rank) when --trainable names lora (default 16 then, else 0)."),
+    ] = None,
+    frozen_dtype: Annotated[
+        str, typer.Option(help="Frozen weights in bf16 or fp8 (block-scaled e4m3, fp32 scales; train.frozen_dtype).")
+    ] = "bf16",
+    lora_targets: Annotated[
+        str | None,
+        typer.Option(help="Comma list of LoRA target modules / expert parameters by name suffix (train.lora_targets; "
+                     "default every matmul of the mixers, MLPs and routed experts)."),  # fmt: skip
+    ] = None,
 ) -> None:
     """Predict GPU memory per rank of one training step, by component, and its step time, tokens/s, MFU and what
     bounds it, for a model x window x parallel layout x GPU (--hardware). With --eval: of scoring one window in
@@ -1434,6 +1452,8 @@ def plan(
       genoctx plan --preset glm-5.3-flash --seq-len 256k --gpus 64 --rank-by throughput --skew published
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 64 --hardware h200 --gpu-memory-gib 139
       genoctx plan --preset glm-5.3-flash --seq-len 1M --gpus 32 --gpu-memory-gib 178 --knobs auto
+      genoctx plan --preset glm-5.3-flash --seq-len 512k --gpus 8 --hardware h100 --trainable lora
+        --frozen-dtype fp8 --knobs auto
     """
     from .plan import (
         best_seq_chunk,
@@ -1444,7 +1464,7 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
-    from .plan.search import plan_with_knobs
+    from .plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
     from .plan.time import add_time, rank_by_throughput
 
     _setup_logging(False)
@@ -1479,6 +1499,7 @@ def plan(
         raise GenoctxError(f"--knobs must be none or auto, got {knobs!r}")
     kwargs.update(_knob_kwargs(rec, eval_, hw, optimizer_state_dtype, offload_activations, host_memory_gib, knobs,
                                no_recompute, seq_chunk))  # fmt: skip
+    kwargs.update(_trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_targets))
     if not eval_:
         if seq_chunk is None:
             chunk = rec.train.seq_chunk_tokens if rec is not None else None
@@ -1498,7 +1519,7 @@ def plan(
                 kwargs.pop("seq_chunk_tokens")
                 plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
             elif knobs == "auto":
-                plans = [plan_with_knobs(cfg, L, layout, **kwargs)]
+                plans = [plan_with_knobs(cfg, L, layout, seq_chunks=AUTO_SEQ_CHUNKS, **kwargs)]
             else:
                 plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
         except ValueError as e:
@@ -1563,6 +1584,34 @@ def plan(
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
+
+
+def _trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_targets) -> dict:
+    """``plan_memory``'s ``trainable``, ``lora_rank``, ``frozen_dtype``, ``lora_targets`` from ``genoctx plan``'s flags
+    (empty when every parameter trains: the plan as before).
+
+    Raises:
+        GenoctxError: the flags with --eval or --dry-run (the dry run counts full training), a bad group list, rank
+            or dtype (``genoctx.plan.trainable.check_trainable``).
+    """
+    from .plan.trainable import check_trainable
+
+    given = trainable != "all" or lora_rank or frozen_dtype != "bf16" or lora_targets is not None
+    if not given:
+        return {}
+    if eval_:
+        raise GenoctxError("--trainable, --lora-rank, --frozen-dtype and --lora-targets are about a training step; "
+                           "--eval plans scoring one window")  # fmt: skip
+    if dry_run:
+        raise GenoctxError("--dry-run counts full training: not yet with --trainable, --lora-rank, --frozen-dtype "
+                           "(issue 44)")  # fmt: skip
+    rank = lora_rank if lora_rank is not None else (16 if "lora" in trainable.replace(" ", "").split(",") else 0)
+    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets is not None else None
+    try:
+        tr = check_trainable(trainable, rank, frozen_dtype, targets)
+    except ValueError as e:
+        raise GenoctxError(f"--trainable/--lora-rank/--frozen-dtype/--lora-targets: {e}") from None
+    return dict(trainable=tr.spec, lora_rank=tr.lora_rank, frozen_dtype=tr.frozen_dtype, lora_targets=tr.lora_targets)
 
 
 def _knob_kwargs(rec, eval_, hw, optimizer_state_dtype, offload_activations, host_memory_gib, knobs, no_recompute,

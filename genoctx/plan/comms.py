@@ -62,6 +62,7 @@ import math
 from ..model.config import DSA, ModelConfig
 from ..parallel.layout import DIMS, Layout
 from .sizes import DTYPE_BYTES, F32, _is_island, shard_numel
+from .trainable import Trainable, param_entries
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "recompute", "backward", "step")
@@ -151,8 +152,14 @@ def _island_module(name: str) -> str:
     return next(m for m in ISLANDS if rest.startswith(m + "."))
 
 
-def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[dict]:
+def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16",
+                entries: tuple | list | None = None) -> list[dict]:  # fmt: skip
     """FSDP2's parameter groups as ``apply_fsdp`` makes them, innermost first, with what their collectives carry.
+
+    ``entries``: ``genoctx.plan.trainable.param_entries`` when not every parameter trains (issue 44): a frozen
+    tensor is all-gathered at its frozen dtype (fp8: with its scales) and has no gradient (``grad_shard_bytes``
+    counts the trainable tensors only: a group with none is not reduce-scattered); LoRA adapters join their target's
+    group. None: every parameter trains (as before).
 
     Returns:
         ``[{"name", "mesh" ("dense" | "expert"), "shards" (ranks of the shard group), "nested" (called inside a
@@ -166,10 +173,14 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
     if not layout.fsdp:
         return []
     shapes = _param_shapes(json.dumps(cfg.to_dict(), sort_keys=True))
+    if entries is not None:
+        shapes = tuple((e["name"], *e["shape"][1:], e) for e in entries)
+    else:
+        shapes = tuple((*x, None) for x in shapes)
     bf16 = dtype == "bf16"
     groups: dict[str, dict] = {}
     order = []
-    for name, rows, rest, dim1 in shapes:
+    for name, rows, rest, dim1, entry in shapes:
         if name.startswith("layers."):
             i = int(name.split(".")[1])
             expert = ".mlp.experts." in f".{name}"
@@ -184,10 +195,17 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
         if key not in groups:
             groups[key] = {"name": key, "mesh": mesh, "nested": nested, "root": key == "root",
                            "shards": layout.expert_shard if mesh == "expert" else layout.dense_shard,
-                           "numel": 0, "param_bytes": 4 if (not bf16 or nested and mesh == "dense") else 2}  # fmt: skip
+                           "numel": 0, "frozen_bytes": 0, "grad_numel": 0,
+                           "param_bytes": 4 if (not bf16 or nested and mesh == "dense") else 2}  # fmt: skip
             order.append(key)
         kind = "expert" if (expert and mesh == "expert") else "dense"
-        groups[key]["numel"] += shard_numel([(kind, rows, rest, dim1)], layout)[kind]
+        if entry is not None and not entry["train"]:  # frozen: its weight (and fp8 scales) at the frozen dtype
+            groups[key]["frozen_bytes"] += sum(b * shard_numel([(kind, *sh[1:])], layout)[kind]
+                                               for sh, b in entry["store"])  # fmt: skip
+            continue
+        n = shard_numel([(kind, rows, rest, dim1)], layout)[kind]
+        groups[key]["numel"] += n
+        groups[key]["grad_numel"] += n
     # innermost first (apply_fsdp's order): experts, the island modules, the layer; the root last
     rank = {"experts": 0, **{m: 1 + j for j, m in enumerate(ISLANDS)}}
     kinds = {"self_attn": "kda", "mlp.gate": "router", "attn_hc": "mhc", "ffn_hc": "mhc"}
@@ -203,16 +221,17 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16") -> list[d
         island = kinds[sub(k)] if (g["nested"] and g["mesh"] == "dense") else None
         out.append({**{x: g[x] for x in ("name", "mesh", "shards", "nested", "root")},
                     "island": island, "layer": None if k == "root" else int(k.split(".")[1]),
-                    "gather_bytes": g["numel"] * g["param_bytes"], "grad_shard_bytes": g["numel"] * F32})  # fmt: skip
+                    "gather_bytes": g["numel"] * g["param_bytes"] + g["frozen_bytes"],
+                    "grad_shard_bytes": g["grad_numel"] * F32})  # fmt: skip
     return out
 
 
 def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, mode: str, window: dict,
-          call_tokens: list[int]) -> list[dict]:  # fmt: skip
+          call_tokens: list[int], entries: tuple | list | None = None) -> list[dict]:  # fmt: skip
     """FSDP2's all-gathers, reduce-scatters and HSDP all-reduces (module docstring). ``window``: forwards with a
     graph (``fwd``), forwards without (``nograd``), backwards (``bwd``) of the step, each one model call per entry
     of ``call_tokens`` (the rank's tokens, all windows, of each call: one, or one per chunk)."""
-    groups = fsdp_groups(cfg, layout, dtype)
+    groups = fsdp_groups(cfg, layout, dtype, entries)
     if not groups:
         return []
     dense_dims = _dims(layout, ("ep", "dp_shard", "cp"))
@@ -244,7 +263,7 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, mode: str, window: dict,
     if mode == "eval" or bwd == 0:
         return out
     for mesh in ("dense", "expert"):
-        gs = [g for g in groups if g["mesh"] == mesh]
+        gs = [g for g in groups if g["mesh"] == mesh and (entries is None or g["grad_shard_bytes"])]  # frozen: none
         suffix = "" if mesh == "dense" else "_experts"
         sharded = [g for g in gs if g["shards"] > 1]
         if sharded:
@@ -259,12 +278,14 @@ def _fsdp(cfg: ModelConfig, layout: Layout, dtype: str, mode: str, window: dict,
     return out
 
 
-def _replicated_grads(cfg: ModelConfig, layout: Layout) -> list[dict]:
+def _replicated_grads(cfg: ModelConfig, layout: Layout, entries: tuple | list | None = None) -> list[dict]:
     """Without FSDP: ``reduce_gradients``' all-reduces of the fp32 gradients (dense over the mesh, routed experts'
-    block over the ranks holding it)."""
+    block over the ranks holding it); with ``entries`` (``trainable.param_entries``) the trainable tensors' only."""
     if layout.fsdp or layout.world == 1:
         return []
     shapes = _param_shapes(json.dumps(cfg.to_dict(), sort_keys=True))
+    if entries is not None:
+        shapes = tuple((e["name"], *e["shape"][1:]) for e in entries if e["train"])
     ep = layout.ep > 1
     expert = sum(r * n for name, r, n, _ in shapes if ep and ".mlp.experts." in f".{name}") // layout.ep
     dense = sum(r * n for name, r, n, _ in shapes if not (ep and ".mlp.experts." in f".{name}"))
@@ -379,7 +400,7 @@ def _loss_and_stats(cfg: ModelConfig, layout: Layout, mode: str) -> list[dict]:
 
 def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: int = 1, recompute: bool = True,
                dtype: str = "bf16", skew: float = 1.0, seq_chunk_tokens: int | None = None, mode: str = "train",
-               cp_layout: str = "contiguous") -> list[dict]:  # fmt: skip
+               cp_layout: str = "contiguous", trainable: Trainable | None = None) -> list[dict]:  # fmt: skip
     """Bytes that cross the network in one step on the busiest rank, by kind of collective call (module docstring).
 
     Args:
@@ -401,6 +422,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         mode: ``"train"`` (forward, backward, optimizer step) or ``"eval"`` (forward of ``batch_size`` windows
             under ``torch.no_grad``: no gradients, no loss reductions; ``genoctx.eval.distributed``).
         cp_layout: ``"contiguous"`` or ``"zigzag"`` (the KDA pieces per rank: 1 or 2).
+        trainable: what trains (``genoctx.plan.trainable.Trainable``; None or its default: every parameter): frozen
+            tensors are all-gathered at their frozen dtype and neither reduce-scattered nor all-reduced; LoRA adapters
+            are gathered and reduced with their layer (``fsdp_groups``).
 
     Returns:
         ``[{"name", "collective", "dims", "group_size", "phase", "calls", "payload_bytes", "wire_bytes"}]`` (and
@@ -437,8 +461,9 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
         B, window = batch_size, {"fwd": 1, "nograd": 1 if chunks > 1 else 0, "bwd": 1}  # forward sweep: no graph
     step = seq_len if chunks == 1 else seq_chunk_tokens * layout.cp  # a model call's tokens: window or round
     call_tokens = [B * (min(step, seq_len - s) // layout.cp) for s in range(0, seq_len, step)]  # the rank's
-    out = _fsdp(cfg, layout, dtype, mode, window, call_tokens)
-    out += _replicated_grads(cfg, layout) if mode == "train" else []
+    entries = None if trainable is None or trainable.default else param_entries(cfg, trainable)
+    out = _fsdp(cfg, layout, dtype, mode, window, call_tokens, entries)
+    out += _replicated_grads(cfg, layout, entries) if mode == "train" else []
     out += _ep(cfg, layout, B * T, a, skew, window, recompute, mode, chunks)
     out += _cp(cfg, layout, B, T, a, window, recompute, mode, cp_layout, chunks)
     out += _loss_and_stats(cfg, layout, mode)

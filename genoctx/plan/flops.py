@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from ..model.config import DSA, ModelConfig
 from ..parallel.layout import Layout, cp_pieces
+from .trainable import Trainable, lora_widths
 
 PUBLISHED_SKEW = 4.0  # busiest / mean routed-expert load per rank seen in the published GLM-5.3-Flash run
 NUCLEOTIDE_VOCAB = 8  # a model with this vocabulary trains on its own logits (``genoctx.plan.sizes``)
@@ -400,9 +401,25 @@ def _rank_rounds(L: int, cp: int, cp_layout: str, seq_chunk_tokens: int | None) 
     return rounds
 
 
+def _lora(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float, r: int, w: dict) -> None:
+    """LoRA adapters of layer ``i`` (``genoctx.plan.trainable``): ``2 r (in + out)`` per token per target forward
+    (``x A^T``, then ``B``), twice that backward; ``w``: the layer's ``in + out`` sums (``lora_widths``). The mixer's
+    in ``attention_projections``, the MLP's (shared experts inside the MoE's checkpointed chunks) in ``dense_mlp``,
+    the experts' per routed row in ``experts``."""
+    moe = cfg.mlp_layer_types[i] != "dense"
+    if w["mixer"]:
+        _mm(t, "attention_projections", n, r, w["mixer"], grad)
+    if w["mlp"]:
+        _mm(t, "dense_mlp", n, r, w["mlp"], grad, depth=1 if moe else 0)
+    if w["experts"]:
+        _mm(t, "experts", n * cfg.num_experts_per_tok * ep_factor, r, w["experts"], grad, depth=1)
+
+
 def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, ep_factor: float,
-          loss_vocab_rows: int | None, *, fsdp: bool, eval_mode: bool = False) -> _Tally:  # fmt: skip
-    """One forward (with or without grad) over every round of the rank, and what its backward would cost."""
+          loss_vocab_rows: int | None, *, fsdp: bool, eval_mode: bool = False,
+          lora: tuple[int, list] | None = None) -> _Tally:  # fmt: skip
+    """One forward (with or without grad) over every round of the rank, and what its backward would cost
+    (``lora``: the adapters' rank and ``lora_widths``, or None)."""
     t = _Tally()
     for k, pieces in enumerate(rounds):
         n = B * sum(T for _, T in pieces)
@@ -414,6 +431,8 @@ def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, 
             else:
                 _kda_layer(t, cfg, B, pieces, grad, ctx)
             _ffn_layer(t, cfg, i, n, grad, ep_factor)
+            if lora is not None:
+                _lora(t, cfg, i, n, grad, ep_factor, lora[0], lora[1][i])
             _mhc(t, cfg, n, grad)
         _head(t, cfg, n, grad, loss_vocab_rows, ctx)
     return t
@@ -448,7 +467,8 @@ def _check(cfg: ModelConfig, seq_len: int, layout: Layout, batch_size: int, cp_l
 
 def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, batch_size: int = 1,
                recompute: bool = True, seq_chunk_tokens: int | None = None, skew: float = 1.0,
-               cp_layout: str = "contiguous", loss_vocab_rows: int | None = None) -> dict:  # fmt: skip
+               cp_layout: str = "contiguous", loss_vocab_rows: int | None = None,
+               trainable: Trainable | None = None) -> dict:  # fmt: skip
     """FLOPs of one training step on the busiest rank (forward, recompute, backward), by component (module docstring).
 
     Args:
@@ -465,6 +485,9 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
         cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.layout.cp_pieces``).
         loss_vocab_rows: softmax rows of the chunked head of a text base (5 for ``loss.vocab: nucleotide``); None =
             ``vocab_size``. An 8-token model trains on its own logits.
+        trainable: what trains (``genoctx.plan.trainable.Trainable``): with LoRA its adapters' FLOPs are added
+            (``_lora``); frozen tensors' weight-gradient matmuls are still counted (an upper bound). None: full
+            training.
 
     Returns:
         ``{"components": {name: {"forward", "recompute", "backward": FLOPs, "class": "matmul" | "attention" |
@@ -483,7 +506,8 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
     skew = min(skew, float(layout.ep)) if layout.ep > 1 else 1.0
     rounds = _rank_rounds(seq_len, layout.cp, cp_layout, seq_chunk_tokens)
     B = batch_size
-    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp)
+    lora = (trainable.lora_rank, lora_widths(cfg, trainable)) if trainable is not None and trainable.lora_rank else None
+    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, lora=lora)
     comps = {c: dict(grad.f[c]) for c in COMPONENTS}
     units = {c: {p: dict(grad.u[c][p]) for p in PHASES} for c in COMPONENTS}
 
@@ -496,7 +520,7 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
         if recompute and c != "lm_head_loss":  # apply_ac: every decoder layer's forward once more (not the head)
             rerun(c, grad)
     if len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len):
-        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp)
+        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, lora=lora)
         for c in COMPONENTS:
             rerun(c, sweep)
     return _result(comps, units, B * seq_len // layout.cp)

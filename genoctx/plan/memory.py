@@ -131,6 +131,7 @@ from .sizes import (
     _hc,
     _hc_bwd,
     _indexer_tiles,
+    _is_island,
     _kda,
     _kda_core_fwd,
     _kda_core_recompute,
@@ -147,6 +148,7 @@ from .sizes import (
     seq_chunk_boundary_bytes,
     shard_numel,
 )  # fmt: skip
+from .trainable import Trainable, check_trainable, counts, param_entries
 
 MOMENT_BYTES = {"fp32": 4, "bf16": 2}  # train.optimizer_state_dtype -> bytes per AdamW moment element
 MOMENT_DTYPE = {v: k for k, v in MOMENT_BYTES.items()}
@@ -233,6 +235,8 @@ class _Step:
     pc: dict
     moment_bytes: int = 4  # bytes of each AdamW moment element (train.optimizer_state_dtype)
     offload_act: bool = False  # train.offload_activations
+    tr: Trainable | None = None  # what trains (None: every parameter, no adapters: full training)
+    entries: tuple = ()  # trainable.param_entries when ``tr`` is set
 
 
 def _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens) -> _Step:
@@ -285,10 +289,68 @@ class _Held:
     root_grad: float
     rs_root: float
     compute_copy: float
+    frozen: float = 0.0  # bytes of the frozen weights (and fp8 scales) on this rank (``trainable``)
+
+
+def _numel(sh: tuple, lay: Layout, gathered: bool) -> float:
+    """Elements of one tensor (``shard_numel``'s tuple) on this rank: its padded shard, or all-gathered (a routed
+    expert's ``E / ep`` block)."""
+    if gathered:
+        return sh[1] * sh[2] / (lay.ep if sh[0] == "expert" else 1)
+    return sum(shard_numel([sh], lay).values())
+
+
+def _split(st: _Step, entries) -> dict:
+    """What tensors ``entries`` (``trainable.param_entries``) hold on this rank: ``local`` (trainable parameters,
+    sharded), ``frozen`` (frozen bytes, sharded), ``gathered`` (trainable parameters all-gathered), ``gathered_frozen``
+    (frozen bytes all-gathered, at their dtype), ``island`` (trainable fp32-island parameters all-gathered), ``fp8``
+    (frozen fp8 elements all-gathered: dequantized per layer)."""
+    lay, cfg = st.layout, st.cfg
+    out = dict.fromkeys(("local", "frozen", "gathered", "gathered_frozen", "island", "fp8"), 0.0)
+    for e in entries:
+        if e["train"]:
+            out["local"] += _numel(e["shape"], lay, False)
+            g = _numel(e["shape"], lay, True)
+            out["gathered"] += g
+            if e["layer"] is not None and _is_island(cfg, e["layer"], e["name"]):  # adapters of a KDA mixer too
+                out["island"] += g
+        else:
+            out["frozen"] += sum(_numel(sh, lay, False) * b for sh, b in e["store"])
+            out["gathered_frozen"] += sum(_numel(sh, lay, True) * b for sh, b in e["store"])
+            out["fp8"] += _numel(e["shape"], lay, True) if e["fp8"] else 0.0
+    return out
+
+
+def _held_split(st: _Step) -> _Held:
+    """``_held`` when not every parameter trains (``trainable``): masters, gradients and AdamW state of the trainable
+    tensors only; the frozen ones as their weights in the frozen dtype (``frozen``, held all through; on the host
+    with ``optimizer_offload``, as FSDP2 offloads every parameter of a group); the root all-gathered at each
+    tensor's dtype, its gradients and reduce-scatter the trainable ones'."""
+    a, f, fsdp = st.s.a, st.s.f, st.layout.fsdp
+    whole = _split(st, st.entries)
+    root = _split(st, [e for e in st.entries if e["layer"] is None])
+    head_names = ("embed_tokens.",) if st.cfg.tie_word_embeddings else ()
+    head = _split(st, [e for e in st.entries if e["layer"] is None
+                       and (not e["name"].startswith("embed_tokens.") or head_names)])  # fmt: skip
+    P = whole["local"]
+    return _Held(
+        P_local=P,
+        weights=0.0 if st.offload else f * P + whole["frozen"],
+        optimizer_state=0.0 if st.offload else 2 * st.moment_bytes * P,
+        grad_bytes=0.0 if st.offload else f,
+        head_local=head["local"],
+        root_unsharded=a * root["gathered"] + root["gathered_frozen"] if fsdp else 0.0,
+        root_grad=a * head["gathered"] if fsdp else 0.0,
+        rs_root=f * root["gathered"] if fsdp else 0.0,
+        compute_copy=a * P if (not fsdp and a != f) else 0.0,
+        frozen=whole["frozen"],
+    )
 
 
 def _held(st: _Step) -> _Held:
     """The ``_Held`` bytes of the step's layout."""
+    if st.tr is not None:
+        return _held_split(st)
     a, f, fsdp, pc, lay = st.s.a, st.s.f, st.layout.fsdp, st.pc, st.layout
     P_local = _local(pc, lay)
     root = pc["root"]
@@ -417,12 +479,30 @@ def _layer(st: _Step, i: int, mixer: str, ffn: str, indexer: str) -> dict:
     w_fwd.update(ffn_fwd)
     w_bwd_mix["stream_gradients"] = N * (stream + cfg.hidden_size * s.a)
     params = st.pc["layers"][i]
+    if st.tr is not None:  # what trains (trainable): the layer's trainable tensors, frozen ones at their dtype
+        own = [e for e in st.entries if e["layer"] == i]
+        sp = _split(st, own)
+        r = st.tr.lora_rank  # LoRA's x A^T: r values per token per target (per routed row for experts)
+        n_t = {k: sum(1 for e in own if e["lora"] == k and e["name"].endswith("lora_A"))
+               for k in ("mixer", "mlp", "experts")}  # fmt: skip
+        saved["kda" if mixer == KDA else "dsa"] += N * s.a * r * n_t["mixer"]
+        lora_ffn = N * s.a * r * (n_t["mlp"] + cfg.num_experts_per_tok * n_t["experts"])
+        saved["moe" if ffn == "sparse" else "dense_mlp"] += lora_ffn
+        ffn_saved += lora_ffn
+        return {
+            "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
+            "saved": saved, "ffn_part": ffn_saved + N * (stream + hc), "input": N * stream, "cache": cache,
+            "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": N * _hc_bwd(cfg, s),
+            "block": sp["gathered"], "local": sp["local"],
+            "block_bytes": s.a * sp["gathered"] + (s.f - s.a) * sp["island"] + sp["gathered_frozen"],
+            "dequant": s.a * sp["fp8"],
+        }  # fmt: skip
     return {
         "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
         "saved": saved, "ffn_part": ffn_saved + N * (stream + hc), "input": N * stream, "cache": cache,
         "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": N * _hc_bwd(cfg, s),
         "block": _gathered(params, lay), "local": _local(params, lay),
-        "block_bytes": s.a * _gathered(params, lay) + (s.f - s.a) * params["island"],
+        "block_bytes": s.a * _gathered(params, lay) + (s.f - s.a) * params["island"], "dequant": 0.0,
     }  # fmt: skip
 
 
@@ -502,11 +582,13 @@ def _largest(w: dict) -> dict:
 
 
 def _blocks(st: _Step, layers: list, i: int, j: int | None) -> float:
-    """Under FSDP, layer ``i``'s all-gathered block and the prefetched layer ``j``'s (if any); else 0."""
+    """Under FSDP, layer ``i``'s all-gathered block and the prefetched layer ``j``'s (if any); else 0. Plus layer
+    ``i``'s frozen fp8 weights dequantized to bf16 (``dequant``, 0 unless ``frozen_dtype="fp8"``)."""
     if not st.layout.fsdp:
-        return 0.0
+        return layers[i]["dequant"]
     L = len(layers)
-    return layers[i]["block_bytes"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L else 0.0)
+    return layers[i]["block_bytes"] + layers[i]["dequant"] + (layers[j]["block_bytes"] if j is not None and 0 <= j < L
+                                                              else 0.0)
 
 
 def _grads_after(st: _Step, p: _Held, layers: list, i: int) -> float:
@@ -660,6 +742,10 @@ def plan_memory(
     optimizer_state_dtype: str = "fp32",
     offload_activations: bool = False,
     host_memory_gib: float | None = None,
+    trainable: str = "all",
+    lora_rank: int = 0,
+    frozen_dtype: str = "bf16",
+    lora_targets: tuple[str, ...] | None = None,
 ) -> dict:
     """Predicted peak memory of one training step on the busiest rank of ``layout``.
 
@@ -695,6 +781,16 @@ def plan_memory(
             host all of them (``host_gib``).
         host_memory_gib: host memory per GPU (the node's, divided by its GPUs); with it, ``fits`` also needs
             ``host_gib`` to fit there. None: the host is not checked.
+        trainable: ``train.trainable``: ``"all"``, or a comma list of ``genoctx.model.groups.GROUPS`` and ``lora``
+            (``genoctx.plan.trainable``: frozen tensors hold only their weight in ``frozen_dtype``, sharded and
+            all-gathered at that dtype; no gradient, optimizer state, master or reduce-scatter).
+        lora_rank: ``train.lora_rank`` (> 0 exactly when ``lora`` is in ``trainable``): adapters of ``r (in + out)``
+            trainable parameters per target, their ``x A^T`` activations (``r`` per token per target).
+        frozen_dtype: ``train.frozen_dtype``: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 matmul weights with fp32
+            scales per 128 x 128 block; each layer's dequantized bf16 weights a working set while it runs, counted
+            in ``unsharded_params``).
+        lora_targets: ``train.lora_targets``: name suffixes of the target modules / expert parameters; None for
+            every matmul of the mixers, MLPs and routed experts.
 
     Returns:
         ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,
@@ -712,7 +808,10 @@ def plan_memory(
         "host_gib" (host memory the step holds per GPU: the
         offloaded layer inputs, and with ``optimizer_offload`` the sharded masters, gradients and AdamW state; on
         CUDA each pinned block at its power-of-two size, ``pinned_block_bytes``),
-        "host_fits" (``host_gib <= host_memory_gib``, None without it), "host_device_bytes" ({"to_host",
+        "host_fits" (``host_gib <= host_memory_gib``, None without it), with ``trainable`` other than ``"all"`` (or
+        LoRA) also "trainable" (``Trainable.to_dict`` plus ``trainable.counts``: whole-model parameters) and
+        "trainable_params_per_rank" (``persistent_gib`` then has "frozen": the frozen weights' GiB, included in
+        "weights"), "host_device_bytes" ({"to_host",
         "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
         ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
         written back; "activations": the layer inputs' part, each way)}``. GiB are rounded to 6 decimals (1 KiB);
@@ -728,8 +827,11 @@ def plan_memory(
     _check_args(cfg, seq_len, layout, gpu_memory_gib, batch_size, dtype, device, loss_chunk_tokens, loss_vocab_rows,
                 allocator_slack, optimizer_offload, seq_chunk_tokens)  # fmt: skip
     _check_knobs(optimizer_state_dtype, offload_activations, recompute, host_memory_gib)
+    tr = check_trainable(trainable, lora_rank, frozen_dtype, lora_targets)
     st = _step(cfg, seq_len, layout, recompute, optimizer_offload, batch_size, dtype, device, seq_chunk_tokens)
     st = dataclasses.replace(st, moment_bytes=MOMENT_BYTES[optimizer_state_dtype], offload_act=offload_activations)
+    if not tr.default:
+        st = dataclasses.replace(st, tr=tr, entries=tuple(param_entries(cfg, tr)))
     p, layers, head = _held(st), _layers(st), _head(st, loss_vocab_rows, loss_chunk_tokens)
     phases = _forward_phases(st, p, layers, head) + _backward_phases(st, p, layers, head)
     phases += _step_end_phases(st, p, layers)
@@ -745,8 +847,10 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
     # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
     a2a = all_to_all_bytes(st.cfg, st.windows * st.seq_len // lay.cp if st.chunked else st.N, lay, st.s.a,
                            passes=(8 if st.recompute else 6) + 2 * st.chunked)  # fmt: skip
-    host, moved = _host(st, layers, P_local)
+    host, moved = _host(st, layers, P_local, p.frozen)
     host_fits = None if host_memory_gib is None else _gib(host) <= host_memory_gib
+    split = {} if st.tr is None else {
+        "trainable": {**st.tr.to_dict(), **counts(st.cfg, st.tr)}, "trainable_params_per_rank": P_local}
     return {
         "layout": _layout_dict(lay),
         "fits": out["total_gib"] <= gpu_memory_gib and host_fits is not False,
@@ -755,8 +859,10 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
         "all_to_all_gib": _gib(a2a),
         "params_per_rank": shard_numel(st.pc["shapes"], lay),
         "largest_layer_unsharded_gib": _gib(max(x["block_bytes"] for x in layers) if lay.fsdp and layers else 0.0),
+        **split,
         "persistent_gib": {
-            "weights": _gib(f * P_local),
+            **({"frozen": _gib(p.frozen)} if st.tr is not None else {}),
+            "weights": _gib(f * P_local + p.frozen),
             "gradients": _gib(f * P_local),
             "optimizer_state": _gib(2 * st.moment_bytes * P_local),
             "on_host": st.offload,
@@ -794,25 +900,30 @@ def _pinned_optimizer_offload(st: _Step) -> float:
     ``non_blocking`` to the host: a pinned tensor), each rounded by ``pinned_block_bytes``. The AdamW moments are
     plain (pageable) host tensors: not rounded."""
     f, lay = st.s.f, st.layout
+    if st.tr is not None:  # trainable tensors: master and gradient; frozen ones: their weight (and scales)
+        return sum(2 * pinned_block_bytes(f * _numel(e["shape"], lay, False)) if e["train"] else
+                   sum(pinned_block_bytes(b * _numel(sh, lay, False)) for sh, b in e["store"])
+                   for e in st.entries)  # fmt: skip
     return sum(2 * pinned_block_bytes(f * sum(shard_numel([sh], lay).values())) for sh in st.pc["shapes"])
 
 
-def _host(st: _Step, layers: list, P_local: float) -> tuple[float, dict]:
+def _host(st: _Step, layers: list, P_local: float, frozen: float = 0.0) -> tuple[float, dict]:
     """Host bytes per GPU the step holds and the bytes it copies each way (``plan_memory``'s Returns).
 
     Held: the offloaded layer inputs (``offload_activations``: each layer's input one pinned block on CUDA,
     ``genoctx.parallel.offload.to_host``) and, with ``optimizer_offload``, the masters and gradients (pinned, per
     parameter: ``_pinned_optimizer_offload``) and the AdamW moments (pageable). On CUDA every pinned block counts at
     its power-of-two rounded size (``pinned_block_bytes``: what the pinned allocator takes; up to 2x the tensor);
-    on a CPU nothing is pinned (exact sizes). The bytes copied are the tensors' own."""
+    on a CPU nothing is pinned (exact sizes). The bytes copied are the tensors' own. ``frozen``: the frozen weights'
+    bytes on this rank (``trainable``), on the host with ``optimizer_offload`` and read at each all-gather."""
     f, acts = st.s.f, [x["input"] for x in layers] if (st.offload_act and st.recompute) else []
     pinned = pinned_block_bytes if st.device == "cuda" else float
     held = sum(pinned(b) for b in acts)
     if st.offload:
-        params = _pinned_optimizer_offload(st) if st.device == "cuda" else 2 * f * P_local
+        params = _pinned_optimizer_offload(st) if st.device == "cuda" else 2 * f * P_local + frozen
         held += params + 2 * st.moment_bytes * P_local
     acts = sum(acts)
-    to_device = acts + (2 * f * P_local if st.offload else 0.0)  # the shards read at each all-gather (fwd, bwd)
+    to_device = acts + (2 * (f * P_local + frozen) if st.offload else 0.0)  # shards read at each all-gather (fwd, bwd)
     to_host = acts + (f * P_local if st.offload else 0.0)  # the reduced gradients
     return held, {"to_host": to_host, "to_device": to_device, "activations": acts}
 

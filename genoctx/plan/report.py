@@ -44,6 +44,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
     timed = all("time" in p for p in plans[:limit])
     knobbed = any(p.get("knobs") for p in plans[:limit])
+    hours = timed and "trainable" in p0  # a trainable subset's table has room for GPU-hours of HOURS_STEPS steps
     if p0.get("mode") == "eval":
         how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
         how += f", cp layout {p0['cp_layout']}" if p0.get("cp_layout", "contiguous") != "contiguous" else ""
@@ -57,6 +58,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         + (f"{'chunk':>7}  " if chunks else "")
         + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  "
         + (f"{'step s':>8} {'tokens/s':>9} {'MFU':>6}  {'bound':<20}  " if timed else "")
+        + (f"{f'GPU-h/{HOURS_STEPS}':>9}  " if hours else "")
         + (f"{'knobs':<28}  " if knobbed else "")
         + "peak at",
     ]
@@ -68,6 +70,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
             f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
             f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
             f"{'yes' if p['fits'] else 'no ':<4}  {_time_cells(p) if timed else ''}"
+            f"{_hours_cell(p, HOURS_STEPS) if hours else ''}"
             f"{(_knob_cell(p) + '  ') if knobbed else ''}{p['peak_phase']}"
         )
     if len(plans) > limit:
@@ -84,6 +87,8 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     if chunks:
         lines.append("     (chunk: train.seq_chunk_tokens, the window trained in chunks of this many tokens by the "
                      "exact chunked backward; tokens/rank: one chunk's)")
+    if "trainable" in p0:
+        lines.append(_trainable_line(p0))
     lines += ["", f"components of #1 ({describe_layout(p0)}), {unit} per GPU at {p0['peak_phase']}:"]
     for k, v in p0["components_gib"].items():
         if v:
@@ -104,6 +109,31 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lines.append(f"largest working sets of other phases ({unit}): "
                      + ", ".join(f"{k} {v * scale:.3f}" for k, v in others.items()))  # fmt: skip
     return "\n".join(lines)
+
+
+HOURS_STEPS = 80  # the published run's steps, for the GPU-hours column of a trainable subset's table
+
+
+def _hours_cell(p: dict, steps: int) -> str:
+    """GPU-hours of ``steps`` steps of the plan's layout (``genoctx.plan.time.gpu_hours``)."""
+    from .time import gpu_hours
+
+    return f"{gpu_hours(p['time']['step_s'], steps, p['layout']['world']):>9.1f}  "
+
+
+def _trainable_line(p: dict) -> str:
+    """What trains in a plan (``plan_memory``'s ``trainable``): groups, LoRA rank, frozen dtype, parameter counts,
+    and what the host holds when the host does not fit."""
+    t = p["trainable"]
+    lora = f", LoRA rank {t['lora_rank']}" if t["lora_rank"] else ""
+    line = (f"     (trainable {t['trainable']}{lora}: {t['params_trainable'] / 1e9:.3g}B parameters train "
+            f"({t['params_lora'] / 1e9:.3g}B adapters), {t['params_frozen'] / 1e9:.3g}B frozen in "
+            f"{t['frozen_dtype']} ({t['frozen_bytes'] / 2**30:.1f} GiB with scales); per GPU #1 holds "
+            f"{p['persistent_gib'].get('frozen', 0.0):.2f} GiB frozen, "
+            f"{p['persistent_gib']['optimizer_state']:.2f} GiB optimizer state)")  # fmt: skip
+    if p.get("host_fits") is False:
+        line += f"\n     (#1 does not fit the host: {p['host_gib']:.1f} GiB of host memory per GPU)"
+    return line
 
 
 def _time_cells(p: dict) -> str:

@@ -76,24 +76,32 @@ KNOB_COMBOS = (
 )
 
 
-def plan_with_knobs(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
+# the sequence chunks ``knobs="auto"`` tries when nothing fits in one pass (the chunked backward, ``--seq-chunk``),
+# largest first (fewest chunks: the least boundary state and overhead)
+AUTO_SEQ_CHUNKS = (1 << 16, 1 << 14)
+
+
+def plan_with_knobs(cfg: ModelConfig, seq_len: int, layout: Layout, *, seq_chunks: tuple[int, ...] = (),
+                    **kwargs) -> dict:  # fmt: skip
     """The plan of ``layout`` with the first of ``KNOB_COMBOS`` (on top of the knobs given in ``kwargs``) that fits;
-    none fitting, the one with the least memory. Combinations the layout cannot take (activation offload without
-    ``recompute``, optimizer offload without FSDP) are skipped.
+    none fitting in one pass, the same with each of ``seq_chunks`` in turn (``seq_chunk_tokens``, those below the
+    rank's ``L / cp`` tokens); none fitting at all, the one with the least memory. Combinations the layout cannot
+    take (activation offload without ``recompute``, optimizer offload without FSDP) are skipped.
 
     Raises:
         ValueError: as ``plan_memory``.
     """
     best = None
-    for combo in KNOB_COMBOS:
-        kw = {**kwargs, **combo}
-        if (kw.get("offload_activations") and not kw.get("recompute", True)) or (
-                kw.get("optimizer_offload") and not layout.fsdp):  # fmt: skip
-            continue
-        p = plan_memory(cfg, seq_len, layout, **kw)
-        if p["fits"]:
-            return p
-        best = p if best is None or p["total_gib"] < best["total_gib"] else best
+    for chunk in (None, *(c for c in seq_chunks if c < seq_len // layout.cp)):
+        for combo in KNOB_COMBOS:
+            kw = {**kwargs, **combo, **({"seq_chunk_tokens": chunk} if chunk else {})}
+            if (kw.get("offload_activations") and not kw.get("recompute", True)) or (
+                    kw.get("optimizer_offload") and not layout.fsdp):  # fmt: skip
+                continue
+            p = plan_memory(cfg, seq_len, layout, **kw)
+            if p["fits"]:
+                return p
+            best = p if best is None or p["total_gib"] < best["total_gib"] else best
     return best
 
 
@@ -115,7 +123,9 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
             rank beats spreading it over CP ranks, or both together.
         knobs: ``"none"`` (the knobs in ``kwargs`` only) or ``"auto"`` (train, one pass: each layout with the first
             of ``KNOB_COMBOS`` that fits, ``plan_with_knobs``; its ``"knobs"`` lists them; the layouts that fit
-            ordered by their knobs' place in ``KNOB_COMBOS`` first, then by memory).
+            ordered by their knobs' place in ``KNOB_COMBOS`` first, then by memory). When no layout fits in one
+            pass, each is planned again with the chunked backward (``AUTO_SEQ_CHUNKS``, ``plan_with_knobs``'s
+            ``seq_chunks``), one pass ranked before 64k chunks before 16k.
 
     Returns:
         The plans (``plan_memory`` or ``plan_eval`` dicts); empty when no layout is valid.
@@ -145,6 +155,9 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
             else:
                 plans.append(plan_memory(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunk_tokens=chunk,
                                          **kwargs))  # fmt: skip
+        if knobs == "auto" and not any(p["fits"] for p in plans):  # nothing fits in one pass: the chunked backward
+            plans = [plan_with_knobs(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunks=AUTO_SEQ_CHUNKS,
+                                     **kwargs) for lay in lays]  # fmt: skip
     cost = knob_rank if knobs == "auto" else (lambda p: 0)
     plans.sort(key=lambda p: (not p["fits"], cost(p), p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
                               -p["layout"]["dp_replicate"]))  # fmt: skip
@@ -153,12 +166,17 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
 
 def knob_rank(plan: dict) -> int:
     """The position in ``KNOB_COMBOS`` of a plan's knobs (``knobs="auto"`` lists the layouts that fit with the
-    fewest, cheapest knobs first)."""
+    fewest, cheapest knobs first); a chunked plan after every one-pass plan, 64k chunks before 16k
+    (``AUTO_SEQ_CHUNKS``)."""
     on = {k.split("=")[0] for k in plan.get("knobs") or []}
+    chunk = plan.get("seq_chunk_tokens")
+    n = len(KNOB_COMBOS) + 1
+    extra = 0 if not chunk else n * (1 + (AUTO_SEQ_CHUNKS.index(chunk) if chunk in AUTO_SEQ_CHUNKS
+                                          else len(AUTO_SEQ_CHUNKS)))  # fmt: skip
     for i, combo in enumerate(KNOB_COMBOS):
         if set(combo) == on:
-            return i
-    return len(KNOB_COMBOS)
+            return i + extra
+    return len(KNOB_COMBOS) + extra
 
 
 SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens

@@ -239,7 +239,7 @@ def _link_totals(comms: list[dict], layout: Layout, hw: Hardware) -> dict:
 
 def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, batch_size: int = 1,
               recompute: bool = True, dtype: str = "bf16", skew: float = 1.0, seq_chunk_tokens: int | None = None,
-              mode: str = "train") -> dict:  # fmt: skip
+              mode: str = "train", trainable=None) -> dict:  # fmt: skip
     """Predicted seconds of one training step (``mode="eval"``: of scoring one window) of ``cfg`` on ``layout`` and
     ``hw``: ``step_time`` of ``step_flops`` / ``eval_flops`` and ``step_comms``, with the inputs recorded.
 
@@ -252,6 +252,8 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
         skew: busiest / mean expert rows of a rank (1 balanced; ``genoctx.plan.flops.PUBLISHED_SKEW`` ~4 on real DNA).
         seq_chunk_tokens: the chunked backward's chunk (``train.seq_chunk_tokens``), or None for one pass.
         mode: "train" or "eval".
+        trainable: what trains (``genoctx.plan.trainable.Trainable``, train only): LoRA's FLOPs, the frozen tensors'
+            all-gathers at their dtype and no reduce-scatter for them. None: full training.
 
     Returns:
         ``step_time``'s dict plus ``"hardware"`` (its name), ``"skew"``, ``"flops"`` (this rank's step total) and
@@ -267,11 +269,12 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
         raise ValueError(f"mode must be train or eval, got {mode!r}")
     if mode == "train":
         fl = step_flops(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
-                        seq_chunk_tokens=seq_chunk_tokens, skew=skew)  # fmt: skip
+                        seq_chunk_tokens=seq_chunk_tokens, skew=skew, trainable=trainable)  # fmt: skip
     else:
         fl = eval_flops(cfg, seq_len, layout)
     comms = step_comms(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute, dtype=dtype, skew=skew,
-                       seq_chunk_tokens=seq_chunk_tokens, mode=mode)  # fmt: skip
+                       seq_chunk_tokens=seq_chunk_tokens, mode=mode,
+                       trainable=trainable if mode == "train" else None)  # fmt: skip
     per_token = flops_per_token(cfg, seq_len)["train" if mode == "train" else "forward"]["total"]
     out = step_time(fl, comms, cfg, layout, hw, dtype=dtype, seq_len=seq_len,
                     batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token)  # fmt: skip
@@ -321,7 +324,7 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
             out["cpu_optimizer"] = None
         else:
             m = 2 if plan.get("optimizer_state_dtype") == "bf16" else 4
-            params = sum(plan["params_per_rank"].values())
+            params = plan.get("trainable_params_per_rank", sum(plan["params_per_rank"].values()))
             out["cpu_optimizer"] = (12 + 4 * m) * params / (hw.host_memory_bytes_per_s * hw.efficiency["memory"])
     return out
 
@@ -342,12 +345,17 @@ def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float =
     Raises:
         ValueError: as ``plan_time``.
     """
+    from .trainable import check_trainable
+
     for p in plans:
         lay = Layout(**{k: v for k, v in p["layout"].items() if k != "world"})
         mode = p.get("mode", "train")
+        tr = p.get("trainable")
+        tr = None if tr is None else check_trainable(tr["trainable"], tr["lora_rank"], tr["frozen_dtype"],
+                                                     tuple(tr["lora_targets"]) if tr["lora_targets"] else None)
         t = plan_time(cfg, p["seq_len"], lay, hw, batch_size=p.get("batch_size", 1), dtype=p["dtype"], skew=skew,
                       recompute=p.get("recompute", False), seq_chunk_tokens=p.get("seq_chunk_tokens"),
-                      mode=mode)  # fmt: skip
+                      mode=mode, trainable=tr)  # fmt: skip
         with_host_time(t, p if mode == "train" else None, hw)
         p["time"] = {k: t[k] for k in TIME_KEYS}
     return plans

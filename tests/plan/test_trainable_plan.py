@@ -1,0 +1,206 @@
+"""The planner counts what trains (issue 44): frozen groups hold only their weights in the frozen dtype (fp8 with
+its block scales), trainable ones masters, gradients and AdamW state; LoRA adds r (in + out) per target, its FLOPs,
+and the frozen tensors lose their gradient reduce-scatter. Counted independently here from the model's modules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from genoctx.model.config import preset
+from genoctx.model.groups import group_of
+from genoctx.model.model import HybridLM
+from genoctx.parallel.layout import Layout
+from genoctx.plan import memory, plan_memory
+from genoctx.plan.comms import step_comms
+from genoctx.plan.flops import step_flops
+from genoctx.plan.search import plan_with_knobs
+from genoctx.plan.sizes import shard_numel
+from genoctx.plan.trainable import Trainable, check_trainable, counts
+
+TINY = preset("tiny")
+L = 1024
+ONE = Layout()
+SHARD2 = Layout(dp_replicate=1, ep=1, dp_shard=2, cp=1)
+with torch.device("meta"):
+    _MODEL = HybridLM(TINY)
+PARAMS = dict(_MODEL.named_parameters())
+MODS = dict(_MODEL.named_modules())
+
+
+def _matmul(name: str) -> bool:
+    """An fp8 / LoRA target as the issue names them: a Linear of a mixer or MLP (not the router), a routed expert."""
+    parts, mod = name.split("."), name.rsplit(".", 1)[0]
+    if not (parts[0] == "layers" and parts[2] in ("self_attn", "mlp")):
+        return False
+    if ".mlp.experts." in name:
+        return True
+    return isinstance(MODS[mod], nn.Linear) and name.endswith(".weight") and not mod.endswith("mlp.gate")
+
+
+def _local(p, lay: Layout) -> int:
+    """Elements of one dense parameter on a rank of ``lay``: FSDP2's padded dim-0 shard."""
+    rows = p.shape[0] if p.dim() else 1
+    return sum(shard_numel([("dense", rows, p.numel() // max(1, rows), 1)], lay).values())
+
+
+def _frozen_bytes(groups: set, dtype: str) -> int:
+    out = 0
+    for name, p in PARAMS.items():
+        if group_of(name, TINY.layer_types) in groups:
+            continue
+        if dtype == "fp8" and _matmul(name):
+            lead = p.shape[0] if p.dim() == 3 else 1
+            out += p.numel() + 4 * lead * math.ceil(p.shape[-2] / 128) * math.ceil(p.shape[-1] / 128)
+        else:
+            out += 2 * p.numel()
+    return out
+
+
+def _held(tr: str, rank: int = 0, dtype: str = "bf16", layout: Layout = ONE):
+    st = memory._step(TINY, L, layout, True, False, 1, "bf16", "cuda", None)
+    t = check_trainable(tr, rank, dtype)
+    if not t.default:
+        from genoctx.plan.trainable import param_entries
+
+        st = memory.dataclasses.replace(st, tr=t, entries=tuple(param_entries(TINY, t)))
+    return memory._held(st)
+
+
+def test_all_is_todays_plan_memory_comms_flops():
+    base = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80)
+    assert plan_memory(TINY, L, SHARD2, gpu_memory_gib=80, trainable="all", frozen_dtype="fp8") == base
+    assert "trainable" not in base
+    assert step_comms(TINY, L, SHARD2, trainable=Trainable()) == step_comms(TINY, L, SHARD2)
+    assert step_flops(TINY, L, SHARD2, trainable=Trainable()) == step_flops(TINY, L, SHARD2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_frozen_groups_cost_their_weights_in_the_frozen_dtype_and_nothing_else(dtype):
+    groups = {"kda", "mhc"}
+    full, part = _held("all"), _held("kda,mhc", dtype=dtype)
+    trained = sum(p.numel() for n, p in PARAMS.items() if group_of(n, TINY.layer_types) in groups)
+    frozen = _frozen_bytes(groups, dtype)
+    assert 0 < trained < full.P_local
+    assert part.P_local == trained and part.frozen == frozen
+    assert part.weights == 4 * trained + frozen  # masters of what trains, the frozen weights (and scales)
+    assert part.optimizer_state == 8 * trained and part.grad_bytes == 4
+    assert counts(TINY, check_trainable("kda,mhc", 0, dtype))["frozen_bytes"] == frozen
+    if dtype == "fp8":  # 1 byte per matmul element plus a 4-byte scale per 128 x 128 block: below bf16
+        assert frozen < _frozen_bytes(groups, "bf16")
+
+
+def test_frozen_weights_shard_as_fsdp2_and_the_plan_reports_them():
+    part = _held("kda", dtype="bf16", layout=SHARD2)
+    want = sum(2 * _local(p, SHARD2) for n, p in PARAMS.items() if group_of(n, TINY.layer_types) != "kda")
+    assert part.frozen == want
+    p = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80, trainable="kda")
+    assert p["trainable"]["trainable"] == "kda" and p["trainable_params_per_rank"] == part.P_local
+    assert p["persistent_gib"]["frozen"] == round(want / 2**30, 6)
+
+
+def test_lora_adds_r_in_plus_out_per_target_one_adapter_per_expert():
+    r = 4
+    want = 0
+    for name, p in PARAMS.items():
+        if _matmul(name):
+            per = r * (p.shape[-1] + p.shape[-2])
+            want += per * (p.shape[0] if ".mlp.experts." in name else 1)
+    c = counts(TINY, check_trainable("lora", r, "fp8"))
+    assert c["params_lora"] == c["params_trainable"] == want > 0
+    assert c["params_frozen"] == sum(p.numel() for p in PARAMS.values())
+    assert _held("lora", r, "fp8").P_local == want
+    both = counts(TINY, check_trainable("lora,norms", r, "bf16"))
+    norms = sum(p.numel() for n, p in PARAMS.items() if group_of(n, TINY.layer_types) == "norms")
+    assert both["params_trainable"] == want + norms
+    with pytest.raises(ValueError, match="lora"):
+        check_trainable("lora", 0, "bf16")
+    with pytest.raises(ValueError, match="frozen_dtype"):
+        check_trainable("kda", 0, "fp4")
+
+
+def test_lora_flops_are_2r_in_plus_out_per_token_per_target_forward_3x_with_backward():
+    r, n = 8, L
+    tr = check_trainable("lora", r, "bf16", ("q_proj",))  # the KDA layers' q_proj only: no checkpoint inside
+    base = step_flops(TINY, L, ONE, recompute=False)
+    lora = step_flops(TINY, L, ONE, recompute=False, trainable=tr)
+    q = [p for name, p in PARAMS.items() if name.endswith("self_attn.q_proj.weight")]
+    want = sum(3 * 2 * n * r * (p.shape[0] + p.shape[1]) for p in q)
+    assert len(q) > 0 and lora["total"] - base["total"] == pytest.approx(want)
+    comp = lora["components"]["attention_projections"]
+    assert comp["forward"] - base["components"]["attention_projections"]["forward"] == pytest.approx(want / 3)
+
+
+def test_comms_lose_the_reduce_scatter_of_frozen_tensors():
+    def by_name(c):
+        return {e["name"]: e for e in c}
+
+    full = by_name(step_comms(TINY, L, SHARD2))
+    kda = by_name(step_comms(TINY, L, SHARD2, trainable=check_trainable("kda", 0, "bf16")))
+    kda_numel = sum(_local(p, SHARD2) for n, p in PARAMS.items() if group_of(n, TINY.layer_types) == "kda")
+    rs = kda["fsdp_reduce_scatter"]
+    assert rs["payload_bytes"] == 2 * 4 * kda_numel  # the reduce-scatter input: the kda tensors' gradients only
+    assert rs["payload_bytes"] < full["fsdp_reduce_scatter"]["payload_bytes"]
+    n_kda = TINY.layer_types.count("linear_attention")
+    assert rs["calls"] == n_kda  # one group per KDA mixer (its fp32 island); no other group has a gradient
+    assert kda["dp_all_reduce"]["calls"] == n_kda
+    # nothing trains but the adapters: frozen fp8 weights gather less than bf16, bf16 no more than full training
+    gathers = {}
+    for dt in ("bf16", "fp8"):
+        c = by_name(step_comms(TINY, L, SHARD2, trainable=check_trainable("lora", 4, dt)))
+        gathers[dt] = c["fsdp_all_gather_forward"]["payload_bytes"]
+    assert gathers["fp8"] < gathers["bf16"]
+
+
+def test_knobs_auto_considers_the_chunked_backward_when_nothing_fits_in_one_pass():
+    L2, lay = 1 << 17, ONE
+    kw = dict(trainable="lora", lora_rank=4, frozen_dtype="fp8", device="cpu")
+    one = min(
+        plan_memory(TINY, L2, lay, gpu_memory_gib=1e3, offload_activations=o, **kw)["total_gib"] for o in (False, True)
+    )
+    chunked = plan_memory(TINY, L2, lay, gpu_memory_gib=1e3, seq_chunk_tokens=1 << 16, **kw)["total_gib"]
+    assert chunked < one
+    mem = (one + chunked) / 2
+    assert not plan_with_knobs(TINY, L2, lay, gpu_memory_gib=mem, **kw)["fits"]
+    p = plan_with_knobs(TINY, L2, lay, gpu_memory_gib=mem, seq_chunks=(1 << 16, 1 << 14), **kw)
+    assert p["fits"] and p["seq_chunk_tokens"] == 1 << 16
+
+
+def test_cli_plan_trainable_flags():
+    from typer.testing import CliRunner
+
+    from genoctx.cli import app
+
+    args = ["plan", "--preset", "tiny", "--seq-len", "1k", "--gpus", "2", "--fsdp", "2", "--gpu-memory-gib", "8"]
+    r = CliRunner().invoke(app, [*args, "--trainable", "lora,norms", "--lora-rank", "4", "--frozen-dtype", "fp8",
+                                 "--format", "json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)["layouts"][0]
+    assert p["trainable"]["trainable"] == "norms,lora" and p["trainable"]["lora_rank"] == 4
+    assert p["trainable"]["frozen_dtype"] == "fp8" and p["time"]["step_s"] > 0
+    bad = CliRunner().invoke(app, [*args, "--trainable", "lora,bogus"])
+    assert bad.exit_code != 0 and "bogus" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("spec", "rank", "dtype"), [("lora", 4, "fp8"), ("kda,norms", 0, "bf16"), ("lora,mhc", 2, "bf16")]
+)
+def test_memory_and_comms_gather_the_same_frozen_and_trainable_bytes(spec, rank, dtype):
+    """The all-gathered layer the memory plan holds equals what comms' FSDP groups gather (up to FSDP2's padding)."""
+    from genoctx.plan.comms import fsdp_groups
+    from genoctx.plan.trainable import param_entries
+
+    tr = check_trainable(spec, rank, dtype)
+    entries = tuple(param_entries(TINY, tr))
+    st = memory._step(TINY, L, SHARD2, True, False, 1, "bf16", "cuda", None)
+    layers = memory._layers(memory.dataclasses.replace(st, tr=tr, entries=entries))
+    groups = fsdp_groups(TINY, SHARD2, "bf16", entries)
+    for i, x in enumerate(layers):
+        gathered = 2 * sum(g["gather_bytes"] for g in groups if g["layer"] == i)  # 2 shards, each a padded piece
+        assert x["block_bytes"] == pytest.approx(gathered, rel=0.01)
+    full = memory._layers(st)
+    assert all(x["dequant"] == 0 for x in full) and (dtype != "fp8" or all(x["dequant"] > 0 for x in layers))
