@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from .data.tokenizer import VOCAB
 from .errors import GenoctxError
 from .model.config import PRESETS, ModelConfig, preset
 from .model.groups import parse_trainable
+from .model.lora import DEFAULT_TARGETS
 
 SECTIONS = ("model", "train", "data", "loss")
 LOGGERS = ("tensorboard", "mlflow")  # train.loggers: where metrics go besides RUN/metrics.jsonl
@@ -98,8 +100,13 @@ class TrainConfig:
     # what trains (issue 44; genoctx.model.groups): "all", or a comma list of the named groups (kda, dsa, indexer,
     # router, experts, shared_experts, dense_mlp, mhc, norms, embed, head) and lora; every other parameter is frozen
     # (requires_grad false: no gradient, no optimizer state) and, with router frozen, so are the MoE routing biases.
-    # lora needs the adapters (genoctx.model.lora), not yet built: a run with it is refused
+    # lora adds the adapters (genoctx.model.lora, train.lora_*) and trains them: in one process for now (issue 44)
     trainable: str = "all"
+    # LoRA (read when train.trainable names lora): the rank r, alpha (scaling alpha / r, PEFT's) and the adapted
+    # projections, a comma list of nn.Linear leaf names and experts.gate_up_proj / experts.down_proj
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: str = ",".join(DEFAULT_TARGETS)
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
@@ -131,6 +138,12 @@ class TrainConfig:
             self.trainable = "all" if self.trainable.strip() == "all" else ",".join(groups)
         except ValueError as e:
             raise RecipeValueError("train.trainable", str(e)) from None
+        names = [t.strip() for t in self.lora_targets.split(",")]
+        bad = [t for t in names if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?", t)]
+        if bad or len(set(names)) != len(names):
+            _bad("train.lora_targets", "must be a comma list of distinct module names (q_proj, experts.down_proj, "
+                 "...), each once", self.lora_targets)  # fmt: skip
+        self.lora_targets = ",".join(names)
         for name, lo, hi, what in _TRAIN_RANGES:
             v = getattr(self, name)
             if v is not None and not ((lo is None or v >= lo) and (hi is None or v < hi)):
@@ -167,6 +180,8 @@ _TRAIN_RANGES = (
     ("cp", 1, None, ">= 1"),
     ("ep", 1, None, ">= 1"),
     ("fsdp", 1, None, ">= 1"),
+    ("lora_rank", 1, None, ">= 1"),
+    ("lora_alpha", 1e-300, None, "> 0"),
 )
 
 # ModelConfig integer fields that may be 0 (every other integer field must be >= 1); ModelConfig checks the rest

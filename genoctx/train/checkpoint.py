@@ -498,10 +498,43 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
 
     recipe = load_recipe_of(ckpt)
     state = read_state(ckpt)
+    if has_lora(recipe):  # a LoRA run's checkpoint holds the adapters: rebuild them (train.lora_*), then load all
+        from ..parallel.build import Zeros
+
+        model = build_model(recipe.model, None, source=Zeros(), device=device)
+        apply_recipe_lora(model, recipe)
+        tensors = read_full_tensors(ckpt) if is_sharded(ckpt) else read_tensors(ckpt / "model.safetensors", device)
+        load_model_tensors(model, tensors, ckpt)
+        return model, recipe, state
     # the one construction path on the mesh of size 1: allocated once, every tensor read (DCP in any layout it was
     # saved in, or model.safetensors), nothing drawn first
     model = build_model(recipe.model, None, source=FromCheckpoint(ckpt), device=device)
     return model, recipe, state
+
+
+def has_lora(recipe: Recipe) -> bool:
+    """Whether ``recipe.train.trainable`` names ``lora`` (its checkpoints then hold the adapters)."""
+    from ..model.groups import LORA, parse_trainable
+
+    return LORA in parse_trainable(recipe.train.trainable)
+
+
+def apply_recipe_lora(model: HybridLM, recipe: Recipe) -> list[str]:
+    """Add the LoRA adapters of ``recipe.train`` (``lora_rank``, ``lora_alpha``, ``lora_targets``) to ``model`` in
+    place (``genoctx.model.lora.apply_lora``), A drawn from a generator seeded with ``train.seed`` (B zero: the
+    model's output is unchanged). Returns the adapted names.
+
+    Raises:
+        GenoctxError: one line naming ``train.lora_targets`` / ``train.lora_rank`` (a target matching nothing, a
+            tied ``lm_head``, a model that already has adapters).
+    """
+    from ..model.lora import apply_lora
+
+    t = recipe.train
+    try:
+        return apply_lora(model, t.lora_rank, t.lora_alpha, t.lora_targets, seed=t.seed)
+    except ValueError as e:
+        raise GenoctxError(f"train.lora_targets {t.lora_targets!r}: {e}") from None
 
 
 def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> dict:

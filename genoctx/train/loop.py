@@ -39,6 +39,7 @@ from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
 from ..model.groups import GROUPS, LORA, group_of, parse_trainable
 from ..model.host import read
+from ..model.lora import is_lora_name
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..model.precision import island
 from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
@@ -48,6 +49,8 @@ from ..progress import bar
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
     CKPT_DIR,
+    apply_recipe_lora,
+    has_lora,
     latest_checkpoint,
     load_training_state,
     read_state,
@@ -120,19 +123,35 @@ def is_indexer_parameter(name: str) -> bool:
     return ".self_attn.indexer." in f".{name}"
 
 
-def check_trainable(spec: str) -> tuple[str, ...]:
+LORA_ONE_PROCESS = "train.trainable: lora runs in one process for now (issue 44)"
+
+
+def check_trainable(spec: str, mesh: bool = False, compile: bool = False) -> tuple[str, ...]:
     """The groups ``train.trainable`` names (``genoctx.model.groups.parse_trainable``), refusing what cannot run yet.
 
+    Args:
+        spec: ``train.trainable``.
+        mesh: the run is distributed (``--num-workers``, EP): LoRA is wired in one process only.
+        compile: ``train.compile`` (the adapters are added after the layers are compiled: not yet).
+
     Raises:
-        GenoctxError: ``lora`` in the list (the adapters, ``genoctx.model.lora``, are not built yet), or a bad spec.
+        GenoctxError: a bad spec; ``lora`` with ``mesh`` (``LORA_ONE_PROCESS``) or with ``compile``.
     """
     try:
         groups = parse_trainable(spec)
     except ValueError as e:
         raise GenoctxError(str(e)) from None
-    if LORA in groups:
-        raise GenoctxError("train.trainable: lora needs the adapters (issue 44), not yet built")
+    if LORA in groups and mesh:
+        raise GenoctxError(LORA_ONE_PROCESS)
+    if LORA in groups and compile:
+        raise GenoctxError("train.trainable: lora with train.compile is not supported yet (issue 44): set "
+                           "train.compile=false")  # fmt: skip
     return groups
+
+
+def group_or_lora(name: str, layer_types) -> str:
+    """``genoctx.model.groups.group_of``, with a LoRA adapter (``genoctx.model.lora.is_lora_name``) in ``lora``."""
+    return LORA if is_lora_name(name) else group_of(name, layer_types)
 
 
 def freeze_untrained(model: HybridLM, spec: str) -> None:
@@ -149,8 +168,11 @@ def freeze_untrained(model: HybridLM, spec: str) -> None:
     groups = check_trainable(spec)
     if groups == GROUPS:
         return
+    names = [n for n, _ in model.named_parameters()]
+    if LORA in groups and not any(is_lora_name(n) for n in names):  # a mesh run, or a caller that forgot apply_lora
+        raise GenoctxError(f"train.trainable {spec}: the model has no LoRA adapters ({LORA_ONE_PROCESS})")
     for name, p in model.named_parameters():
-        if group_of(name, model.cfg.layer_types) not in groups:
+        if group_or_lora(name, model.cfg.layer_types) not in groups:
             p.requires_grad_(False)
     if not any(p.requires_grad for p in model.parameters()):  # e.g. "head" of a tied model: lm_head is embed_tokens
         raise GenoctxError(f"train.trainable {spec}: no parameter of this model is left to train (a tied lm_head is "
@@ -164,7 +186,7 @@ def trainable_counts(model: HybridLM, spec: str) -> dict:
     groups = parse_trainable(spec)
     by_group: dict[str, int] = {}
     for name, p in model.named_parameters():
-        g = group_of(name, model.cfg.layer_types)
+        g = group_or_lora(name, model.cfg.layer_types)
         by_group[g] = by_group.get(g, 0) + p.numel()
     trained = sum(n for g, n in by_group.items() if g in groups)
     return {"trainable": spec, "trainable_parameters": trained, "parameters": sum(by_group.values()),
@@ -470,7 +492,8 @@ def _router_loads_only(model) -> list[dict]:
 
 # what a resume must keep (the run's data order, objective and window start); other train keys may change
 _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"), ("loss", "vocab"),
-                 ("data", "window_start_token"), ("train", "trainable"))  # fmt: skip
+                 ("data", "window_start_token"), ("train", "trainable"), ("train", "lora_rank"),
+                 ("train", "lora_alpha"), ("train", "lora_targets"))  # fmt: skip
 
 
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
@@ -764,6 +787,11 @@ def train_unlocked(
                         offload_activations=cfg.offload_activations)  # fmt: skip
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
+    if has_lora(recipe):  # after the base's weights, before the optimizer; a resume then loads the saved adapters
+        check_trainable(cfg.trainable, compile=cfg.compile)
+        adapted = apply_recipe_lora(model, recipe)
+        log.info("LoRA: rank %d, alpha %g on %d projections (%s)", cfg.lora_rank, cfg.lora_alpha, len(adapted),
+                 cfg.lora_targets)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if cfg.trainable != "all":
         log.info(describe_trainable(trainable_counts(model, cfg.trainable)))
