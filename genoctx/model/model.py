@@ -245,11 +245,13 @@ class HybridLM(nn.Module):
         return read_numbers(out, label="layer_stats")  # every layer's tensors in one host copy (genoctx.model.host)
 
     @torch.no_grad()
-    def update_router_biases(self, read_now: bool = True) -> list[dict]:
+    def update_router_biases(self, read_now: bool = True, update: bool = True) -> list[dict]:
         """Aux-loss-free MoE balancing step (DeepSeek-V3), called after each optimizer step: ``MoE.update_bias`` of
         every MoE layer, its statistics read in one host copy (``read_now``; else left as device tensors for the
-        caller's own combined read, ``genoctx.model.stats.read_numbers``)."""
-        out = [layer.mlp.update_bias(read_now=False) for layer in self.layers if isinstance(layer.mlp, MoE)]
+        caller's own combined read, ``genoctx.model.stats.read_numbers``). ``update=False``: the biases are left as
+        they are (a frozen router), the statistics read and the load counts reset as in a balancing step."""
+        out = [layer.mlp.update_bias(read_now=False, update=update) for layer in self.layers
+               if isinstance(layer.mlp, MoE)]  # fmt: skip
         return read_numbers(out, label="moe_bias") if read_now else out
 
     def num_parameters(self) -> dict:

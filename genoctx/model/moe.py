@@ -346,10 +346,11 @@ class MoE(nn.Module):
             self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
 
     @torch.no_grad()
-    def update_bias(self, read_now: bool = True) -> dict:
+    def update_bias(self, read_now: bool = True, update: bool = True) -> dict:
         """Auxiliary-loss-free balancing step (DeepSeek-V3) on ``gate.e_score_correction_bias``:
         b_e += u · sign(mean load − load_e), from ``load_counts`` (all-reduce it across ranks first), which is
-        then reset. A step with no recorded tokens leaves the bias unchanged.
+        then reset. A step with no recorded tokens leaves the bias unchanged; so does ``update=False`` (a frozen
+        router: the statistics and the reset only).
 
         Returns:
             {"load_max_over_mean": float (0.0 when no tokens), "tokens_per_expert": list[int]}: one host read. With
@@ -358,8 +359,9 @@ class MoE(nn.Module):
         """
         load = self.load_counts.float()
         mean = load.mean()
-        bias = self.gate.e_score_correction_bias
-        bias += (self.bias_rate * torch.sign(mean - load)).to(bias.dtype)
+        if update:
+            bias = self.gate.e_score_correction_bias
+            bias += (self.bias_rate * torch.sign(mean - load)).to(bias.dtype)
         out = {
             "load_max_over_mean": torch.where(mean > 0, load.max() / mean, 0.0),  # no branch on a device value
             "tokens_per_expert": self.load_counts.clone(),

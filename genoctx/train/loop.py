@@ -453,10 +453,8 @@ def train_step(
     # without "router") keeps its biases too, its load statistics still read
     if model.cfg.indexer_stage == "warmup":
         moe = []
-    elif "router" in parse_trainable(cfg.trainable):
-        moe = model.update_router_biases(read_now=False)
     else:
-        moe = _router_loads_only(model)
+        moe = model.update_router_biases(read_now=False, update="router" in parse_trainable(cfg.trainable))
     # the step's one host read: every metric and every MoE layer's load ratio in one copy (genoctx.model.host)
     loss = loss_sum / count.clamp(min=1)  # on the device, in loss_sum's dtype (as loss_sum / max(int(count), 1))
     loss, count, aux, grad_norm, *ratios = read(
@@ -476,18 +474,6 @@ def train_step(
         "deterministic": cfg.deterministic,  # train.deterministic, and what it selected:
         **_kernel_paths(model),
     }
-
-
-@torch.no_grad()
-def _router_loads_only(model) -> list[dict]:
-    """``update_router_biases(read_now=False)``'s statistics (and its reset of the load counts) with every routing bias
-    left bit-identical: the balancing step of a frozen router."""
-    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
-    kept = [b.clone() for b in biases]
-    moe = model.update_router_biases(read_now=False)
-    for b, k in zip(biases, kept, strict=True):
-        b.copy_(k)
-    return moe
 
 
 # what a resume must keep (the run's data order, objective and window start); other train keys may change
