@@ -1435,7 +1435,8 @@ def plan(
     lora_targets: Annotated[
         str | None,
         typer.Option(help="Comma list of LoRA target modules / expert parameters by name suffix (train.lora_targets; "
-                     "default every matmul of the mixers, MLPs and routed experts)."),  # fmt: skip
+                     "default what train adapts: the KDA and MLA projections, dense and shared MLPs, routed "
+                     "experts)."),  # fmt: skip
     ] = None,
 ) -> None:
     """Predict GPU memory per rank of one training step, by component, and its step time, tokens/s, MFU and what

@@ -790,7 +790,7 @@ def plan_memory(
             scales per 128 x 128 block; each layer's dequantized bf16 weights a working set while it runs, counted
             in ``unsharded_params``).
         lora_targets: ``train.lora_targets``: name suffixes of the target modules / expert parameters; None for
-            every matmul of the mixers, MLPs and routed experts.
+            the targets training adapts by default (``genoctx.model.lora.DEFAULT_TARGETS``).
 
     Returns:
         ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "fits": bool, "total_gib": float,

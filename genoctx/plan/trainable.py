@@ -18,12 +18,12 @@ too (no fp32 master to gather).
   experts' ``gate_up_proj`` / ``down_proj``; the router, norms, mHC, convolutions, gates' vectors, the embedding
   and ``lm_head`` stay bf16 (2 bytes) when frozen.
 
-LoRA (``lora_rank`` r > 0, ``lora`` in ``trainable``): one adapter per target (``lora_targets``, default: the same
-matmul weights the fp8 rule names; the routed experts one adapter per expert), ``A [r, in]`` and ``B [out, r]``,
-``r (in + out)`` trainable parameters per target (per expert for experts), held in the target's layer (sharded with
-it: dense dim 0 over ``dp_shard``, experts over EP and the expert shard). Its FLOPs: ``2 r (in + out)`` per token per
-target forward, twice that backward (``genoctx.plan.flops``); its activations: ``x A^T``, ``r`` values per token per
-target (per routed row for experts), in the activation dtype.
+LoRA (``lora_rank`` r > 0, ``lora`` in ``trainable``): one adapter per target (``lora_targets``, default: the targets
+training adapts, ``genoctx.model.lora.DEFAULT_TARGETS``; the routed experts one adapter per expert), ``A [r, in]`` and
+``B [out, r]``, ``r (in + out)`` trainable parameters per target (per expert for experts), held in the target's layer
+(sharded with it: dense dim 0 over ``dp_shard``, experts over EP and the expert shard). Its FLOPs: ``2 r (in + out)``
+per token per target forward, twice that backward (``genoctx.plan.flops``); its activations: ``x A^T``, ``r`` values per
+token per target (per routed row for experts), in the activation dtype.
 
 Not counted: the frozen layers' weight-gradient matmuls that no longer run (the FLOPs stay those of full training:
 an upper bound of step time), the smaller activations autograd may keep for a frozen matmul (an upper bound).
@@ -126,8 +126,12 @@ def _shape(name: str, shape: tuple, ep_kind: bool) -> tuple:
 
 
 def _target(name: str, targets: tuple[str, ...] | None) -> bool:
+    """Whether matmul weight ``name`` gets an adapter: its module's (or expert parameter's) name ends in one of
+    ``targets``, by default ``genoctx.model.lora.DEFAULT_TARGETS`` (what ``apply_lora`` adapts in training)."""
     if targets is None:
-        return True
+        from ..model.lora import DEFAULT_TARGETS
+
+        targets = DEFAULT_TARGETS
     mod = name[: -len(".weight")] if name.endswith(".weight") else name
     return any(mod == t or mod.endswith("." + t) for t in targets)
 

@@ -104,12 +104,19 @@ def test_frozen_weights_shard_as_fsdp2_and_the_plan_reports_them():
 
 
 def test_lora_adds_r_in_plus_out_per_target_one_adapter_per_expert():
+    """The default targets are what training adapts: the adapters ``apply_lora`` builds on the same model, which hold
+    r (in + out) per target, one adapter per expert."""
+    from genoctx.model.lora import apply_lora, is_lora_name
+
     r = 4
-    want = 0
-    for name, p in PARAMS.items():
-        if _matmul(name):
-            per = r * (p.shape[-1] + p.shape[-2])
-            want += per * (p.shape[0] if ".mlp.experts." in name else 1)
+    adapted = HybridLM(TINY, seed=0)
+    targets = apply_lora(adapted, r, 8.0)
+    want = sum(p.numel() for n, p in adapted.named_parameters() if is_lora_name(n))
+    formula = 0
+    for name in targets:
+        p = PARAMS[name if ".mlp.experts." in name else f"{name}.weight"]
+        formula += r * (p.shape[-1] + p.shape[-2]) * (p.shape[0] if ".mlp.experts." in name else 1)
+    assert formula == want
     c = counts(TINY, check_trainable("lora", r, "fp8"))
     assert c["params_lora"] == c["params_trainable"] == want > 0
     assert c["params_frozen"] == sum(p.numel() for p in PARAMS.values())
