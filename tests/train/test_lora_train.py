@@ -4,12 +4,12 @@ adapters from the checkpoint's recipe and export writing the merged model. The m
 ``tests/train/test_trainable.py::test_recipe_key_is_validated_and_canonical``. The adapters' maths (forward and
 gradients equal to the merged formulation) is ``tests/model/test_lora.py``."""
 
-import json
 from contextlib import nullcontext
 
 import pytest
 import torch
 from cli_runner import run_genoctx  # tests/cli_runner.py: tests/ is on sys.path (its conftest.py)
+from test_trainable import resumed_run  # tests/train/ is on sys.path (pytest's rootdir imports)
 
 from genoctx.errors import GenoctxError
 from genoctx.model.config import preset
@@ -18,8 +18,7 @@ from genoctx.model.hf import load_hf
 from genoctx.model.lora import DEFAULT_TARGETS, apply_lora, is_lora_name
 from genoctx.model.model import HybridLM
 from genoctx.recipes import TrainConfig, load_recipe
-from genoctx.train.checkpoint import load_model
-from genoctx.train.loop import build_optimizer, train, train_step, trainable_counts
+from genoctx.train.loop import build_optimizer, train_step, trainable_counts
 
 
 def test_lora_keys_are_validated():
@@ -67,19 +66,9 @@ def test_lora_trains_the_adapters_and_named_groups_alone(spec):
 def test_lora_resume_is_exact_and_eval_and_export_rebuild_the_adapters(prepared, tmp_path):
     over = ["train.seq_len=256", "train.steps=4", "train.checkpoint_every=2", "train.warmup_steps=1",
             "train.keep_checkpoints=0", "train.lr=1e-2", "train.trainable=lora,norms", "train.lora_rank=4"]  # fmt: skip
-    rec = load_recipe("recipes/tiny.yaml", over)
-    train(prepared, rec, tmp_path / "full")
-    train(prepared, rec, tmp_path / "cut", stop_after=2)
-    with pytest.raises(GenoctxError, match="train.lora_rank is 8 but the run was trained with 4"):
-        train(prepared, load_recipe("recipes/tiny.yaml", [*over, "train.lora_rank=8"]), tmp_path / "cut",
-              resume=True)  # fmt: skip
-    assert train(prepared, rec, tmp_path / "cut", resume=True)["resumed_from"] == 2
-    full, cut = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-                 for r in ("full", "cut"))  # fmt: skip
-    assert [r["step"] for r in full] == [1, 2, 3, 4]
-    assert [(r["step"], r["lr"], r["loss"]) for r in cut] == [(r["step"], r["lr"], r["loss"]) for r in full]
-    train(prepared, load_recipe("recipes/tiny.yaml", [*over, "train.steps=0"]), tmp_path / "init")
-    init, a, b = (load_model(tmp_path / r)[0] for r in ("init", "full", "cut"))  # eval's loader: adapters rebuilt
+    # eval's loader (load_model) rebuilds the adapters of each checkpoint
+    rec, init, a, b = resumed_run(prepared, tmp_path, over, "train.lora_rank=8",
+                                  "train.lora_rank is 8 but the run was trained with 4")  # fmt: skip
     b_params, init_params = dict(b.named_parameters()), dict(init.named_parameters())
     assert any(is_lora_name(n) for n in b_params)
     for name, t in a.named_parameters():

@@ -99,23 +99,32 @@ def test_all_freezes_nothing_and_the_line_says_what_trains():
     assert describe_trainable(counts) == "trainable: kda,dsa (12.3M of 313.3B parameters)"
 
 
-def test_resume_of_a_run_with_frozen_groups_is_exact(prepared, tmp_path, caplog):
-    over = ["train.seq_len=256", "train.checkpoint_every=2", "train.warmup_steps=1", "train.keep_checkpoints=0",
-            f"train.trainable={ATTENTION}"]  # fmt: skip
+def resumed_run(prepared, tmp_path, over: list[str], changed: str, refusal: str):
+    """tiny with recipe overrides ``over`` trained whole (``full``), stopped after step 2 (``cut``) and resumed: a
+    resume with ``changed`` (another value of a key the run must keep) is refused with ``refusal``; the resumed run's
+    every step (step, lr, loss) equals the whole run's. Returns the recipe and the models of step 0 (``init``), the
+    whole run and the resumed one."""
     rec = load_recipe("recipes/tiny.yaml", over)
-    with caplog.at_level("INFO", logger="genoctx.train"):
-        train(prepared, rec, tmp_path / "full")
-    assert any(r.getMessage().startswith(f"trainable: {ATTENTION} (") for r in caplog.records)
+    train(prepared, rec, tmp_path / "full")
     train(prepared, rec, tmp_path / "cut", stop_after=2)
-    with pytest.raises(GenoctxError, match="train.trainable is 'experts' but the run was trained with"):
-        train(prepared, load_recipe("recipes/tiny.yaml", [*over, "train.trainable=experts"]), tmp_path / "cut",
-              resume=True)  # fmt: skip
+    with pytest.raises(GenoctxError, match=refusal):
+        train(prepared, load_recipe("recipes/tiny.yaml", [*over, changed]), tmp_path / "cut", resume=True)
     assert train(prepared, rec, tmp_path / "cut", resume=True)["resumed_from"] == 2
     full, cut = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
                  for r in ("full", "cut"))  # fmt: skip
+    assert [r["step"] for r in full] == list(range(1, rec.train.steps + 1)) and rec.train.steps > 2
     assert [(r["step"], r["lr"], r["loss"]) for r in cut] == [(r["step"], r["lr"], r["loss"]) for r in full]
     train(prepared, load_recipe("recipes/tiny.yaml", [*over, "train.steps=0"]), tmp_path / "init")  # step 0's weights
-    init, a, b = (load_model(tmp_path / r)[0] for r in ("init", "full", "cut"))
+    return rec, *(load_model(tmp_path / r)[0] for r in ("init", "full", "cut"))
+
+
+def test_resume_of_a_run_with_frozen_groups_is_exact(prepared, tmp_path, caplog):
+    over = ["train.seq_len=256", "train.checkpoint_every=2", "train.warmup_steps=1", "train.keep_checkpoints=0",
+            f"train.trainable={ATTENTION}"]  # fmt: skip
+    with caplog.at_level("INFO", logger="genoctx.train"):
+        rec, init, a, b = resumed_run(prepared, tmp_path, over, "train.trainable=experts",
+                                      "train.trainable is 'experts' but the run was trained with")  # fmt: skip
+    assert any(r.getMessage().startswith(f"trainable: {ATTENTION} (") for r in caplog.records)
     b_params, init_params = dict(b.named_parameters()), dict(init.named_parameters())
     frozen = 0
     for name, t in a.named_parameters():
