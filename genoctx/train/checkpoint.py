@@ -333,9 +333,9 @@ def partial_record(trainable: str, base: dict | None, resumed: dict | None = Non
         resumed, ckpt: a resume's checkpoint state.json and directory (None for a new run): a partial one's
             recorded base is checked (``check_base``) and returned as recorded; a whole one's: None.
 
-    For a new run from an HF base, its weight files are hashed once here (``base_weights``, into ``base``); from a
-    genoctx checkpoint (``--init RUN``), whose files its own state.json pins, that checkpoint's base is checked in
-    turn when it is partial.
+    For a new run from an HF base, its weight files are hashed once here (``base_weights``, into ``base``); a
+    genoctx checkpoint (``--init RUN``) is pinned by its own state.json's digests, and its base is checked in turn
+    when it is partial (``check_base_chain``, for any ``trainable``).
 
     Raises:
         GenoctxError: a changed or missing base (``check_base``).
@@ -345,14 +345,24 @@ def partial_record(trainable: str, base: dict | None, resumed: dict | None = Non
             return None
         check_base(resumed, Path(ckpt))
         return resumed["init"]
+    check_base_chain(base)
     if base is None or trainable == "all":
         return None
-    if base.get("kind") == "genoctx":
-        path = Path(base["path"])
-        check_base(read_state(path), path)
-    else:
+    if base.get("kind") != "genoctx":
         base["weights"] = base_weights(Path(base["path"]))
     return base
+
+
+def check_base_chain(base: dict | None) -> None:
+    """For a run starting from a genoctx checkpoint (``--init RUN``, ``base`` its record): when that checkpoint is
+    partial, its own base must be the one it recorded (``check_base``); nothing for another base or None.
+
+    Raises:
+        GenoctxError: a changed or missing base of the base (one line naming both).
+    """
+    if base is not None and base.get("kind") == "genoctx":
+        path = Path(base["path"])
+        check_base(read_state(path), path)
 
 
 def base_of(state: dict):

@@ -53,6 +53,7 @@ from .checkpoint import (
     TRAINABLE,
     apply_recipe_lora,
     base_of,
+    check_base_chain,
     has_lora,
     latest_checkpoint,
     load_training_state,
@@ -701,6 +702,7 @@ def train(
     # a bad base or tokenizer: an error before --out is touched; a resumed Hub base at the run's recorded commit
     recipe, base = resolve_init(recipe, Path(out) if resume else None)
     vocab_head(recipe, base)
+    check_base_chain(base)  # --init of a run whose checkpoints hold what trains: its base unchanged
     with output_lock(out, wait=wait, what="train"):
         return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base,
                               allow_batch_change=allow_batch_change)  # fmt: skip
