@@ -241,8 +241,9 @@ def held_names(model: HybridLM, spec: str) -> set[str]:
 def base_weights(path: Path) -> dict[str, dict]:
     """The content digest of an HF base: ``{file name: {"bytes", "xxh3_64"}}`` of each of its weight files
     (``genoctx.model.hf.weight_files``; ``file_digest``). A safetensors header's hash does not change when a value
-    does; this does. Hashed once when a partial run starts (at memory speed: ~2 minutes for GLM-5.3-Flash's ~320 GB
-    of fp8 weights at 3 GB/s) and again by every reader of its checkpoints (``base_problem``).
+    does; this does. Hashed once when a partial run starts (xxh3_64 at memory speed: GLM-5.3-Flash's ~313 GB of fp8
+    weights in ~2 minutes at the 3 GB/s of ``bench/verify.py``, an estimate) and again by every reader of its
+    checkpoints (``base_problem``).
 
     Raises:
         GenoctxError: no weights or an unreadable index (``weight_files``); OSError: a file cannot be read.

@@ -111,6 +111,10 @@ def test_partial_checkpoints_hold_what_trains_and_resume_exactly(prepared, hf_ba
         else:
             assert not torch.equal(t, init.state_dict()[name]), name  # it trained
     assert frozen > 0
+    # --init of a LoRA run is not wired: of a partial one, one line (never the adapters silently dropped)
+    res = _cli("train", "--data", prepared, "--recipe", "recipes/tiny.yaml", "--out", tmp_path / "next", "--init",
+               ckpt, "--steps", 0, "--set", "model.preset=null")  # fmt: skip
+    assert "lora_A, which this model has not (a LoRA run's adapters: export it merged" in _error_line(res)
     for k in ("", "--no-verify"):  # eval of the partial checkpoint: the whole one's numbers
         res = [_cli("eval", "--by-position", "--data", prepared, "--checkpoint", c, "--max-windows", 1,
                     "--resamples", 0, "--format", "json", *([k] if k else [])) for c in (ckpt, whole)]  # fmt: skip
