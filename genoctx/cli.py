@@ -1274,10 +1274,15 @@ def verify(
     written; prints JSON (per checkpoint: path, step, ok, and per file: bytes, expected and actual digest, status
     ok | mismatch | missing | size | unrecorded; seconds and GB hashed).
 
+    A checkpoint that holds only what trains (a run from a base with train.trainable not all) is also checked
+    against its base: the base's weight files are hashed again and compared with the digests the checkpoint
+    recorded (its "base" entry; status "base_changed" when the base changed or is missing).
+
     Exit codes (like sha256sum -c): 0 every file verifies, 1 something is damaged (a file whose size or digest
-    differs, or missing) or incomplete (a checkpoint folder without state.json: status "incomplete"), 2 bad input
-    (no such path, not a checkpoint or run directory). A checkpoint written before digests were recorded has every
-    file "unrecorded": a warning, not a failure.
+    differs, or missing), incomplete (a checkpoint folder without state.json: status "incomplete") or its base
+    changed (status "base_changed": the checkpoint cannot be read as it was written; eval, export and --resume
+    refuse it with exit 2), 2 bad input (no such path, not a checkpoint or run directory). A checkpoint written
+    before digests were recorded has every file "unrecorded": a warning, not a failure.
 
     Examples:
       genoctx verify runs/demo

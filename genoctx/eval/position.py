@@ -37,7 +37,7 @@ import numpy as np
 from ..data.dataset import WindowDataset, load_manifest
 from ..data.tokenizer import VOCAB
 from ..errors import GenoctxError
-from ..train.checkpoint import resolve_checkpoint
+from ..train.checkpoint import check_base, read_state, resolve_checkpoint
 from ..train.integrity import refuse_unverified, run_of
 from .bootstrap import percentile_interval, ratio_samples, resample_weights
 from .copyprobe import REACH_GAIN, SEGMENT, copy_distances, probe_windows, summarize
@@ -334,6 +334,10 @@ def evaluate(
         for given, ck in zip(ckpts_in, ckpts, strict=True):
             if (ck / "state.json").is_file():
                 refuse_unverified(ck, given, run_of(given), "--checkpoint", "evaluate it")
+    if mesh is not None:  # a checkpoint holding only what trains: its base checked here (one process: load_model)
+        for ck in ckpts:
+            if (ck / "state.json").is_file():
+                check_base(read_state(ck), ck)
     if not ckpts and markov is None and reference is None and not models:
         raise GenoctxError("nothing to evaluate: give --checkpoint (one or more), --markov K or --reference repeat")
     ds = WindowDataset(data_dir, split)

@@ -97,9 +97,31 @@ def agree(dims: ParallelDims | None, fn):
     return out
 
 
-def read_checkpoint_slices(path: Path, targets: dict) -> None:
+def partial_base(ckpt: Path):
+    """The base of a genoctx checkpoint that holds only what trains (state.json ``"holds": "trainable"``, its base
+    named by ``init``: ``genoctx.train.checkpoint``): ``FromHF`` or ``FromCheckpoint``; None for a whole one (or a
+    state.json that does not read: the checkpoint's own readers name it). Whether the base is unchanged is checked
+    above this module (``genoctx.train.checkpoint.check_base``), before any rank builds."""
+    import json
+
+    try:
+        state = json.loads((Path(ckpt) / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("holds") != "trainable":
+        return None
+    init = state.get("init") or {}
+    if not init.get("path"):
+        raise GenoctxError(f"{ckpt}/state.json: holds only what trains but names no base (init.path)")
+    return FromCheckpoint(Path(init["path"])) if init.get("kind") == "genoctx" else FromHF(Path(init["path"]))
+
+
+def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False) -> None:
     """A one-process genoctx checkpoint (``model.safetensors``, one-device names): each target's box read with
-    ``get_slice``. Raises ``GenoctxError`` naming the tensor and file when one is missing or misshapen."""
+    ``get_slice``. ``partial``: the file holds only what trains (``partial_base``): the targets it has are read,
+    the others keep their value (the base's), and a tensor the model has no target for (LoRA adapters of a model
+    without them) is an error. Raises ``GenoctxError`` naming the tensor and file when one is missing or
+    misshapen."""
     from safetensors import SafetensorError
 
     from ..model.hf import SliceReader
@@ -108,6 +130,12 @@ def read_checkpoint_slices(path: Path, targets: dict) -> None:
     try:
         h = reader.handle(path)
         keys = set(h.keys())
+        if partial:
+            extra = sorted(keys - set(targets) - {TIED_HEAD})
+            if extra:
+                raise GenoctxError(f"{path}: holds {extra[0]}, which this model has not (a LoRA run's adapters: "
+                                   "export it merged and start from the export)")  # fmt: skip
+            targets = {k: v for k, v in targets.items() if k in keys}
         for name, (local, shape, box) in targets.items():
             if name not in keys:
                 raise GenoctxError(f"{path}: tensor {name} is missing (the checkpoint does not match this model)")
@@ -124,12 +152,23 @@ def read_checkpoint_slices(path: Path, targets: dict) -> None:
         reader.close()
 
 
-def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
-    """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces."""
+def _load_dcp_weights(ckpt: Path, model: nn.Module, dims, partial: bool = False) -> None:
+    """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces; ``partial``:
+    those it holds (``read_checkpoint_slices``)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
     sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
+    if partial:
+        try:
+            keys = {k for k in FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata
+                    if k.startswith("model.")}  # fmt: skip
+        except Exception as e:
+            raise GenoctxError(f"{ckpt}/{DCP_DIR}/.metadata: unreadable ({dcp_error_line(e)})") from None
+        if keys - set(sd):
+            raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds {sorted(keys - set(sd))[0][6:]}, which this model has not")
+        sd = {k: v for k, v in sd.items() if k in keys}
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -183,14 +222,17 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)
+        base = partial_base(ckpt)
+        if base is not None:  # it holds only what trained: its base first (a chain of such runs followed)
+            fill(model, dims, base)
         if is_sharded(ckpt):
-            _load_dcp_weights(ckpt, model, dims)
+            _load_dcp_weights(ckpt, model, dims, partial=base is not None)
         else:
             targets = persistent_targets(model, dims)
             if model.lm_head.weight is model.embed_tokens.weight:
                 targets.pop(TIED_HEAD, None)
-            read_checkpoint_slices(ckpt / "model.safetensors", targets)
-        return {"source": "checkpoint", "path": str(ckpt), "skipped": None}
+            read_checkpoint_slices(ckpt / "model.safetensors", targets, partial=base is not None)
+        return {"source": "checkpoint", "path": str(ckpt), "skipped": None, "base": base and str(base.path)}
     raise TypeError(f"build_model: unknown source {source!r}")
 
 

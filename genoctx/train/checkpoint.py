@@ -24,6 +24,15 @@ readers check them before loading (``genoctx.train.integrity``). ``keep`` prunin
 only the checkpoints up to the one just written: a newer one left by an earlier attempt (one a resume skipped as
 damaged) is never one of the kept N.
 
+A run from a base (``--init``) that trains a subset (``train.trainable`` not ``all``: named groups, LoRA adapters)
+writes partial checkpoints (state.json ``"holds": "trainable"``): ``model.safetensors`` holds only what trains
+(``held_names``: the trained groups' parameters, the adapters, and the persistent buffers of trained groups, e.g. the
+MoE routing biases when the router trains) and ``optimizer.pt`` its AdamW state; the frozen base is not copied but
+named by state.json's ``init`` record (path, kind, sha256 of its config and of state.json for a genoctx base, and
+``weights``: the size and xxh3_64 of every weight file of an HF base, hashed once when the run starts). Every reader
+builds the model from that base, checks the base is the one recorded (``base_problem``; a changed or missing base
+is a one-line ``GenoctxError``), then overlays the checkpoint's tensors strictly (``load_model_tensors(held=...)``).
+
 Tied embeddings (``model.tie_word_embeddings``) are stored once, as ``embed_tokens.weight``, with no
 ``lm_head.weight`` (transformers' convention for tied weights); loading ties them again.
 
@@ -145,7 +154,11 @@ def save_checkpoint(
     final = root / checkpoint_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model_tensors(model).items()}
+        tensors = model_tensors(model)
+        if is_partial(state):  # a run from a base training a subset: only what trains (module docstring)
+            held = held_names(model, recipe.train.trainable)
+            tensors = {k: v for k, v in tensors.items() if k in held}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"genoctx_version": __version__})
         torch.save(
             {
@@ -179,9 +192,197 @@ def model_tensors(model: HybridLM) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_model_tensors(model: HybridLM, tensors: dict[str, torch.Tensor], source: Path) -> None:
+HOLDS, TRAINABLE = "holds", "trainable"  # state.json "holds": "trainable" marks a partial checkpoint
+
+
+def is_partial(state: dict) -> bool:
+    """Whether a checkpoint (its state.json dict) holds only what trains and names its base (module docstring)."""
+    return state.get(HOLDS) == TRAINABLE
+
+
+def held_names(model: HybridLM, spec: str) -> set[str]:
+    """What a partial checkpoint of ``model`` trained with ``train.trainable`` ``spec`` stores: every parameter
+    whose group (``genoctx.model.groups.group_of``; adapters: ``lora``) ``spec`` names, and every persistent buffer
+    whose group it names (the MoE routing bias ``mlp.gate.e_score_correction_bias`` moves with the router and stays
+    with it frozen) or that no group holds (kept: when unsure, store it); never an fp8 holder of a frozen weight
+    (``genoctx.model.fp8.FP8Weight``: part of the base). Keyed on the spec, not on ``requires_grad``, so that a
+    stage freezing more for a while (the indexer warm-up) stores the same names. A tied ``lm_head.weight`` is left
+    out as ``model_tensors`` leaves it out.
+
+    Raises:
+        GenoctxError: a bad ``spec`` (named).
+    """
+    from ..model.fp8 import FP8Weight
+    from ..model.groups import LORA, group_of, parse_trainable
+    from ..model.lora import is_lora_name
+
+    try:
+        groups = set(parse_trainable(spec))
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, FP8Weight)}
+    params = {n for n, _ in model.named_parameters()}
+    out = set()
+    for name in model_tensors(model):
+        if name.rpartition(".")[0] in fp8:
+            continue
+        if is_lora_name(name):
+            group = LORA
+        else:
+            try:
+                group = group_of(name, model.cfg.layer_types)
+            except ValueError:  # a tensor no group holds (a buffer): kept
+                group = None
+        if group in groups or (group is None and name not in params):
+            out.add(name)
+    return out
+
+
+def base_weights(path: Path) -> dict[str, dict]:
+    """The content digest of an HF base: ``{file name: {"bytes", "xxh3_64"}}`` of each of its weight files
+    (``genoctx.model.hf.weight_files``; ``file_digest``). A safetensors header's hash does not change when a value
+    does; this does. Hashed once when a partial run starts (xxh3_64 at memory speed: GLM-5.3-Flash's ~313 GB of fp8
+    weights in ~2 minutes at the 3 GB/s of ``bench/verify.py``, an estimate) and again by every reader of its
+    checkpoints (``base_problem``).
+
+    Raises:
+        GenoctxError: no weights or an unreadable index (``weight_files``); OSError: a file cannot be read.
+    """
+    from ..model.hf import weight_files
+
+    return {f.name: file_digest(f) for f in weight_files(path)}
+
+
+def base_problem(state: dict, ckpt: Path) -> str | None:
+    """The one-line problem of a partial checkpoint's base (``is_partial``), or None when it is the base recorded
+    (a full checkpoint: None, it needs no base). State.json's ``init`` names the base:
+
+    - an HF directory (``kind`` ``hf``): its weight files' sizes and xxh3_64 (``weights``, ``base_weights``) and
+      the sha256 of its config.json (``files``) recomputed and compared;
+    - a genoctx checkpoint (``kind`` ``genoctx``, a ``--init RUN``): the sha256 of its state.json (``files``), and
+      its weights and recipe against the digests that state.json records; a partial one's own base in turn.
+
+    Args:
+        state: the checkpoint's state.json dict; ckpt: its directory (named in the line).
+    """
+    import hashlib
+
+    if not is_partial(state):
+        return None
+    init = state.get("init") if isinstance(state.get("init"), dict) else {}
+    path = Path(str(init.get("path")))
+    head = f"{ckpt}: its base {path}"
+    if not init.get("path") or not path.is_dir():
+        return f"{head} is missing (the checkpoint holds only what trains: restore the base at that path)"
+    files = init.get("files") or {}
+    kind = init.get("kind")
+    small = ["config.json"] if kind == "hf" else ["state.json"]
+    for name in small:
+        want = files.get(name)
+        f = path / name
+        if want is None:
+            continue
+        got = hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
+        if got != want:
+            return f"{head} changed since the run started: {name} sha256 {got} on disk, {want} recorded in state.json"
+    if kind == "hf":
+        want = init.get("weights")
+        if not isinstance(want, dict) or not want:
+            return f"{head}: no weight digests recorded in state.json (init.weights): cannot tell it is unchanged"
+        try:
+            got = base_weights(path)
+        except (GenoctxError, OSError) as e:
+            return f"{head} is unreadable ({_first_line(e)})"
+        for name in sorted(set(want) | set(got)):
+            w, g = want.get(name), got.get(name)
+            if w != g:
+                what = (f"{ALGO} {g[ALGO]} ({g['bytes']} bytes) on disk, {w[ALGO]} ({w['bytes']} bytes) recorded"
+                        if w and g else "not on disk" if w else "not recorded")  # fmt: skip
+                return f"{head} changed since the run started: {name} {what} in {ckpt / 'state.json'}"
+        return None
+    try:  # a genoctx checkpoint: its recorded digests (pinned by the sha256 of its state.json above)
+        base_state = read_state(path)
+    except GenoctxError as e:
+        return f"{head} is unreadable ({e})"
+    recorded = base_state.get(FILES_KEY) or {}
+    for name in sorted(n for n in recorded if n not in ("optimizer.pt", "scheduler.json")):
+        f = path / name
+        got = file_digest(f) if f.is_file() else None
+        if got is None or got.get(ALGO) != recorded[name].get(ALGO) or got["bytes"] != recorded[name].get("bytes"):
+            return f"{head} changed since the run started: {name} differs from the digest its state.json records"
+    return base_problem(base_state, path)
+
+
+def check_base(state: dict, ckpt: Path) -> None:
+    """Refuse to load a partial checkpoint whose base changed or is missing (``base_problem``).
+
+    Raises:
+        GenoctxError: one line naming the checkpoint, the base path and what differs.
+    """
+    bad = base_problem(state, ckpt)
+    if bad is not None:
+        raise GenoctxError(bad)
+
+
+def partial_record(trainable: str, base: dict | None, resumed: dict | None = None,
+                   ckpt: Path | None = None) -> dict | None:  # fmt: skip
+    """The base record (state.json ``init``) of a run whose checkpoints hold only what trains, or None when they
+    hold everything: a run from scratch (no base to name), or ``train.trainable: all``.
+
+    Args:
+        trainable: ``train.trainable``; base: the run's base record (``genoctx.train.init.resolve_init``) or None.
+        resumed, ckpt: a resume's checkpoint state.json and directory (None for a new run): a partial one's
+            recorded base is checked (``check_base``) and returned as recorded; a whole one's: None.
+
+    For a new run from an HF base, its weight files are hashed once here (``base_weights``, into ``base``); a
+    genoctx checkpoint (``--init RUN``) is pinned by its own state.json's digests, and its base is checked in turn
+    when it is partial (``check_base_chain``, for any ``trainable``).
+
+    Raises:
+        GenoctxError: a changed or missing base (``check_base``).
+    """
+    if resumed is not None:
+        if not is_partial(resumed):
+            return None
+        check_base(resumed, Path(ckpt))
+        return resumed["init"]
+    check_base_chain(base)
+    if base is None or trainable == "all":
+        return None
+    if base.get("kind") != "genoctx":
+        base["weights"] = base_weights(Path(base["path"]))
+    return base
+
+
+def check_base_chain(base: dict | None) -> None:
+    """For a run starting from a genoctx checkpoint (``--init RUN``, ``base`` its record): when that checkpoint is
+    partial, its own base must be the one it recorded (``check_base``); nothing for another base or None.
+
+    Raises:
+        GenoctxError: a changed or missing base of the base (one line naming both).
+    """
+    if base is not None and base.get("kind") == "genoctx":
+        path = Path(base["path"])
+        check_base(read_state(path), path)
+
+
+def base_of(state: dict):
+    """Where a partial checkpoint's base is read from (``genoctx.parallel.build``'s ``FromHF`` or
+    ``FromCheckpoint``, which follows a partial base's own base), from its state.json ``init``."""
+    from ..parallel.build import FromCheckpoint, FromHF
+
+    init = state["init"]
+    return FromCheckpoint(Path(init["path"])) if init.get("kind") == "genoctx" else FromHF(Path(init["path"]))
+
+
+def load_model_tensors(model: HybridLM, tensors: dict[str, torch.Tensor], source: Path,
+                       held: set[str] | None = None) -> None:  # fmt: skip
     """Load ``tensors`` (as ``model_tensors`` wrote them) into ``model`` strictly; a tied model gets its head from
     the embedding (and stays tied).
+
+    Args:
+        held: for a partial checkpoint (``is_partial``), the names it must hold (``held_names``): exactly those are
+            loaded and every other tensor keeps the value the base filled in. None: every tensor of the model.
 
     Raises:
         GenoctxError: missing, unexpected or misshapen tensors, named with ``source``.
@@ -189,7 +390,12 @@ def load_model_tensors(model: HybridLM, tensors: dict[str, torch.Tensor], source
     tied = model.lm_head.weight is model.embed_tokens.weight
     if tied and TIED_HEAD not in tensors and "embed_tokens.weight" in tensors:
         tensors = {**tensors, TIED_HEAD: tensors["embed_tokens.weight"]}
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a shape that differs
+        raise GenoctxError(f"{source} does not match its recipe's model ({_first_line(e)})") from None
+    if held is not None:
+        missing = sorted(held - set(tensors) - ({TIED_HEAD} if tied else set()))
     if missing or unexpected:
         raise GenoctxError(
             f"{source} does not match its recipe's model: missing {missing[:3]}, unexpected {unexpected[:3]}"
@@ -486,10 +692,13 @@ def load_recipe_of(ckpt: Path) -> Recipe:
 
 def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[HybridLM, Recipe, dict]:
     """Load (model, recipe, state) from a genoctx checkpoint or run directory (an HF model directory is read
-    with ``genoctx.model.load_hf`` instead: it has no recipe or training state).
+    with ``genoctx.model.load_hf`` instead: it has no recipe or training state). The model is whole (a LoRA run's
+    with its adapters); a partial checkpoint's (``is_partial``) is built from its recorded base, checked first
+    (``check_base``), with the checkpoint's tensors over it.
 
     Raises:
-        GenoctxError: missing or unreadable checkpoint files, or an HF model directory.
+        GenoctxError: missing or unreadable checkpoint files, an HF model directory, or a partial checkpoint whose
+            base changed or is missing (one line naming both).
     """
     ckpt = resolve_checkpoint(ckpt)
     if not (ckpt / "state.json").is_file():
@@ -498,6 +707,14 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
 
     recipe = load_recipe_of(ckpt)
     state = read_state(ckpt)
+    if is_partial(state):  # only what trains: the base the run started from, checked, then the checkpoint over it
+        check_base(state, ckpt)
+        model = build_model(recipe.model, None, source=base_of(state), device=device)
+        if has_lora(recipe):
+            apply_recipe_lora(model, recipe)
+        tensors = read_full_tensors(ckpt) if is_sharded(ckpt) else read_tensors(ckpt / "model.safetensors", device)
+        load_model_tensors(model, tensors, ckpt, held=held_names(model, recipe.train.trainable))
+        return model, recipe, state
     if has_lora(recipe):  # a LoRA run's checkpoint holds the adapters: rebuild them (train.lora_*), then load all
         from ..parallel.build import Zeros
 
@@ -538,19 +755,25 @@ def apply_recipe_lora(model: HybridLM, recipe: Recipe) -> list[str]:
 
 
 def load_training_state(ckpt: Path, model: HybridLM, optimizer, scheduler) -> dict:
-    """Restore model, optimizer and schedule in place from ``ckpt``; returns its state.json dict.
+    """Restore model, optimizer and schedule in place from ``ckpt``; returns its state.json dict. For a partial
+    checkpoint (``is_partial``) ``model`` must have been built from its base (``base_of``): the base is checked
+    (``check_base``) and only what trains is loaded over it.
 
     Raises:
         GenoctxError: an unreadable or mismatching file (named), or an optimizer state that needs code to load.
     """
     ckpt = Path(ckpt)
     state = read_state(ckpt)
+    held = None
+    if is_partial(state):  # the model holds its base already (built from base_of(state)): what trains over it
+        check_base(state, ckpt)
+        held = held_names(model, load_recipe_of(ckpt).train.trainable)
     if is_sharded(ckpt):  # saved by a distributed run in any layout: whole tensors in this one process
-        load_model_tensors(model, read_full_tensors(ckpt), ckpt / "dcp")
+        load_model_tensors(model, read_full_tensors(ckpt), ckpt / "dcp", held=held)
         load_full_optimizer(ckpt, model, optimizer, scheduler)
         return state
     opt = read_optimizer(ckpt / "optimizer.pt")
-    load_model_tensors(model, read_tensors(ckpt / "model.safetensors"), ckpt / "model.safetensors")
+    load_model_tensors(model, read_tensors(ckpt / "model.safetensors"), ckpt / "model.safetensors", held=held)
     try:
         if optimizer is not None and opt["optimizer"] is not None:
             optimizer.load_state_dict(opt["optimizer"])

@@ -512,7 +512,7 @@ def train_distributed(
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
             max_failures, placement_timeout, allow_batch_change, seq_len, plan=None):  # fmt: skip
-    from .checkpoint import latest_checkpoint, validate_checkpoint
+    from .checkpoint import check_base_chain, is_partial, latest_checkpoint, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
     from .init import describe, vocab_head
@@ -527,11 +527,16 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
     if resume and latest is not None:
         latest = _readable_checkpoint(out, recipe.train.verify_checkpoints)
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
+        if is_partial(state):  # (a mesh run writes whole checkpoints: genoctx.train.checkpoint.partial_record)
+            raise GenoctxError(f"--resume: {latest} holds only what trains (a one-process run from a base): resume "
+                               "it in one process (without --num-workers)")  # fmt: skip
         check_resume(recipe, latest, state, base)
         per_rank = recipe.train.batch_size * seq_len  # tokens per data rank per step (seq_len: the crop or window)
         change = check_global_batch(latest, state, layout.dp, per_rank, allow_batch_change)
     if resume:
         warn_newer_incomplete(out, latest)
+    if state is None:
+        check_base_chain(base)  # --init of a partial run: its own base unchanged (the ranks read it)
     extra = describe(base, vocab_head(recipe, base, state))
     if state is not None and state.get("init") and base is None:
         extra["init"] = state["init"]

@@ -45,9 +45,11 @@ from .checkpoint import (
     ALGO,
     CKPT_DIR,
     FILES_KEY,
+    base_problem,
     file_digest,
     incomplete_checkpoints,
     incomplete_line,
+    is_partial,
     list_checkpoints,
     read_state,
     step_of,
@@ -308,8 +310,10 @@ def verify_path(path: str | Path) -> dict:
 
     Returns:
         ``{"path", "ok", "checkpoints": [reports, by step], "seconds", "gb_hashed"}`` (``gb_hashed`` in 10^9 bytes;
-        ``ok``: no checkpoint damaged or incomplete). A report is ``check_checkpoint``'s with ``status`` ``ok`` or
-        ``damaged``, or ``incomplete_report``'s (``status`` ``incomplete``).
+        ``ok``: no checkpoint damaged or incomplete, no base changed). A report is ``check_checkpoint``'s with
+        ``status`` ``ok``, ``damaged`` or ``base_changed`` (a partial checkpoint, which holds only what trains,
+        whose base differs from the one it records, or is missing: its ``base`` entry, ``_base_report``), or
+        ``incomplete_report``'s (``status`` ``incomplete``).
 
     Raises:
         GenoctxError: no such path, or neither a checkpoint (``state.json``, or a ``checkpoints/step_N`` folder
@@ -328,9 +332,15 @@ def verify_path(path: str | Path) -> dict:
         raise GenoctxError(f"{p}: not a checkpoint (no state.json) nor a run directory with {CKPT_DIR}/step_*/")
     t0 = time.perf_counter()
     reports = [check_checkpoint(c) for c in ckpts]
-    for r in reports:
+    bases: dict[str, dict] = {}  # the checkpoints of a run share their base: checked once
+    for c, r in zip(ckpts, reports, strict=True):
         warn_unrecorded(r)
         r["status"] = "ok" if r["ok"] else "damaged"
+        base = _base_report(c, bases)
+        if base is not None:
+            r["base"] = base
+            if base["status"] != "ok" and r["ok"]:
+                r.update(ok=False, status="base_changed", error=base["error"])
     reports = sorted(reports + [incomplete_report(c) for c in partial], key=_order)
     return {
         "path": str(p),
@@ -339,6 +349,31 @@ def verify_path(path: str | Path) -> dict:
         "seconds": round(time.perf_counter() - t0, 3),
         "gb_hashed": round(sum(r["bytes_hashed"] for r in reports) / 1e9, 6),
     }
+
+
+def _base_report(ckpt: Path, seen: dict[str, dict]) -> dict | None:
+    """``verify``'s ``base`` entry of a partial checkpoint (``genoctx.train.checkpoint.is_partial``): ``{"path",
+    "kind", "status": "ok" | "changed", "error"}`` (``base_problem``: the base recomputed against the digest the
+    checkpoint records); None for a whole checkpoint or an unreadable state.json (reported already). ``seen``
+    caches the verdict by the base record, so a run's checkpoints hash their base once."""
+    import json
+
+    try:
+        state = read_state(ckpt)
+    except GenoctxError:
+        return None
+    if not is_partial(state):
+        return None
+    init = state.get("init") or {}
+    key = json.dumps(init, sort_keys=True)
+    if key not in seen:
+        err = base_problem(state, ckpt)  # "<ckpt>: its base ...": kept without the checkpoint, named below
+        seen[key] = {"path": init.get("path"), "kind": init.get("kind"), "status": "ok" if err is None else "changed",
+                     "error": None if err is None else err[len(f"{ckpt}: ") :]}  # fmt: skip
+    out = dict(seen[key])
+    if out["error"] is not None:
+        out["error"] = f"{ckpt}: {out['error']}"
+    return out
 
 
 def resume_choice(run: Path, dims=None) -> tuple[Path | None, list[tuple[Path, str]]]:

@@ -49,10 +49,15 @@ from ..progress import bar
 from ..recipes import Recipe, TrainConfig
 from .checkpoint import (
     CKPT_DIR,
+    HOLDS,
+    TRAINABLE,
     apply_recipe_lora,
+    base_of,
+    check_base_chain,
     has_lora,
     latest_checkpoint,
     load_training_state,
+    partial_record,
     read_state,
     remove_partial_checkpoints,
     save_checkpoint,
@@ -697,6 +702,7 @@ def train(
     # a bad base or tokenizer: an error before --out is touched; a resumed Hub base at the run's recorded commit
     recipe, base = resolve_init(recipe, Path(out) if resume else None)
     vocab_head(recipe, base)
+    check_base_chain(base)  # --init of a run whose checkpoints hold what trains: its base unchanged
     with output_lock(out, wait=wait, what="train"):
         return train_unlocked(data_dir, recipe, out, resume=resume, device=device, stop_after=stop_after, base=base,
                               allow_batch_change=allow_batch_change)  # fmt: skip
@@ -765,7 +771,12 @@ def train_unlocked(
         refuse_unverified(Path(base["path"]), base["source"], run_of(base["source"]), "--init", "start from it")
     from ..parallel.build import Fresh, Zeros, build_model
 
-    source = Zeros() if resuming else base_source(base) if base is not None else Fresh()
+    # a run from a base training a subset: checkpoints hold what trains and name the base (checked when resumed)
+    partial = partial_record(cfg.trainable, base, saved if resuming else None, latest)
+    if resuming:
+        source = base_of({"init": partial}) if partial is not None else Zeros()
+    else:
+        source = base_source(base) if base is not None else Fresh()
     # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile);
     # train.activation_checkpointing / offload_activations: each layer recomputed, its input kept in host memory
     model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile,
@@ -790,6 +801,8 @@ def train_unlocked(
     if resuming and state.get("init") and base is None:
         extra["init"] = state["init"]  # keep the record of where the run started
     carry_batch_changes(extra, state, change)
+    if partial is not None:
+        extra.update({"init": partial, HOLDS: TRAINABLE})
     if head is not None:
         log.info("token map %s (window start %r), loss over the %s vocabulary", head.token_map.ids[:5],
                  head.token_map.window_start_token, head.vocab)  # fmt: skip
