@@ -116,12 +116,57 @@ def partial_base(ckpt: Path):
     return FromCheckpoint(Path(init["path"])) if init.get("kind") == "genoctx" else FromHF(Path(init["path"]))
 
 
-def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False) -> None:
+def _adapters_to_merge(keys: set, targets: dict) -> dict[str, tuple[str, str]]:
+    """The LoRA adapters a checkpoint file holds (``keys``) that the model being filled (``targets``) has not: ``{base
+    weight name: (A name, B name)}`` (``q_proj.weight`` <- ``q_proj.lora_A``/``lora_B``, ``experts.gate_up_proj`` <-
+    ``experts.gate_up_proj_lora_A``/``_lora_B``; ``genoctx.model.lora``) for every weight the model has."""
+    out = {}
+    for k in keys:
+        if k.endswith("lora_A") and k not in targets:
+            stem = k[: -len("lora_A")]
+            base = stem + "weight" if stem.endswith(".") else stem.rstrip("_")
+            if base in targets and stem + "lora_B" in keys:
+                out[base] = (k, stem + "lora_B")
+    return out
+
+
+def _a_box(box: tuple) -> tuple:
+    """The box of A (``[r, in]`` or ``[E, r, in]``) that a weight box (``[out, in]`` / ``[E, out, in]``) needs."""
+    return (slice(None), box[-1]) if len(box) == 2 else (box[0], slice(None), box[2])
+
+
+def _b_box(box: tuple) -> tuple:
+    """The box of B (``[out, r]`` or ``[E, out, r]``) that a weight box needs."""
+    return (box[0], slice(None)) if len(box) == 2 else (box[0], box[1], slice(None))
+
+
+@torch.no_grad()
+def _merge_adapter_box(local: torch.Tensor, box: tuple, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+    """``local`` (a box of W, [out, in] or [E, out, in]) += ``scale · B A`` over that box, as
+    ``genoctx.model.lora.merge_lora`` does it (W's dtype promoted to fp32, the sum rounded once to W's dtype)."""
+    ct = torch.promote_types(local.dtype, torch.float32)
+    delta = (b.to(ct) @ a.to(ct)) * scale
+    local.copy_((local.to(ct) + delta.to(local.device)).to(local.dtype))
+
+
+def _lora_scale(ckpt: Path) -> float:
+    """``train.lora_alpha / train.lora_rank`` of a checkpoint's recipe.yaml (1.0 when it has no LoRA keys)."""
+    import yaml
+
+    try:
+        t = (yaml.safe_load((Path(ckpt) / "recipe.yaml").read_text()) or {}).get("train") or {}
+    except (OSError, yaml.YAMLError):
+        return 1.0
+    return float(t.get("lora_alpha", 32.0)) / int(t.get("lora_rank", 16) or 1)
+
+
+def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False, lora_scale: float = 1.0) -> None:
     """A one-process genoctx checkpoint (``model.safetensors``, one-device names): each target's box read with
     ``get_slice``. ``partial``: the file holds only what trains (``partial_base``): the targets it has are read,
-    the others keep their value (the base's), and a tensor the model has no target for (LoRA adapters of a model
-    without them) is an error. Raises ``GenoctxError`` naming the tensor and file when one is missing or
-    misshapen."""
+    the others keep their value (the base's), and a tensor the model has no target for is an error. LoRA adapters
+    the model has not (``--init`` of a LoRA run into a model without them) are merged into their weights' boxes,
+    ``W + lora_scale · B A`` as ``genoctx.model.lora.merge_lora`` (the run's recipe: ``lora_alpha / lora_rank``).
+    Raises ``GenoctxError`` naming the tensor and file when one is missing or misshapen."""
     from safetensors import SafetensorError
 
     from ..model.hf import SliceReader
@@ -130,11 +175,12 @@ def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False) -> 
     try:
         h = reader.handle(path)
         keys = set(h.keys())
+        adapters = _adapters_to_merge(keys, targets)
+        extra = sorted(keys - set(targets) - {TIED_HEAD} - {n for pair in adapters.values() for n in pair})
+        if partial and extra:
+            raise GenoctxError(f"{path}: holds {extra[0]}, which this model has not")
+        merged = {k: targets[k] for k in adapters}
         if partial:
-            extra = sorted(keys - set(targets) - {TIED_HEAD})
-            if extra:
-                raise GenoctxError(f"{path}: holds {extra[0]}, which this model has not (a LoRA run's adapters: "
-                                   "export it merged and start from the export)")  # fmt: skip
             targets = {k: v for k, v in targets.items() if k in keys}
         for name, (local, shape, box) in targets.items():
             if name not in keys:
@@ -145,6 +191,11 @@ def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False) -> 
             if local.numel():
                 with torch.no_grad():
                     local.copy_(reader.read(path, name, box))
+        for name, (a_name, b_name) in adapters.items():  # a LoRA run's adapters onto weights (read or the base's)
+            local, shape, box = merged[name]
+            if local.numel():
+                _merge_adapter_box(local, box, reader.read(path, a_name, _a_box(box)),
+                                   reader.read(path, b_name, _b_box(box)), lora_scale)  # fmt: skip
     except (SafetensorError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GenoctxError(f"{path}: not a readable safetensors file ({first})") from None
@@ -169,6 +220,15 @@ def _load_dcp_weights(ckpt: Path, model: nn.Module, dims, partial: bool = False)
         if keys - set(sd):
             raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds {sorted(keys - set(sd))[0][6:]}, which this model has not")
         sd = {k: v for k, v in sd.items() if k in keys}
+    else:
+        try:
+            keys = set(FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata)
+        except Exception:
+            keys = set()  # dcp.load below names what is unreadable
+    lora = sorted(k[6:] for k in keys if k.startswith("model.") and k not in sd and k.endswith(("lora_A", "lora_B")))
+    if lora:  # a distributed LoRA run's adapters: merging boxes of DCP tensors is not built; never drop them
+        raise GenoctxError(f"{ckpt}: a LoRA run's distributed checkpoint (adapters such as {lora[0]}): start from it "
+                           "with `genoctx export --merge` of it, then --init the export")  # fmt: skip
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -231,7 +291,8 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
             targets = persistent_targets(model, dims)
             if model.lm_head.weight is model.embed_tokens.weight:
                 targets.pop(TIED_HEAD, None)
-            read_checkpoint_slices(ckpt / "model.safetensors", targets, partial=base is not None)
+            read_checkpoint_slices(ckpt / "model.safetensors", targets, partial=base is not None,
+                                   lora_scale=_lora_scale(ckpt))  # fmt: skip
         return {"source": "checkpoint", "path": str(ckpt), "skipped": None, "base": base and str(base.path)}
     raise TypeError(f"build_model: unknown source {source!r}")
 
