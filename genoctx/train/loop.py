@@ -59,6 +59,7 @@ from .checkpoint import (
 )
 from .chunked import chunked_forward_backward
 from .faults import maybe_kill
+from .frozen import check_frozen_dtype, describe_fp8, frozen_fp8
 from .init import base_source, describe, resolve_init, vocab_head
 from .integrity import refuse_unverified, resume_choice, run_of, set_aside, skip_line
 from .metrics import MetricsLog, check_loggers
@@ -479,7 +480,7 @@ def train_step(
 # what a resume must keep (the run's data order, objective and window start); other train keys may change
 _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"), ("loss", "vocab"),
                  ("data", "window_start_token"), ("train", "trainable"), ("train", "lora_rank"),
-                 ("train", "lora_alpha"), ("train", "lora_targets"))  # fmt: skip
+                 ("train", "lora_alpha"), ("train", "lora_targets"), ("train", "frozen_dtype"))  # fmt: skip
 
 
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
@@ -766,11 +767,16 @@ def train_unlocked(
     from ..parallel.build import Fresh, Zeros, build_model
 
     source = Zeros() if resuming else base_source(base) if base is not None else Fresh()
+    check_frozen_dtype(cfg, mesh=False)
+    fp8 = frozen_fp8(cfg, recipe.model, base, saved if resuming else None)  # train.frozen_dtype (genoctx.train.frozen)
     # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile);
     # train.activation_checkpointing / offload_activations: each layer recomputed, its input kept in host memory
     model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile,
                         activation_checkpointing=cfg.activation_checkpointing,
-                        offload_activations=cfg.offload_activations)  # fmt: skip
+                        offload_activations=cfg.offload_activations, frozen_fp8=fp8)  # fmt: skip
+    if fp8 is not None:
+        log.info("frozen matmul weights in fp8: %d (%d quantized at load), %s blocks", len(fp8.names),
+                 model.build_info["fp8"]["quantized"], "x".join(map(str, fp8.block)))  # fmt: skip
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
     if has_lora(recipe):  # after the base's weights, before the optimizer; a resume then loads the saved adapters
@@ -786,7 +792,7 @@ def train_unlocked(
         start, loaded = int(state["step"]), latest
         log.info("resuming from %s (step %d)", latest, start)
     head = vocab_head(recipe, base, state)
-    extra = describe(base, head)
+    extra = {**describe(base, head), **describe_fp8(fp8)}
     if resuming and state.get("init") and base is None:
         extra["init"] = state["init"]  # keep the record of where the run started
     carry_batch_changes(extra, state, change)
