@@ -143,6 +143,9 @@ class TrainConfig:
             self.trainable = "all" if self.trainable.strip() == "all" else ",".join(groups)
         except ValueError as e:
             raise RecipeValueError("train.trainable", str(e)) from None
+        if self.frozen_dtype == "fp8" and self.trainable == "all":  # nothing frozen: nothing to hold in fp8
+            why = "train.trainable is all (nothing is frozen): name what trains, or use bf16"
+            raise RecipeValueError("train.frozen_dtype", f"train.frozen_dtype: fp8 holds frozen weights, but {why}")
         names = [t.strip() for t in self.lora_targets.split(",")]
         bad = [t for t in names if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?", t)]
         if bad or len(set(names)) != len(names):

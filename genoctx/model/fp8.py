@@ -369,11 +369,13 @@ def unfreeze_fp8(model: nn.Module) -> int:
     n = 0
     for owner in list(model.modules()):
         names = [k[: -len(SUFFIX)] for k, m in owner._modules.items() if isinstance(m, FP8Weight)]
+        if not names:
+            continue
+        owner.__dict__.pop("_fp8_scope", None)
+        if "_fp8_base" in type(owner).__dict__:  # its own class back first: the properties would shadow the parameters
+            owner.__class__ = type(owner)._fp8_base
         for name in names:
             h = owner._modules.pop(name + SUFFIX)
-            owner.__dict__.pop("_fp8_scope", None)
             owner.register_parameter(name, nn.Parameter(h.dequantize(), requires_grad=False))
             n += 1
-        if names and "_fp8_base" in type(owner).__dict__:
-            owner.__class__ = type(owner)._fp8_base
     return n
