@@ -16,12 +16,13 @@ The published GLM-5.3-Flash checkpoint stores its projection weights as ``float8
   submodule ``<owner>.<name>_fp8``; ``<owner>.<name>`` stays readable as a property that dequantizes, so a layer's
   own code (``F.linear(x, self.weight)``, ``self.gate_up_proj[e]``) runs unchanged. The owner's class is replaced
   by a subclass made for it (as ``torch.nn.utils.parametrize`` does), whose ``forward`` dequantizes each held
-  weight at most once per call (the experts' loop reads ``gate_up_proj[e]`` once per expert) and drops it on
-  return: only the layer that runs has a dequantized weight, and under activation checkpointing the recompute
-  dequantizes again. ``nn.Linear`` owners compute through ``fp8_linear``, an autograd function that saves the fp8
-  tensor and its scale (not the dequantized weight) and dequantizes again in backward, so that even without
-  checkpointing no dequantized weight waits for the backward. Other owners (the experts) save what their ops save
-  until backward; ``MoE`` recomputes each token chunk by default, which keeps that to one chunk.
+  weight it reads at most once per call and drops it on return: only the layer that runs has a dequantized weight,
+  and under activation checkpointing the recompute dequantizes again. ``nn.Linear`` owners (``LoRALinear`` too)
+  compute through ``fp8_linear``, an autograd function that saves the fp8 tensor and its scale (not the dequantized
+  weight) and dequantizes again in backward, so that even without checkpointing no dequantized weight waits for the
+  backward. The routed experts read one expert at a time (``Experts.expert_weight``: ``holder[e]``, an
+  ``FP8View`` of that expert's bytes and scale blocks) through ``fp8_linear`` too: never the ``[E, ...]`` stack.
+  ``unfreeze_fp8`` turns holders back into plain (dequantized) parameters, for an export.
 - ``genoctx.model.hf.load_hf(..., keep_fp8=True)`` fills holders straight from a checkpoint's fp8 tensors and
   scales (``fp8_targets``), never dequantizing the whole model.
 

@@ -990,7 +990,8 @@ def save_hf(
             in bytes, ``weight_map``).
         force: replace a non-empty ``out_dir`` (default: refuse).
         dtype: stored dtype of the model's tensors (None: as held); the fp32 islands (``FP32_PARAMETERS``) are never
-            below fp32, as ``save_pretrained`` stores them. Carried tensors keep theirs.
+            below fp32, as ``save_pretrained`` stores them. Carried tensors keep theirs. Weights the model holds
+            in fp8 (``train.frozen_dtype: fp8``) are dequantized first, in place (``fp8.unfreeze_fp8``).
         wait: if another genoctx process writes ``out_dir``, wait for it (default: raise).
 
     Returns:

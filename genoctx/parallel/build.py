@@ -295,10 +295,12 @@ def build_model(
                 if b is not None:
                     m._buffers[n] = b.to(device)
     model.build_info = agree(dims, lambda: fill(model, dims, source))
-    if quantize_after:
+    if quantize_after:  # (named as on the plain model: activation checkpointing has wrapped the layers since)
         from ..model.fp8 import freeze_to_fp8
 
-        freeze_to_fp8(model, quantize_after, frozen_fp8.block)
+        rest = set(quantize_after)
+        plain = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
+        freeze_to_fp8(model, lambda n, p: plain(n) in rest, frozen_fp8.block)
     if frozen_fp8 is not None:
         model.build_info["fp8"] = {"held": len(frozen_fp8.names), "quantized": len(quantize_after),
                                    "block": list(frozen_fp8.block)}  # fmt: skip

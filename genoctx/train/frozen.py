@@ -20,6 +20,9 @@ One process only for now: FSDP2 shards parameters, not the holders' buffers, and
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from ..errors import GenoctxError
@@ -83,11 +86,7 @@ def frozen_fp8(cfg: TrainConfig, model_cfg: ModelConfig, base: dict | None = Non
                            "(nothing to hold in fp8): freeze some groups, or set train.frozen_dtype=bf16")  # fmt: skip
     block = DEFAULT_BLOCK
     if state is None and base is not None and base.get("kind") == "genoctx":  # --init RUN: its holders' blocks
-        from pathlib import Path
-
-        from .checkpoint import read_state
-
-        state = read_state(Path(base["path"]))
+        state = _state_of(Path(base["path"]))
     recorded = (state or {}).get(STATE_KEY) or {}
     if recorded.get("block"):
         block = tuple(int(b) for b in recorded["block"])
@@ -103,3 +102,12 @@ def describe_fp8(frozen: FrozenFP8 | None) -> dict:
     if frozen is None:
         return {}
     return {STATE_KEY: {"block": list(frozen.block), "weights": len(frozen.names)}}
+
+
+def _state_of(ckpt: Path) -> dict:
+    """A genoctx checkpoint's state.json (``genoctx.train.checkpoint.read_state``'s file, read here without importing
+    it: checkpoint imports this module)."""
+    try:
+        return json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise GenoctxError(f"{ckpt / 'state.json'}: not readable ({type(e).__name__})") from None

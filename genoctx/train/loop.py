@@ -37,6 +37,7 @@ import torch
 from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
+from ..model.fp8 import holders
 from ..model.groups import GROUPS, LORA, group_of, parse_trainable
 from ..model.host import read
 from ..model.lora import is_lora_name
@@ -186,9 +187,11 @@ def trainable_counts(model: HybridLM, spec: str) -> dict:
     {group: int}}``. Works on the meta device."""
     groups = parse_trainable(spec)
     by_group: dict[str, int] = {}
-    for name, p in model.named_parameters():
+    tensors = [(n, p.numel()) for n, p in model.named_parameters()]
+    tensors += [(n, h.weight.numel()) for n, h in holders(model).items()]  # frozen fp8 weights (train.frozen_dtype)
+    for name, numel in tensors:
         g = group_or_lora(name, model.cfg.layer_types)
-        by_group[g] = by_group.get(g, 0) + p.numel()
+        by_group[g] = by_group.get(g, 0) + numel
     trained = sum(n for g, n in by_group.items() if g in groups)
     return {"trainable": spec, "trainable_parameters": trained, "parameters": sum(by_group.values()),
             "groups": by_group}  # fmt: skip

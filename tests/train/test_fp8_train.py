@@ -25,7 +25,7 @@ from genoctx.parallel.build import FromHF, build_model
 from genoctx.recipes import TrainConfig, load_recipe
 from genoctx.train.checkpoint import load_model
 from genoctx.train.frozen import frozen_fp8
-from genoctx.train.loop import build_optimizer, train, train_step
+from genoctx.train.loop import build_optimizer, train, train_step, trainable_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from glm5_reference import build, save, text_config  # noqa: E402
@@ -63,17 +63,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
-def _models(base: Path, spec: str):
+def _plain(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _models(base: Path, spec: str, ac: bool):
     """The fp8 model (``frozen_dtype: fp8``) and its slow reference: bf16 frozen parameters holding the fp8 model's
     dequantized values (fp32 masters, as training builds them); both with the same LoRA adapters when ``spec``
-    names lora."""
+    names lora; both with activation checkpointing when ``ac``."""
     cfg = read_config(base)[0]
     frozen = frozen_fp8(TrainConfig(trainable=spec, frozen_dtype="fp8"), cfg, {"kind": "hf", "path": str(base)})
     assert frozen.block == BLOCK
-    model = build_model(cfg, None, source=FromHF(base), frozen_fp8=frozen)
-    ref = build_model(cfg, None, source=FromHF(base))
+    model = build_model(cfg, None, source=FromHF(base), frozen_fp8=frozen, activation_checkpointing=ac)
+    ref = build_model(cfg, None, source=FromHF(base), activation_checkpointing=ac)
     held = holders(model)
-    assert set(held) == set(frozen.names) and model.build_info["fp8"]["quantized"] > 0
+    assert {_plain(n) for n in held} == set(frozen.names) and model.build_info["fp8"]["quantized"] > 0
     with torch.no_grad():
         for name, h in held.items():
             ref.get_parameter(name).copy_(h.dequantize())
@@ -83,18 +87,19 @@ def _models(base: Path, spec: str):
     return model, ref, frozen
 
 
-@pytest.mark.parametrize("spec", ["lora", "kda,norms"])
-def test_fp8_frozen_training_equals_the_dequantized_bf16_run(fp8_base, spec, monkeypatch):
+@pytest.mark.parametrize("spec, ac", [("lora", False), ("kda,norms", True)])
+def test_fp8_frozen_training_equals_the_dequantized_bf16_run(fp8_base, spec, ac, monkeypatch):
     """(a) Step 1's loss and every trainable gradient equal the reference run's bit for bit (forward and backward
     through fp8_linear, the per-expert path, LoRA over fp8 weights, kv_b_proj's merged weight); every fp8 byte and
     scale is bit-identical after 3 steps and equal to the base's stored blocks (or, for the bf16-stored weight, to
     its quantization at load); the optimizer holds exactly the trainable tensors. (b) The frozen matmul weights exist
     only as uint8-sized e4m3 holders (no parameter or buffer of them in a float dtype) and every dequantization in
-    the steps is of one 2-D weight (one expert's, never an [E, ...] stack or the model)."""
-    model, ref, frozen = _models(fp8_base, spec)
+    the steps is of one 2-D weight (one expert's, never an [E, ...] stack or the model). ``kda,norms`` runs under
+    activation checkpointing (the recompute dequantizes again; the names carry the wrapper's infix)."""
+    model, ref, frozen = _models(fp8_base, spec, ac)
     kept = holders(load_hf(fp8_base, keep_fp8=True))  # the base's fp8 blocks as stored (tests/model/test_fp8.py)
     plain = load_hf(fp8_base, dtype=torch.float32)
-    held = holders(model)
+    held = {_plain(n): h for n, h in holders(model).items()}
     assert any(BF16_STORED in n for n in held) and not any(BF16_STORED in n for n in kept)
     for name, h in held.items():  # as stored, or quantized once at load
         q, s = (
@@ -104,13 +109,17 @@ def test_fp8_frozen_training_equals_the_dequantized_bf16_run(fp8_base, spec, mon
         )
         assert torch.equal(_bits(h.weight), _bits(q)) and torch.equal(h.scale_inv, s), name
     # (b) no float copy of a frozen matmul weight: not a parameter, not a buffer; the holders are 1-byte e4m3
-    floats = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype != torch.float8_e4m3fn}
+    floats = {
+        _plain(n) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype != torch.float8_e4m3fn
+    }
     assert not floats & set(frozen.names)
     assert all(h.weight.dtype == torch.float8_e4m3fn and h.scale_inv.dtype == torch.float32 for h in held.values())
     assert ".mlp.experts." in " ".join(held) and "self_attn.kv_b_proj.weight" in " ".join(held)
     cfg = TrainConfig(steps=3, lr=1e-2, warmup_steps=0, grad_clip=1e9, trainable=spec, frozen_dtype="fp8")
     opt, sched = build_optimizer(model, cfg, cfg.steps)
     ropt, rsched = build_optimizer(ref, TrainConfig(**{**cfg.__dict__, "frozen_dtype": "bf16"}), cfg.steps)
+    assert trainable_counts(model, spec) == trainable_counts(ref, spec)  # the fp8 weights counted in their groups
+    assert model.num_parameters() == ref.num_parameters()
     params = dict(model.named_parameters())
     trained = {n for n, p in params.items() if p.requires_grad}
     assert trained and all(is_lora_name(n) or group_of(n, model.cfg.layer_types) in spec.split(",") for n in trained)
@@ -133,7 +142,8 @@ def test_fp8_frozen_training_equals_the_dequantized_bf16_run(fp8_base, spec, mon
         train_step(model, opt, sched, tokens, cfg, nullcontext())
     assert {id(p) for p in opt.state} == {id(params[n]) for n in trained}
     for name, h in holders(model).items():
-        assert torch.equal(_bits(h.weight), _bits(start[name][0])) and torch.equal(h.scale_inv, start[name][1]), name
+        w, sc = start[_plain(name)]
+        assert torch.equal(_bits(h.weight), _bits(w)) and torch.equal(h.scale_inv, sc), name
     per_weight = max(h.weight[0].numel() if h.weight.dim() == 3 else h.weight.numel() for h in held.values())
     assert shapes and all(len(s) == 2 for s in shapes) and max(s[0] * s[1] for s in shapes) <= per_weight
 
