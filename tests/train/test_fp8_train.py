@@ -148,6 +148,31 @@ def test_fp8_frozen_training_equals_the_dequantized_bf16_run(fp8_base, spec, ac,
     assert shapes and all(len(s) == 2 for s in shapes) and max(s[0] * s[1] for s in shapes) <= per_weight
 
 
+def test_fp8_from_scratch_quantizes_the_fresh_init():
+    """No base: the frozen matmul weights are the fresh init quantized in 128 x 128 blocks (one partial block per
+    tiny matrix, per expert for the experts), bit for bit ``quantize_fp8`` of the same seed's bf16-free build; the
+    trainable ones stay the fresh parameters."""
+    from genoctx.model.config import preset
+
+    cfg = preset("tiny")
+    frozen = frozen_fp8(TrainConfig(trainable="kda,norms", frozen_dtype="fp8"), cfg)
+    assert frozen.block == (128, 128)
+    torch.manual_seed(3)
+    model = build_model(cfg, None, frozen_fp8=frozen)
+    torch.manual_seed(3)
+    ref = build_model(cfg, None)
+    held = holders(model)
+    assert set(held) == set(frozen.names) and model.build_info["fp8"]["quantized"] == len(held)
+    assert (
+        "layers.1.mlp.experts.gate_up_proj" in held and held["layers.1.mlp.experts.gate_up_proj"].scale_inv.dim() == 3
+    )
+    for name, h in held.items():
+        q, sc = quantize_fp8(ref.get_parameter(name), (128, 128))
+        assert torch.equal(_bits(h.weight), _bits(q)) and torch.equal(h.scale_inv, sc), name
+    rp = dict(ref.named_parameters())
+    assert all(torch.equal(p, rp[n]) for n, p in model.named_parameters())
+
+
 def _recipe(base, *extra):
     keys = ["train.steps=4", "train.seq_len=128", "train.warmup_steps=1", "train.checkpoint_every=2",
             "train.keep_checkpoints=0", "train.lr=1e-2", "train.trainable=lora", "train.lora_rank=4"]  # fmt: skip
