@@ -646,6 +646,7 @@ def train(
     """
     _setup_logging(verbose)
     from .recipes import load_recipe
+    from .train.frozen import check_frozen_dtype
     from .train.loop import check_trainable
     from .train.loop import train as run_train
 
@@ -686,6 +687,7 @@ def train(
     rec = load_recipe(recipe, overrides)
     # lora: one line before anything is built (one process only for now; not compiled)
     check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
+    check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: one process for now
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")

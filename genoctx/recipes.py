@@ -107,6 +107,11 @@ class TrainConfig:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: str = ",".join(DEFAULT_TARGETS)
+    # the dtype of the frozen matmul weights (every nn.Linear weight of a layer's mixer and MLP, the routed experts)
+    # when train.trainable freezes them: "bf16" (the compute dtype, as today) or "fp8" (block-scaled e4m3 with fp32
+    # scales, genoctx.model.fp8: an fp8 base's blocks kept as loaded, any other quantized at load; dequantized per
+    # use inside the layer); one process only for now (issue 44; docs/train.md)
+    frozen_dtype: str = "bf16"
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
@@ -129,7 +134,7 @@ class TrainConfig:
             _bad("train.loggers", f"must list {' and/or '.join(map(repr, LOGGERS))}", bad[0])
         self.loggers = list(dict.fromkeys(self.loggers))  # each once, in order
         choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag"),
-                   "optimizer_state_dtype": ("fp32", "bf16")}  # fmt: skip
+                   "optimizer_state_dtype": ("fp32", "bf16"), "frozen_dtype": ("bf16", "fp8")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f"train.{name}", f"must be {' or '.join(map(repr, allowed))}", getattr(self, name))
@@ -138,6 +143,9 @@ class TrainConfig:
             self.trainable = "all" if self.trainable.strip() == "all" else ",".join(groups)
         except ValueError as e:
             raise RecipeValueError("train.trainable", str(e)) from None
+        if self.frozen_dtype == "fp8" and self.trainable == "all":  # nothing frozen: nothing to hold in fp8
+            why = "train.trainable is all (nothing is frozen): name what trains, or use bf16"
+            raise RecipeValueError("train.frozen_dtype", f"train.frozen_dtype: fp8 holds frozen weights, but {why}")
         names = [t.strip() for t in self.lora_targets.split(",")]
         bad = [t for t in names if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?", t)]
         if bad or len(set(names)) != len(names):

@@ -16,12 +16,13 @@ The published GLM-5.3-Flash checkpoint stores its projection weights as ``float8
   submodule ``<owner>.<name>_fp8``; ``<owner>.<name>`` stays readable as a property that dequantizes, so a layer's
   own code (``F.linear(x, self.weight)``, ``self.gate_up_proj[e]``) runs unchanged. The owner's class is replaced
   by a subclass made for it (as ``torch.nn.utils.parametrize`` does), whose ``forward`` dequantizes each held
-  weight at most once per call (the experts' loop reads ``gate_up_proj[e]`` once per expert) and drops it on
-  return: only the layer that runs has a dequantized weight, and under activation checkpointing the recompute
-  dequantizes again. ``nn.Linear`` owners compute through ``fp8_linear``, an autograd function that saves the fp8
-  tensor and its scale (not the dequantized weight) and dequantizes again in backward, so that even without
-  checkpointing no dequantized weight waits for the backward. Other owners (the experts) save what their ops save
-  until backward; ``MoE`` recomputes each token chunk by default, which keeps that to one chunk.
+  weight it reads at most once per call and drops it on return: only the layer that runs has a dequantized weight,
+  and under activation checkpointing the recompute dequantizes again. ``nn.Linear`` owners (``LoRALinear`` too)
+  compute through ``fp8_linear``, an autograd function that saves the fp8 tensor and its scale (not the dequantized
+  weight) and dequantizes again in backward, so that even without checkpointing no dequantized weight waits for the
+  backward. The routed experts read one expert at a time (``Experts.expert_weight``: ``holder[e]``, an
+  ``FP8View`` of that expert's bytes and scale blocks) through ``fp8_linear`` too: never the ``[E, ...]`` stack.
+  ``unfreeze_fp8`` turns holders back into plain (dequantized) parameters, for an export.
 - ``genoctx.model.hf.load_hf(..., keep_fp8=True)`` fills holders straight from a checkpoint's fp8 tensors and
   scales (``fp8_targets``), never dequantizing the whole model.
 
@@ -33,6 +34,7 @@ same ops), and so do the input gradients (``fp8_linear``'s backward is ``grad @ 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +141,11 @@ class FP8Weight(nn.Module):
         """``dequant_fp8(weight, scale_inv, block)`` in ``dtype``: ``[*lead, out, in]``, no grad."""
         return dequant_fp8(self.weight, self.scale_inv, self.block).to(self.dtype)
 
+    def __getitem__(self, e: int) -> FP8View:
+        """Expert ``e`` of a stacked ``[E, out, in]`` holder: views of its fp8 rows and its scale blocks (no copy,
+        nothing dequantized), for ``fp8_linear`` or ``FP8View.dequantize``."""
+        return FP8View(self.weight[e], self.scale_inv[e], self.block, self.dtype)
+
     def nbytes(self) -> int:
         """Bytes held: 1 per fp8 element + 4 per scale block."""
         return self.weight.numel() * self.weight.element_size() + self.scale_inv.numel() * 4
@@ -157,6 +164,32 @@ class FP8Weight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, {self.weight.dtype}, block={self.block}, dtype={self.dtype}"
+
+
+class FP8View(NamedTuple):
+    """One weight's fp8 values and scale blocks as views into a holder (``FP8Weight[e]``: one routed expert):
+    ``weight`` ``[out, in]`` float8, ``scale_inv`` ``[ceil(out / b0), ceil(in / b1)]`` fp32, ``block``, ``dtype``
+    (the compute dtype ``dequantize`` returns)."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """``dequant_fp8(weight, scale_inv, block)`` in ``dtype`` (equal bit for bit to the same rows of the whole
+        holder's ``dequantize()``: the same element-wise products)."""
+        return dequant_fp8(self.weight, self.scale_inv, self.block).to(self.dtype)
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """``F.linear(x, w)`` for ``w`` a weight tensor ``[out, in]``, or ``fp8_linear`` for an fp8 one (``FP8View`` /
+    ``FP8Weight``): x ``[..., in]`` -> ``[..., out]``."""
+    return fp8_linear(x, w) if isinstance(w, (FP8View, FP8Weight)) else F.linear(x, w)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -181,9 +214,10 @@ class _FP8Linear(torch.autograd.Function):
         return gx, None, None, None, None, gb
 
 
-def fp8_linear(x: torch.Tensor, holder: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, holder: FP8Weight | FP8View, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, holder.dequantize(), bias)``: x ``[..., in]`` -> ``[..., out]``; the weight is dequantized in
-    forward and again in backward (``grad_x = grad @ W``), never kept; no gradient for the weight."""
+    forward and again in backward (``grad_x = grad @ W``), never kept; no gradient for the weight. ``holder`` is
+    a 2-D ``FP8Weight`` or one expert's ``FP8View``."""
     return _FP8Linear.apply(x, holder.weight, holder.scale_inv, holder.block, holder.dtype, bias)
 
 
@@ -200,7 +234,7 @@ def _held(module: nn.Module, name: str) -> torch.Tensor:
 def _scoped_forward(module: nn.Module, *args, **kwargs):
     """The owner's own forward, with each held weight dequantized at most once for this call and dropped after."""
     base = module._fp8_base.forward
-    if isinstance(module, nn.Linear):
+    if base is nn.Linear.forward:  # (a subclass with its own forward, LoRA's, calls fp8_linear itself)
         return fp8_linear(args[0], module._modules["weight" + SUFFIX], module.bias)
     if "_fp8_scope" in module.__dict__:  # re-entered (a nested call): share the outer call's weights
         return base(module, *args, **kwargs)
@@ -298,3 +332,51 @@ def fp8_bytes(model: nn.Module) -> int:
 def holders(model: nn.Module) -> dict[str, FP8Weight]:
     """``{name of the weight it replaced: holder}`` for every ``FP8Weight`` of ``model``."""
     return {n[: -len(SUFFIX)]: m for n, m in model.named_modules() if isinstance(m, FP8Weight)}
+
+
+def held(module: nn.Module, name: str) -> FP8Weight | None:
+    """The holder of ``module.<name>`` (``<name>_fp8``), or None where that weight is a plain parameter."""
+    h = module._modules.get(name + SUFFIX)
+    return h if isinstance(h, FP8Weight) else None
+
+
+def is_matmul_weight(name: str, module: nn.Module) -> bool:
+    """Whether parameter ``name`` (``HybridLM.named_parameters()`` form) of ``module`` (its owner) is a matmul weight
+    that ``train.frozen_dtype: fp8`` keeps in fp8 when frozen: an ``nn.Linear`` weight inside a decoder layer's
+    mixer (``self_attn``, its indexer too) or feed-forward (``mlp``: dense MLP, shared experts), not the router
+    (``mlp.gate``), or a routed expert's ``gate_up_proj`` / ``down_proj``. The same tensors
+    ``genoctx.plan.trainable`` counts as fp8; the router, norms, mHC, convolutions, the embedding and ``lm_head``
+    stay in the compute dtype."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("self_attn", "mlp"):
+        return False
+    if isinstance(module, nn.Linear):
+        return parts[-1] == "weight" and not name.endswith("mlp.gate.weight")
+    return ".mlp.experts." in name and parts[-1] in ("gate_up_proj", "down_proj")
+
+
+def matmul_weights(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` that ``is_matmul_weight`` names, in ``named_parameters`` order (any device)."""
+    mods = dict(model.named_modules())
+    return [n for n, _ in model.named_parameters() if is_matmul_weight(n, mods[n.rpartition(".")[0]])]
+
+
+@torch.no_grad()
+def unfreeze_fp8(model: nn.Module) -> int:
+    """The inverse of ``freeze_to_fp8``, in place: every holder of ``model`` becomes again a parameter
+    ``<owner>.<name>`` holding its ``dequantize()`` values (the compute dtype; ``requires_grad`` False) and each
+    owner gets its own class back. For what needs plain weights (an HF export, ``genoctx.model.lora.merge_lora``);
+    it holds the dequantized model whole. Returns the number of weights converted."""
+    n = 0
+    for owner in list(model.modules()):
+        names = [k[: -len(SUFFIX)] for k, m in owner._modules.items() if isinstance(m, FP8Weight)]
+        if not names:
+            continue
+        owner.__dict__.pop("_fp8_scope", None)
+        if "_fp8_base" in type(owner).__dict__:  # its own class back first: the properties would shadow the parameters
+            owner.__class__ = type(owner)._fp8_base
+        for name in names:
+            h = owner._modules.pop(name + SUFFIX)
+            owner.register_parameter(name, nn.Parameter(h.dequantize(), requires_grad=False))
+            n += 1
+    return n

@@ -63,7 +63,7 @@ import torch
 
 from ..errors import GenoctxError
 from .config import DSA, ModelConfig
-from .fp8 import SUFFIX, freeze_to_fp8
+from .fp8 import SUFFIX, freeze_to_fp8, unfreeze_fp8
 from .fp8 import dequant_fp8 as _dequant_fp8
 from .model import HybridLM, cast_model
 
@@ -990,7 +990,8 @@ def save_hf(
             in bytes, ``weight_map``).
         force: replace a non-empty ``out_dir`` (default: refuse).
         dtype: stored dtype of the model's tensors (None: as held); the fp32 islands (``FP32_PARAMETERS``) are never
-            below fp32, as ``save_pretrained`` stores them. Carried tensors keep theirs.
+            below fp32, as ``save_pretrained`` stores them. Carried tensors keep theirs. Weights the model holds
+            in fp8 (``train.frozen_dtype: fp8``) are dequantized first, in place (``fp8.unfreeze_fp8``).
         wait: if another genoctx process writes ``out_dir``, wait for it (default: raise).
 
     Returns:
@@ -1017,6 +1018,8 @@ def save_hf(
     if base is not None and base != out and base.resolve().is_relative_to(out.resolve()):
         raise GenoctxError(f"{out} holds the base {base}: replacing it would delete the base; choose another folder")
     raw = base_config(model.cfg, base) if base is not None else None
+    if not isinstance(model, LazyState):
+        unfreeze_fp8(model)  # weights held in fp8 (train.frozen_dtype) are written dequantized, as the rest
     held = model.dtype if isinstance(model, LazyState) else model.embed_tokens.weight.dtype
     name = _DTYPE_NAMES.get(dtype or held)
     if name is None:

@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fp8 import attach_fp8, fp8_linear, held, unfreeze_fp8
 from .moe import Experts
 
 # The projections adapted by default: every attention projection of KDA (q/k/v/o) and of DSA's MLA, the dense and
@@ -97,8 +98,14 @@ class LoRALinear(nn.Linear):
     def from_linear(cls, base: nn.Linear, rank: int, alpha: float, generator=None) -> LoRALinear:
         """Wrap ``base`` (sharing its parameters) with fresh adapters: A kaiming-uniform(a=√5), B zeros."""
         m = cls(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
-        m.weight, m.bias = base.weight, base.bias
-        w = base.weight
+        h = held(base, "weight")
+        if h is None:
+            m.weight, m.bias = base.weight, base.bias
+            w = base.weight
+        else:  # a frozen fp8 weight: the same holder, read by fp8_linear / merged_weight (genoctx.model.fp8)
+            m.bias = base.bias
+            attach_fp8(m, "weight", h)
+            w = h.weight.new_empty(0, dtype=h.dtype)  # (the adapters' dtype and device)
         m.rank, m.scaling = int(rank), float(alpha) / int(rank)
         m.lora_A = nn.Parameter(torch.zeros(rank, base.in_features, dtype=w.dtype, device=w.device))
         m.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
@@ -112,13 +119,18 @@ class LoRALinear(nn.Linear):
             self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype (or autocast's)."""
-        return F.linear(x, self.weight, self.bias) + self.scaling * F.linear(F.linear(x, self.lora_A), self.lora_B)
+        """x [..., in] -> [..., out] in x's dtype (or autocast's). A base weight kept in fp8 (``genoctx.model.fp8``)
+        runs through ``fp8_linear`` (dequantized per use, never kept)."""
+        h = held(self, "weight")
+        y = F.linear(x, self.weight, self.bias) if h is None else fp8_linear(x, h, self.bias)
+        return y + self.scaling * F.linear(F.linear(x, self.lora_A), self.lora_B)
 
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling · B A`` [out, in] in W's dtype, differentiable in W, A and B (for a caller that reads the
-        weight instead of calling the layer, e.g. DSA's absorbed ``kv_b_proj``)."""
-        return self.weight + self.scaling * (self.lora_B @ self.lora_A).to(self.weight.dtype)
+        weight instead of calling the layer, e.g. DSA's absorbed ``kv_b_proj``); an fp8 base weight is dequantized
+        first (this call's copy only)."""
+        w = self.weight
+        return w + self.scaling * (self.lora_B @ self.lora_A).to(w.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling}"
@@ -128,10 +140,12 @@ def _add_expert_adapters(ex: Experts, which: list[str], rank: int, alpha: float,
     """Register ``{name}_lora_A`` [E, r, in] and ``{name}_lora_B`` [E, out, r] for each ``name`` in ``which``
     (``gate_up_proj``, ``down_proj``) and set ``ex.lora_scale``."""
     for name in which:
-        w = getattr(ex, name)  # [E, out, in]
+        h = held(ex, name)  # an fp8 holder is not dequantized here
+        w = getattr(ex, name) if h is None else h.weight  # [E, out, in]
         E, out, inp = w.shape
-        a = nn.Parameter(torch.zeros(E, rank, inp, dtype=w.dtype, device=w.device))
-        b = nn.Parameter(torch.zeros(E, out, rank, dtype=w.dtype, device=w.device))
+        dtype = w.dtype if h is None else h.dtype  # (the dtype the weight computes in)
+        a = nn.Parameter(torch.zeros(E, rank, inp, dtype=dtype, device=w.device))
+        b = nn.Parameter(torch.zeros(E, out, rank, dtype=dtype, device=w.device))
         with torch.no_grad():
             _kaiming_(a, inp, generator)
         setattr(ex, f"{name}_lora_A", a)
@@ -182,8 +196,8 @@ def apply_lora(
             _add_expert_adapters(mod, expert_t, int(rank), alpha, generator)
             found.update(f"experts.{n}" for n in expert_t)
             adapted += [f"{path}.{n}" for n in expert_t]
-        elif type(mod) is nn.Linear and leaf in linear_t:
-            if uses[id(mod.weight)] > 1:
+        elif (type(mod) is nn.Linear or getattr(type(mod), "_fp8_base", None) is nn.Linear) and leaf in linear_t:
+            if held(mod, "weight") is None and uses[id(mod.weight)] > 1:
                 raise ValueError(f"apply_lora: {path}.weight is shared with another module (tied); not adapted")
             parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
             setattr(parent, leaf, LoRALinear.from_linear(mod, int(rank), alpha, generator))
@@ -251,7 +265,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight, in place, and remove the adapters: each ``LoRALinear`` becomes an
     ``nn.Linear`` holding ``W + s B A`` (the same ``weight`` parameter object, its data replaced), each adapted
     ``Experts`` holds ``W_e + s B_e A_e``. The sum is taken in W's dtype promoted to fp32, then rounded once to W's
-    dtype. Returns ``model`` (deep-copy it first to keep the adapters)."""
+    dtype. Weights kept in fp8 (``genoctx.model.fp8``) are first dequantized into plain parameters
+    (``unfreeze_fp8``). Returns ``model`` (deep-copy it first to keep the adapters)."""
+    unfreeze_fp8(model)
     for path, mod in list(model.named_modules()):
         if isinstance(mod, LoRALinear):
             w = mod.weight

@@ -32,6 +32,7 @@ from torch import nn
 
 from .config import DSA, ModelConfig
 from .dsa import DeepSeekSparseAttention
+from .fp8 import FP8Weight
 from .hyper import HyperConnection, expand_streams, reduce_streams
 from .init import init_weights, seed_from_generator
 from .kda import KimiDeltaAttention
@@ -259,6 +260,7 @@ class HybridLM(nn.Module):
         ``n_routed_experts - num_experts_per_tok`` routed experts a token does not use). Works on the meta
         device (no memory) for large presets."""
         total = sum(p.numel() for p in self.parameters())
+        total += sum(m.weight.numel() for m in self.modules() if isinstance(m, FP8Weight))  # frozen fp8 weights
         cfg = self.cfg
         per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
         n_moe = sum(isinstance(layer.mlp, MoE) for layer in self.layers)

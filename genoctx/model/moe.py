@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .fp8 import held, linear
 from .host import read
 from .precision import island
 from .stats import host_number, read_numbers
@@ -135,13 +136,16 @@ def expert_mlp(
     ``lora`` (optional, ``genoctx.model.lora``): this expert's adapters ``(A_gu [r, D], B_gu [2I, r], A_dn [r, I],
     B_dn [D, r], scale)`` (a pair may be None: that projection has none); each adapted projection adds the low-rank
     term ``scale · (h A^T) B^T`` to ``h W^T``, i.e. it runs ``W + scale · B A`` without forming it.
+
+    ``gate_up`` / ``down`` may be an fp8 expert (``genoctx.model.fp8.FP8View``, ``train.frozen_dtype: fp8``): then
+    ``fp8_linear`` dequantizes this expert's weight in forward and again in backward, never keeping it.
     """
     I = down.shape[1]
-    gu = F.linear(x, gate_up)
+    gu = linear(x, gate_up)
     if lora is not None and lora[0] is not None:
         gu = gu + lora[4] * F.linear(F.linear(x, lora[0]), lora[1])
     h = swiglu(gu[:, :I], gu[:, I:], limit)
-    y = F.linear(h, down)
+    y = linear(h, down)
     if lora is not None and lora[2] is not None:
         y = y + lora[4] * F.linear(F.linear(h, lora[2]), lora[3])
     return y
@@ -198,6 +202,13 @@ class Experts(nn.Module):
         dn_a, dn_b = getattr(self, "down_proj_lora_A", None), getattr(self, "down_proj_lora_B", None)
         return (*(None if t is None else t[e] for t in (gu_a, gu_b, dn_a, dn_b)), self.lora_scale)
 
+    def expert_weight(self, name: str, e: int):
+        """Expert ``e``'s ``name`` (``gate_up_proj`` / ``down_proj``) for ``expert_mlp``: the parameter's row ``e``,
+        or, for a weight kept in fp8 (``genoctx.model.fp8``), that expert's fp8 view: dequantized per expert, per
+        use, by ``expert_mlp``, never the whole ``[E, ...]`` stack."""
+        h = held(self, name)
+        return h[e] if h is not None else getattr(self, name)[e]
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
         (or autocast's); slots are combined in the weights' dtype (fp32)."""
@@ -213,7 +224,8 @@ class Experts(nn.Module):
         for e, xe in enumerate(torch.split(xs, counts)):
             if xe.shape[0] == 0:
                 continue
-            outs.append(expert_mlp(xe, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit, self.adapter(e)))
+            gu, dn = self.expert_weight("gate_up_proj", e), self.expert_weight("down_proj", e)
+            outs.append(expert_mlp(xe, gu, dn, self.swiglu_limit, self.adapter(e)))
         ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         self.combine = combine_path()

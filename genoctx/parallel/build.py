@@ -60,6 +60,21 @@ class FromHF:
 
 
 @dataclass(frozen=True)
+class FrozenFP8:
+    """``train.frozen_dtype: fp8``: the frozen matmul weights ``names`` (``HybridLM.named_parameters`` names) held as
+    block-scaled fp8 in ``block`` (rows, columns) scale blocks (``genoctx.model.fp8``)."""
+
+    names: tuple[str, ...]
+    block: tuple[int, int] = (128, 128)
+
+
+FP8_ONE_PROCESS = (
+    "train.frozen_dtype: fp8 runs in one process for now (issue 44): FSDP2 and expert parallelism do not shard the "
+    "fp8 holders yet; leave --num-workers unset and train.ep at 1, or set train.frozen_dtype=bf16"
+)
+
+
+@dataclass(frozen=True)
 class FromCheckpoint:
     """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only."""
 
@@ -311,6 +326,7 @@ def build_model(
     cp_chunk_tokens: int | None = None,
     compile: bool = False,
     offload_activations: bool = False,
+    frozen_fp8: FrozenFP8 | None = None,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -330,6 +346,9 @@ def build_model(
             ``train.compile``; training passes it, evaluation does not).
         offload_activations: the checkpointed layers' inputs in host memory (``train.offload_activations``;
             ``genoctx.parallel.offload``); needs ``activation_checkpointing``.
+        frozen_fp8: these weights held as fp8 (``_hold_fp8``): filled straight from an HF base's fp8 blocks, any
+            other source (a base stored in bf16, a fresh init) quantized once filled; a genoctx checkpoint or
+            ``Zeros`` fills the holders as they are. One device only.
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -337,6 +356,7 @@ def build_model(
 
     Raises:
         GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
+        GenoctxError: ``frozen_fp8`` with a mesh (``FP8_ONE_PROCESS``); an HF base whose fp8 blocks do not fit.
         ValueError: ``offload_activations`` without ``activation_checkpointing``.
     """
     from ..model.model import cast_model
@@ -347,6 +367,7 @@ def build_model(
         model = HybridLM(cfg)
     if dtype != torch.float32:
         cast_model(model, dtype)
+    quantize_after = _hold_fp8(model, dims, source, frozen_fp8)
     handles = []
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
@@ -377,8 +398,45 @@ def build_model(
                 if b is not None:
                     m._buffers[n] = b.to(device)
     model.build_info = agree(dims, lambda: fill(model, dims, source))
+    if quantize_after:  # (named as on the plain model: activation checkpointing has wrapped the layers since)
+        from ..model.fp8 import freeze_to_fp8
+
+        rest = set(quantize_after)
+        plain = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
+        freeze_to_fp8(model, lambda n, p: plain(n) in rest, frozen_fp8.block)
+    if frozen_fp8 is not None:
+        model.build_info["fp8"] = {"held": len(frozen_fp8.names), "quantized": len(quantize_after),
+                                   "block": list(frozen_fp8.block)}  # fmt: skip
     if isinstance(source, FromHF):
         from ..model.hf import log_skipped
 
         log_skipped(source.path, model.build_info["skipped"], cfg)
     return model
+
+
+def _hold_fp8(model: HybridLM, dims, source, frozen: FrozenFP8 | None) -> list[str]:
+    """``build_model``'s fp8 holders, on the meta device before anything is allocated: empty holders
+    (``genoctx.model.fp8.freeze_to_fp8``) for the weights the source fills as fp8 (every one of ``frozen.names`` from
+    a genoctx checkpoint or ``Zeros``; from an HF base, those it stores as fp8 blocks: ``fp8_weights``). Returns the
+    rest, to quantize once filled (a fresh init, a base stored in bf16).
+
+    Raises:
+        GenoctxError: a mesh (``FP8_ONE_PROCESS``).
+    """
+    if frozen is None:
+        return []
+    if dims is not None:
+        raise GenoctxError(FP8_ONE_PROCESS)
+    from ..model.fp8 import freeze_to_fp8
+
+    if isinstance(source, Fresh):
+        now: list[str] = []
+    elif isinstance(source, FromHF):
+        from ..model.hf import fp8_weights
+
+        stored = set(fp8_weights(source.path, model.cfg))
+        now = [n for n in frozen.names if n in stored]
+    else:
+        now = list(frozen.names)
+    freeze_to_fp8(model, now, frozen.block)
+    return [n for n in frozen.names if n not in set(now)]

@@ -704,12 +704,14 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
     if not (ckpt / "state.json").is_file():
         raise GenoctxError(f"{ckpt} is an HF model directory, not a genoctx checkpoint (use genoctx.model.load_hf)")
     from ..parallel.build import FromCheckpoint, build_model
+    from .frozen import frozen_fp8
 
     recipe = load_recipe_of(ckpt)
     state = read_state(ckpt)
+    fp8 = frozen_fp8(recipe.train, recipe.model, state=state)  # train.frozen_dtype fp8: the holders it stores
     if is_partial(state):  # only what trains: the base the run started from, checked, then the checkpoint over it
         check_base(state, ckpt)
-        model = build_model(recipe.model, None, source=base_of(state), device=device)
+        model = build_model(recipe.model, None, source=base_of(state), device=device, frozen_fp8=fp8)
         if has_lora(recipe):
             apply_recipe_lora(model, recipe)
         tensors = read_full_tensors(ckpt) if is_sharded(ckpt) else read_tensors(ckpt / "model.safetensors", device)
@@ -718,14 +720,14 @@ def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> tuple[Hy
     if has_lora(recipe):  # a LoRA run's checkpoint holds the adapters: rebuild them (train.lora_*), then load all
         from ..parallel.build import Zeros
 
-        model = build_model(recipe.model, None, source=Zeros(), device=device)
+        model = build_model(recipe.model, None, source=Zeros(), device=device, frozen_fp8=fp8)
         apply_recipe_lora(model, recipe)
         tensors = read_full_tensors(ckpt) if is_sharded(ckpt) else read_tensors(ckpt / "model.safetensors", device)
         load_model_tensors(model, tensors, ckpt)
         return model, recipe, state
     # the one construction path on the mesh of size 1: allocated once, every tensor read (DCP in any layout it was
     # saved in, or model.safetensors), nothing drawn first
-    model = build_model(recipe.model, None, source=FromCheckpoint(ckpt), device=device)
+    model = build_model(recipe.model, None, source=FromCheckpoint(ckpt), device=device, frozen_fp8=fp8)
     return model, recipe, state
 
 

@@ -37,6 +37,7 @@ import torch
 from ..data.dataset import WindowDataset, load_manifest, scored_mask
 from ..data.tokenizer import BOS, VOCAB
 from ..errors import GenoctxError
+from ..model.fp8 import holders
 from ..model.groups import GROUPS, LORA, group_of, parse_trainable
 from ..model.host import read
 from ..model.lora import is_lora_name
@@ -64,6 +65,7 @@ from .checkpoint import (
 )
 from .chunked import chunked_forward_backward
 from .faults import maybe_kill
+from .frozen import check_frozen_dtype, describe_fp8, frozen_fp8
 from .init import base_source, describe, resolve_init, vocab_head
 from .integrity import refuse_unverified, resume_choice, run_of, set_aside, skip_line
 from .metrics import MetricsLog, check_loggers
@@ -190,9 +192,11 @@ def trainable_counts(model: HybridLM, spec: str) -> dict:
     {group: int}}``. Works on the meta device."""
     groups = parse_trainable(spec)
     by_group: dict[str, int] = {}
-    for name, p in model.named_parameters():
+    tensors = [(n, p.numel()) for n, p in model.named_parameters()]
+    tensors += [(n, h.weight.numel()) for n, h in holders(model).items()]  # frozen fp8 weights (train.frozen_dtype)
+    for name, numel in tensors:
         g = group_or_lora(name, model.cfg.layer_types)
-        by_group[g] = by_group.get(g, 0) + p.numel()
+        by_group[g] = by_group.get(g, 0) + numel
     trained = sum(n for g, n in by_group.items() if g in groups)
     return {"trainable": spec, "trainable_parameters": trained, "parameters": sum(by_group.values()),
             "groups": by_group}  # fmt: skip
@@ -484,7 +488,7 @@ def train_step(
 # what a resume must keep (the run's data order, objective and window start); other train keys may change
 _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"), ("loss", "vocab"),
                  ("data", "window_start_token"), ("train", "trainable"), ("train", "lora_rank"),
-                 ("train", "lora_alpha"), ("train", "lora_targets"))  # fmt: skip
+                 ("train", "lora_alpha"), ("train", "lora_targets"), ("train", "frozen_dtype"))  # fmt: skip
 
 
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
@@ -777,11 +781,16 @@ def train_unlocked(
         source = base_of({"init": partial}) if partial is not None else Zeros()
     else:
         source = base_source(base) if base is not None else Fresh()
+    check_frozen_dtype(cfg, mesh=False)
+    fp8 = frozen_fp8(cfg, recipe.model, base, saved if resuming else None)  # train.frozen_dtype (genoctx.train.frozen)
     # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile);
     # train.activation_checkpointing / offload_activations: each layer recomputed, its input kept in host memory
     model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile,
                         activation_checkpointing=cfg.activation_checkpointing,
-                        offload_activations=cfg.offload_activations)  # fmt: skip
+                        offload_activations=cfg.offload_activations, frozen_fp8=fp8)  # fmt: skip
+    if fp8 is not None:
+        log.info("frozen matmul weights in fp8: %d (%d quantized at load), %s blocks", len(fp8.names),
+                 model.build_info["fp8"]["quantized"], "x".join(map(str, fp8.block)))  # fmt: skip
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
     if has_lora(recipe):  # after the base's weights, before the optimizer; a resume then loads the saved adapters
@@ -797,7 +806,7 @@ def train_unlocked(
         start, loaded = int(state["step"]), latest
         log.info("resuming from %s (step %d)", latest, start)
     head = vocab_head(recipe, base, state)
-    extra = describe(base, head)
+    extra = {**describe(base, head), **describe_fp8(fp8)}
     if resuming and state.get("init") and base is None:
         extra["init"] = state["init"]  # keep the record of where the run started
     carry_batch_changes(extra, state, change)

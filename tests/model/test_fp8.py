@@ -107,19 +107,45 @@ def test_model_forward_and_gradients_equal_the_dequantized_model():
         assert p.grad is None or torch.equal(trained[n].grad, p.grad), n
 
 
-def test_experts_dequantize_once_per_call_and_keep_nothing():
-    """The experts' loop reads ``gate_up_proj[e]`` per expert; the holder dequantizes once per forward call and the
-    owner keeps no dequantized weight after it."""
+def test_experts_dequantize_per_expert_per_use_and_keep_nothing(monkeypatch):
+    """The experts' loop dequantizes one expert's weight at a time, per use: in forward once per projection of each
+    routed expert (2-D ``[2I, D]`` / ``[D, I]``, never the ``[E, ...]`` stack: the holder's whole ``dequantize`` is
+    never called), and again in backward; autograd keeps each expert's fp8 rows and scales (views), no dequantized
+    weight; the outputs and input gradients equal the experts with the dequantized weights bit for bit."""
+    import genoctx.model.fp8 as fp8
+
     model = HybridLM(preset("tiny"), seed=0)
     experts = model.layers[1].mlp.experts
-    freeze_to_fp8(experts, ["gate_up_proj", "down_proj"], (8, 7))
-    calls = []
-    for h in holders(experts).values():
-        h.dequantize = lambda h=h: calls.append(1) or FP8Weight.dequantize(h)
-    N, k = 12, model.cfg.num_experts_per_tok
-    routed = torch.arange(N * k).reshape(N, k) % model.cfg.n_routed_experts
-    experts(torch.randn(N, model.cfg.hidden_size), routed, torch.rand(N, k))
-    assert len(calls) == 2 and "_fp8_scope" not in experts.__dict__
+    ref = copy.deepcopy(experts)
+    held = freeze_to_fp8(experts, ["gate_up_proj", "down_proj"], (8, 7))
+    with torch.no_grad():
+        for n, h in held.items():
+            getattr(ref, n).copy_(h.dequantize())
+    whole, shapes = [], []
+    for h in held.values():
+        h.dequantize = lambda h=h: whole.append(1) or FP8Weight.dequantize(h)
+    real = fp8.dequant_fp8
+    monkeypatch.setattr(fp8, "dequant_fp8", lambda *a, **k: shapes.append(tuple(a[0].shape)) or real(*a, **k))
+    E, D, I = model.cfg.n_routed_experts, model.cfg.hidden_size, model.cfg.moe_intermediate_size
+    N, k = 5, model.cfg.num_experts_per_tok  # 5 tokens x 2 slots over 4 experts: rows 3, 3, 2, 2 (none D or 2I)
+    routed = torch.arange(N * k).reshape(N, k) % E
+    x = torch.randn(N, D, requires_grad=True)
+    xr = x.detach().clone().requires_grad_(True)
+    w = torch.rand(N, k)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = experts(x, routed, w)
+    assert whole == [] and "_fp8_scope" not in experts.__dict__
+    assert sorted(shapes) == sorted([(2 * I, D), (D, I)] * E)  # one expert's projection per dequantization
+    assert sum(t.dtype == torch.float8_e4m3fn for t in saved) == 2 * E
+    assert not any(t.is_floating_point() and tuple(t.shape) in ((2 * I, D), (D, I)) and t.dtype != torch.float8_e4m3fn
+                   for t in saved)  # fmt: skip
+    yr = ref(xr, routed, w)
+    assert torch.equal(y, yr)
+    g = torch.randn_like(y)
+    y.backward(g)
+    yr.backward(g)
+    assert torch.equal(x.grad, xr.grad) and len(shapes) == 4 * E and whole == []
 
 
 def test_bad_choices_raise():
