@@ -129,7 +129,9 @@ def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
+    from ..model.lora import is_lora_name
+
+    sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.") and not is_lora_name(k)}
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -148,10 +150,18 @@ def dcp_error_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def base_targets(model: nn.Module, dims, buffers: bool = True) -> dict:
+    """``local_targets`` without the LoRA adapters (``genoctx.model.lora.is_lora_name``): what a source fills. The
+    adapters are drawn afterwards (``build_model``'s ``lora``) or loaded with the run's checkpoint (``--resume``)."""
+    from ..model.lora import is_lora_name
+
+    return {k: v for k, v in local_targets(model, dims, buffers=buffers).items() if not is_lora_name(k)}
+
+
 def persistent_targets(model: nn.Module, dims) -> dict:
-    """``local_targets`` of the tensors a checkpoint stores (parameters and persistent buffers)."""
+    """``base_targets`` of the tensors a checkpoint stores (parameters and persistent buffers)."""
     keep = set(model.state_dict().keys())
-    return {k: v for k, v in local_targets(model, dims).items() if k in keep}
+    return {k: v for k, v in base_targets(model, dims).items() if k in keep}
 
 
 def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
@@ -172,7 +182,7 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
             local.zero_()
         return {"source": "zeros", "path": None, "skipped": None}
     if isinstance(source, Fresh):
-        fill_fresh(local_targets(model, dims), init_spec(model), model.init_seed)
+        fill_fresh(base_targets(model, dims), init_spec(model), model.init_seed)
         return {"source": "fresh", "path": None, "skipped": None, "seed": model.init_seed}
     if isinstance(source, FromHF):
         from ..model.hf import read_hf_into
@@ -208,6 +218,7 @@ def build_model(
     cp_chunk_tokens: int | None = None,
     compile: bool = False,
     offload_activations: bool = False,
+    lora=None,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -227,13 +238,20 @@ def build_model(
             ``train.compile``; training passes it, evaluation does not).
         offload_activations: the checkpointed layers' inputs in host memory (``train.offload_activations``;
             ``genoctx.parallel.offload``); needs ``activation_checkpointing``.
+        lora: a ``genoctx.model.lora.LoRASpec`` (``train.trainable: lora``) or None. The adapters are added on the
+            meta device, before parallelism (expert parallelism splits the experts' adapters with them, FSDP2 shards
+            them as the other parameters), the source fills the base (never the adapters), then every rank draws its
+            pieces of the one-process adapters for ``lora.seed`` (``genoctx.model.lora.reset_lora`` with this rank's
+            targets: A kaiming-uniform, B zeros; the same values under every layout). ``Zeros()`` leaves them zero
+            (a checkpoint holding them is loaded next).
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
         ``apply_parallel``'s handles.
 
     Raises:
-        GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
+        GenoctxError: the source is unreadable or does not fit this model (the same message on every rank); LoRA
+            targets that match nothing (naming ``train.lora_targets``).
         ValueError: ``offload_activations`` without ``activation_checkpointing``.
     """
     from ..model.model import cast_model
@@ -244,6 +262,13 @@ def build_model(
         model = HybridLM(cfg)
     if dtype != torch.float32:
         cast_model(model, dtype)
+    if lora is not None:  # on meta, before parallelism (module docstring)
+        from ..model.lora import apply_lora
+
+        try:
+            apply_lora(model, lora.rank, lora.alpha, lora.targets, seed=lora.seed)
+        except ValueError as e:
+            raise GenoctxError(f"train.lora_targets {lora.targets!r}: {e}") from None
     handles = []
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
@@ -274,6 +299,10 @@ def build_model(
                 if b is not None:
                     m._buffers[n] = b.to(device)
     model.build_info = agree(dims, lambda: fill(model, dims, source))
+    if lora is not None and not isinstance(source, Zeros):
+        from ..model.lora import reset_lora
+
+        reset_lora(model, lora.seed, local_targets(model, dims, buffers=False))
     if isinstance(source, FromHF):
         from ..model.hf import log_skipped
 
