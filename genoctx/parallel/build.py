@@ -61,9 +61,12 @@ class FromHF:
 
 @dataclass(frozen=True)
 class FromCheckpoint:
-    """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only."""
+    """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only.
+    ``adapters``: also read the LoRA adapters (a LoRA run's checkpoint into a model built with its ``lora``, as
+    evaluation does); False fills the base alone and ``build_model`` draws fresh adapters (``--init`` from a run)."""
 
     path: Path
+    adapters: bool = False
 
 
 def agree(dims: ParallelDims | None, fn):
@@ -124,14 +127,16 @@ def read_checkpoint_slices(path: Path, targets: dict) -> None:
         reader.close()
 
 
-def _load_dcp_weights(ckpt: Path, model: nn.Module, dims) -> None:
-    """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces."""
+def _load_dcp_weights(ckpt: Path, model: nn.Module, dims, adapters: bool = False) -> None:
+    """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces (the LoRA adapters
+    only with ``adapters``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ..model.lora import is_lora_name
 
-    sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.") and not is_lora_name(k)}
+    sd = canonical_state(model, None, dims)
+    sd = {k: v for k, v in sd.items() if k.startswith("model.") and (adapters or not is_lora_name(k))}
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR), no_dist=dims is None or not dims.is_distributed)
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -158,10 +163,12 @@ def base_targets(model: nn.Module, dims, buffers: bool = True) -> dict:
     return {k: v for k, v in local_targets(model, dims, buffers=buffers).items() if not is_lora_name(k)}
 
 
-def persistent_targets(model: nn.Module, dims) -> dict:
-    """``base_targets`` of the tensors a checkpoint stores (parameters and persistent buffers)."""
+def persistent_targets(model: nn.Module, dims, adapters: bool = False) -> dict:
+    """``base_targets`` of the tensors a checkpoint stores (parameters and persistent buffers); with ``adapters``,
+    the LoRA adapters too."""
     keep = set(model.state_dict().keys())
-    return {k: v for k, v in base_targets(model, dims).items() if k in keep}
+    targets = local_targets(model, dims) if adapters else base_targets(model, dims)
+    return {k: v for k, v in targets.items() if k in keep}
 
 
 def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
@@ -194,9 +201,9 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)
         if is_sharded(ckpt):
-            _load_dcp_weights(ckpt, model, dims)
+            _load_dcp_weights(ckpt, model, dims, source.adapters)
         else:
-            targets = persistent_targets(model, dims)
+            targets = persistent_targets(model, dims, source.adapters)
             if model.lm_head.weight is model.embed_tokens.weight:
                 targets.pop(TIED_HEAD, None)
             read_checkpoint_slices(ckpt / "model.safetensors", targets)
@@ -243,7 +250,7 @@ def build_model(
             them as the other parameters), the source fills the base (never the adapters), then every rank draws its
             pieces of the one-process adapters for ``lora.seed`` (``genoctx.model.lora.reset_lora`` with this rank's
             targets: A kaiming-uniform, B zeros; the same values under every layout). ``Zeros()`` leaves them zero
-            (a checkpoint holding them is loaded next).
+            (a checkpoint holding them is loaded next); ``FromCheckpoint(path, adapters=True)`` reads them.
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -299,7 +306,7 @@ def build_model(
                 if b is not None:
                     m._buffers[n] = b.to(device)
     model.build_info = agree(dims, lambda: fill(model, dims, source))
-    if lora is not None and not isinstance(source, Zeros):
+    if lora is not None and not isinstance(source, Zeros) and not getattr(source, "adapters", False):
         from ..model.lora import reset_lora
 
         reset_lora(model, lora.seed, local_targets(model, dims, buffers=False))

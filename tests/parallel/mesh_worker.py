@@ -143,7 +143,7 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         cfg.trainable = FROZEN_SPEC
     lora = None
     if "_lora" in name:  # the adapters built on meta, split and sharded with the model, drawn as one process draws them
-        cfg.trainable, lora = "lora", lora_spec(cfg)
+        cfg.trainable, cfg.lora_rank, cfg.lora_alpha, lora = "lora", LORA["rank"], LORA["alpha"], lora_spec(cfg)
     # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
     model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
                         offload_optimizer=name.endswith("_offload"), offload_activations="_offact" in name,
@@ -162,7 +162,9 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     after = _locals(model)
+    evaluated = _eval_rebuild(model, opt, sched, cfg, dims, Path(hf_dir).parent / name) if "_lora" in name else None
     return {
+        "evaluated": evaluated,
         "mixer_forwards": calls[0],
         "local_numel": local,  # parameters this rank holds (sharded: about full / shard size)
         "trainable_numel": sum(after[n].numel() for n, p in named.items() if p.requires_grad),
@@ -184,6 +186,23 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         "offsets": _expert_offsets(model),
         "steps": steps,
     }
+
+
+def _eval_rebuild(model, opt, sched, cfg, dims, run_dir: Path) -> dict:
+    """Save a sharded checkpoint of the trained LoRA ``model`` and build it again on the same mesh as the mesh
+    evaluation does (``genoctx.eval.distributed.build_eval_model``: the adapters built from the run's recipe and read
+    from the checkpoint). Returns the names of this rank's local tensors that differ from the trained model's."""
+    from genoctx.eval.distributed import build_eval_model
+    from genoctx.eval.scoring import eval_checkpoint
+    from genoctx.recipes import Recipe
+    from genoctx.train.sharded import save_sharded
+
+    ckpt = save_sharded(run_dir, cfg.steps, model, opt, sched, Recipe(model=mesh_config(), train=cfg), {}, dims)
+    spec = eval_checkpoint(ckpt)
+    rebuilt = build_eval_model(spec, dims, "cpu", None)
+    want, got = _locals(model), _locals(rebuilt)
+    return {"lora": spec.lora is not None, "names": sorted(got) == sorted(want),
+            "differ": [n for n in want if n in got and not torch.equal(got[n], want[n])]}  # fmt: skip
 
 
 def _full_params(model, lora: bool) -> dict:

@@ -223,6 +223,10 @@ def test_lora_on_a_mesh_equals_one_process(lora_two, windows, case):
         assert got["frozen_changed"] == [] and set(got["frozen"]) == set(params) - set(start)  # the whole base
         assert set(got["steps"][-1]["grads"]) == set(start)  # no base tensor got a gradient
         assert 0 < got["trainable_numel"] < got["local_numel"] / 2
+        # the run's sharded checkpoint built again as the mesh evaluation builds it: adapters and base as trained
+        assert got["evaluated"] == {"lora": True, "names": True, "differ": []}, (case, r)
+        # the run's sharded checkpoint built again as the mesh evaluation builds it: adapters and base as trained
+        assert got["evaluated"] == {"lora": True, "names": True, "differ": []}, (case, r)
         for name, a in got["adapters_start"].items():  # as drawn: one process's A (B zeros) under every layout
             assert torch.equal(a, _expert_rows(name, a, got["offsets"], start[name].detach())), (case, r, name)
         for name, a in got["adapters"].items():  # after the steps: both A and B moved, as in one process
