@@ -163,9 +163,9 @@ def base_targets(model: nn.Module, dims, buffers: bool = True) -> dict:
     return {k: v for k, v in local_targets(model, dims, buffers=buffers).items() if not is_lora_name(k)}
 
 
-def persistent_targets(model: nn.Module, dims, adapters: bool = False) -> dict:
-    """``base_targets`` of the tensors a checkpoint stores (parameters and persistent buffers); with ``adapters``,
-    the LoRA adapters too."""
+def persistent_targets(model: nn.Module, dims, adapters: bool = True) -> dict:
+    """``local_targets`` of the tensors a checkpoint stores (parameters and persistent buffers); without
+    ``adapters``, the base's alone (``base_targets``: what ``fill`` reads from an HF model or an ``--init`` run)."""
     keep = set(model.state_dict().keys())
     targets = local_targets(model, dims) if adapters else base_targets(model, dims)
     return {k: v for k, v in targets.items() if k in keep}
@@ -196,7 +196,7 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
 
         # warn=False: what the index leaves out was said once, by the driver's check_hf (genoctx.train.init,
         # genoctx.eval.distributed) before any rank started
-        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims), warn=False)
+        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims, adapters=False), warn=False)
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)

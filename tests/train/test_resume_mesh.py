@@ -160,6 +160,18 @@ def test_a_one_process_checkpoint_resumes_on_the_mesh_at_the_runs_rate(prepared,
     _same_run(part, full, rel=1e-5, atol=1e-4)
 
 
+def test_a_one_process_lora_checkpoint_resumes_on_the_mesh(prepared, tmp_path):
+    """A one-process LoRA run (safetensors) resumed on CP=2 x folded EP=2 (one data-parallel rank, as one process):
+    every rank reads its slices of the adapters and their moments (not drawn again; the experts' adapters split with
+    their experts), so steps 3 and 4 and the final weights are the uninterrupted run's."""
+    recipe = _recipe("train.trainable=lora", "train.lora_rank=4")
+    full = tmp_path / "full"
+    train(prepared, recipe, full)
+    part = _cut_back(full, tmp_path / "part", 2)
+    assert _mesh(prepared, recipe, part, cp=2, ep=2, ep_folded=True, resume=True)["resumed_from"] == 2
+    _same_run(part, full, rel=1e-5, atol=1e-4)  # tolerances of the CP=2 resume above
+
+
 @pytest.fixture(scope="module")
 def fsdp2_run(prepared, tmp_path_factory) -> Path:
     """2 steps of an FSDP=2 run (2 data-parallel ranks: 512 tokens per step)."""
