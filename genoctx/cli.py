@@ -685,7 +685,7 @@ def train(
     if no_verify:
         overrides.append("train.verify_checkpoints=false")
     rec = load_recipe(recipe, overrides)
-    # lora: one line before anything is built (one process only for now; not compiled)
+    # lora: one line before anything is built (not compiled yet; every mesh layout runs it)
     check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
     check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: one process for now
     if dry_run:

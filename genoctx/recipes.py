@@ -100,7 +100,7 @@ class TrainConfig:
     # what trains (issue 44; genoctx.model.groups): "all", or a comma list of the named groups (kda, dsa, indexer,
     # router, experts, shared_experts, dense_mlp, mhc, norms, embed, head) and lora; every other parameter is frozen
     # (requires_grad false: no gradient, no optimizer state) and, with router frozen, so are the MoE routing biases.
-    # lora adds the adapters (genoctx.model.lora, train.lora_*) and trains them: in one process for now (issue 44)
+    # lora adds the adapters (genoctx.model.lora, train.lora_*) and trains them, in one process and on every mesh
     trainable: str = "all"
     # LoRA (read when train.trainable names lora): the rank r, alpha (scaling alpha / r, PEFT's) and the adapted
     # projections, a comma list of nn.Linear leaf names and experts.gate_up_proj / experts.down_proj

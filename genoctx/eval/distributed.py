@@ -209,10 +209,12 @@ def build_eval_model(spec: EvalCheckpoint, dims, device, chunk_tokens: int | Non
     from ..parallel.build import FromCheckpoint, FromHF, build_model
     from .scoring import with_head
 
-    source = FromCheckpoint(spec.path) if spec.kind == "genoctx" else FromHF(spec.path)
+    # a LoRA run's checkpoint: its adapters built with the model (spec.lora) and read with the base
+    source = FromCheckpoint(spec.path, adapters=True) if spec.kind == "genoctx" else FromHF(spec.path)
     param_dtype = eval_precision(device).param_dtype  # bf16 on CUDA, as one process's autocast (scoring)
     model = build_model(spec.cfg, dims, source=source, device=device, param_dtype=param_dtype,
-                        cp_chunk_tokens=chunk_tokens if dims is not None and dims.cp > 1 else None)  # fmt: skip
+                        cp_chunk_tokens=chunk_tokens if dims is not None and dims.cp > 1 else None,
+                        lora=spec.lora)  # fmt: skip
     return with_head(model, spec)
 
 

@@ -345,6 +345,8 @@ class EvalCheckpoint:
         token_map: genoctx id -> the model's id for a model with a text vocabulary; None for the 8 nucleotide ids.
         loss_vocab: ``full`` or ``nucleotide`` with a token map (``genoctx.model.vocab``), else None.
         head_chunk_tokens: tokens per logits chunk of the text-vocabulary head (``loss.chunk_tokens``).
+        lora: a LoRA run's adapters (``genoctx.model.lora.LoRASpec`` of its recipe: built with the model and read
+            from the checkpoint), else None.
     """
 
     path: Path
@@ -353,6 +355,7 @@ class EvalCheckpoint:
     token_map: object | None = None
     loss_vocab: str | None = None
     head_chunk_tokens: int = 2048
+    lora: object | None = None
 
 
 def eval_checkpoint(path: str | Path, loss_vocab: str | None = None) -> EvalCheckpoint:
@@ -376,7 +379,10 @@ def eval_checkpoint(path: str | Path, loss_vocab: str | None = None) -> EvalChec
         if token_map is not None and token_map.is_identity:
             token_map = None
         vocab = (loss_vocab or state.get("loss_vocab") or recipe.loss.vocab) if token_map is not None else None
-        return EvalCheckpoint(ck, "genoctx", recipe.model, token_map, vocab, recipe.loss.chunk_tokens)
+        from ..train.loop import lora_spec
+
+        return EvalCheckpoint(ck, "genoctx", recipe.model, token_map, vocab, recipe.loss.chunk_tokens,
+                              lora_spec(recipe))  # fmt: skip
     token_map = _hf_token_map(ck)
     cfg, _ = read_config(ck)
     return EvalCheckpoint(ck, "hf", cfg, token_map, (loss_vocab or "full") if token_map is not None else None)

@@ -16,8 +16,8 @@ Design choices:
   stored expert-first, ``gate_up_proj_lora_A`` [E, r, D], ``gate_up_proj_lora_B`` [E, 2I, r], ``down_proj_lora_A``
   [E, r, I], ``down_proj_lora_B`` [E, D, r], run inside the grouped dispatch (``Experts.adapter(e)`` hands expert
   e's slices to ``moe.expert_mlp``, which adds the low-rank term on that expert's rows). Expert-first so that
-  expert parallelism and FSDP can shard them on dim 0 like the base weights (not yet wired: ``apply_ep`` refuses a
-  model with expert adapters rather than ignoring them).
+  expert parallelism and FSDP shard them on dim 0 like the base weights (``genoctx.parallel.experts.apply_ep`` splits
+  them with the experts; its autograd Function runs them and returns their gradients).
 - PEFT's layout of the same adapters (peft 0.21 ``ParamWrapper``, ``tuners/lora/layer.py``): for a 3-D parameter
   ``[E, s1, s2]`` on a module without ``is_transposed`` (transformers' ``Glm5NextTextExperts`` has none: its
   ``F.linear(x, gate_up_proj[e])`` reads ``[E, out, in]``) peft swaps in/out to ``in = s2``, ``out = s1`` and holds
@@ -37,12 +37,14 @@ Design choices:
   adapters by name (checkpoints); ``is_lora_name`` tells an adapter's parameter name (suffix ``lora_A``/``lora_B``).
 
 Apply on a built model (real or meta device) before parallelism and before the optimizer is made. Meta-device
-adapters are drawn by ``reset_lora(model, seed)`` after ``to_empty``.
+adapters are drawn by ``reset_lora(model, seed)`` after ``to_empty`` (``genoctx.parallel.build.build_model``'s
+``lora``: applied on meta, each rank keeping its piece of the one-process draws, ``reset_lora(..., targets)``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -73,6 +75,17 @@ EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 LORA_SUFFIXES = ("lora_A", "lora_B")
 
 
+@dataclass(frozen=True)
+class LoRASpec:
+    """The adapters to build (``apply_lora``'s arguments): rank r >= 1, alpha (scaling ``alpha / r``), targets (leaf
+    names, a comma string or a sequence) and the seed of A's draws (``train.seed``; None: torch's generator)."""
+
+    rank: int
+    alpha: float
+    targets: str | tuple[str, ...] = DEFAULT_TARGETS
+    seed: int | None = None
+
+
 def is_lora_name(name: str) -> bool:
     """Whether parameter ``name`` (``named_parameters()`` form) is a LoRA adapter: its last part ends in
     ``lora_A`` or ``lora_B`` (``...q_proj.lora_A``, ``...experts.gate_up_proj_lora_B``)."""
@@ -81,10 +94,16 @@ def is_lora_name(name: str) -> bool:
 
 def _kaiming_(t: torch.Tensor, fan_in: int, generator: torch.Generator | None) -> None:
     """PEFT's A init in place: kaiming-uniform(a=√5) for fan-in ``fan_in`` (uniform in ±1/√fan_in), on the [-1, fan_in]
-    view (an [E, r, in] stack draws as peft's [E·r, in] ``nn.Linear`` weight)."""
+    view (an [E, r, in] stack draws as peft's [E·r, in] ``nn.Linear`` weight). Drawn on the CPU in ``t``'s dtype (the
+    generator is a CPU one) and copied: the same values on every device."""
     if t.device.type == "meta":
         return
-    nn.init.kaiming_uniform_(t.view(-1, fan_in), a=math.sqrt(5), generator=generator)
+    if t.device.type == "cpu" and t.is_contiguous():
+        nn.init.kaiming_uniform_(t.view(-1, fan_in), a=math.sqrt(5), generator=generator)
+        return
+    cpu = torch.empty(t.shape, dtype=t.dtype)
+    nn.init.kaiming_uniform_(cpu.view(-1, fan_in), a=math.sqrt(5), generator=generator)
+    t.copy_(cpu)
 
 
 class LoRALinear(nn.Linear):
@@ -211,20 +230,54 @@ def apply_lora(
     return adapted
 
 
-def reset_lora(model: nn.Module, seed: int | None = None) -> None:
+def adapter_draws(model: nn.Module) -> list[tuple[str, str, int]]:
+    """Every adapter of ``model`` as ``(parameter name, "kaiming" | "zeros", fan-in)``, in the order ``apply_lora``
+    draws them (module order; a linear's ``lora_A`` then ``lora_B``; an ``Experts``' ``gate_up_proj`` pair, then
+    ``down_proj``'s). Names are ``named_parameters()`` names (the one-device names on a parallelized model too)."""
+    out = []
+    for path, mod in model.named_modules():
+        pre = f"{path}." if path else ""
+        if isinstance(mod, LoRALinear):
+            out += [(pre + "lora_A", "kaiming", mod.in_features), (pre + "lora_B", "zeros", 0)]
+        elif isinstance(mod, Experts) and mod.lora_scale is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                a = getattr(mod, f"{name}_lora_A", None)
+                if a is not None:
+                    out += [(f"{pre}{name}_lora_A", "kaiming", a.shape[-1]), (f"{pre}{name}_lora_B", "zeros", 0)]
+    return out
+
+
+def reset_lora(model: nn.Module, seed: int | None = None, targets: dict | None = None) -> None:
     """Redraw every adapter of ``model`` as ``apply_lora`` does (A kaiming-uniform, B zeros), e.g. after
-    ``to_empty`` of a meta-device model."""
+    ``to_empty`` of a meta-device model.
+
+    Args:
+        model: a model with adapters (plain, or parallelized: FSDP2 shards, an expert-parallel block of experts).
+        seed: seeds the generator of the A draws, as ``apply_lora``'s ``seed`` (None: torch's global generator).
+        targets: None redraws each adapter whole. On a mesh, ``genoctx.parallel.state.local_targets``'s map
+            (one-device name -> (this rank's local tensor, global shape, box)): every rank draws each A whole, in
+            ``apply_lora``'s order on the CPU, and keeps its box, so that the adapters equal one process's for the
+            same seed under every layout (cost: each rank draws every A once, r x in values per linear and E x r x in
+            per expert stack, one tensor at a time).
+
+    Raises:
+        KeyError: ``targets`` lacks an adapter of ``model``.
+    """
     generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, LoRALinear):
-                mod.reset_lora(generator)
-            elif isinstance(mod, Experts) and mod.lora_scale is not None:
-                for name in ("gate_up_proj", "down_proj"):
-                    a = getattr(mod, f"{name}_lora_A", None)
-                    if a is not None:
-                        _kaiming_(a, a.shape[-1], generator)
-                        getattr(mod, f"{name}_lora_B").zero_()
+        for name, kind, fan_in in adapter_draws(model):
+            if targets is None:
+                local, box = params[name].data, None
+                shape = tuple(local.shape)
+            else:
+                local, shape, box = targets[name]
+            if kind == "zeros":
+                local.zero_()
+                continue
+            full = torch.empty(shape, dtype=local.dtype)
+            _kaiming_(full, fan_in, generator)
+            local.copy_(full if box is None else full[box])
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

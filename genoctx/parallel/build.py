@@ -76,9 +76,12 @@ FP8_ONE_PROCESS = (
 
 @dataclass(frozen=True)
 class FromCheckpoint:
-    """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only."""
+    """A genoctx checkpoint directory (``state.json`` with ``dcp/`` or ``model.safetensors``): weights only.
+    ``adapters``: also read the LoRA adapters (a LoRA run's checkpoint into a model built with its ``lora``, as
+    evaluation does); False fills the base alone and ``build_model`` draws fresh adapters (``--init`` from a run)."""
 
     path: Path
+    adapters: bool = False
 
 
 def agree(dims: ParallelDims | None, fn):
@@ -218,30 +221,34 @@ def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False, lor
         reader.close()
 
 
-def _load_dcp_weights(ckpt: Path, model: nn.Module, dims, partial: bool = False) -> None:
+def _load_dcp_weights(ckpt: Path, model: nn.Module, dims, partial: bool = False, adapters: bool = False) -> None:
     """The model's tensors of a DCP checkpoint (any layout it was saved in) into this rank's pieces; ``partial``:
-    those it holds (``read_checkpoint_slices``)."""
+    those it holds (``read_checkpoint_slices``); the LoRA adapters only with ``adapters``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    sd = {k: v for k, v in canonical_state(model, None, dims).items() if k.startswith("model.")}
+    from ..model.lora import is_lora_name
+
+    sd = canonical_state(model, None, dims)
+    sd = {k: v for k, v in sd.items() if k.startswith("model.") and (adapters or not is_lora_name(k))}
     if partial:
         try:
             keys = {k for k in FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata
                     if k.startswith("model.")}  # fmt: skip
         except Exception as e:
             raise GenoctxError(f"{ckpt}/{DCP_DIR}/.metadata: unreadable ({dcp_error_line(e)})") from None
-        if keys - set(sd):
-            raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds {sorted(keys - set(sd))[0][6:]}, which this model has not")
+        extra = sorted(k for k in keys - set(sd) if not is_lora_name(k))
+        if extra:
+            raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds {extra[0][6:]}, which this model has not")
         sd = {k: v for k, v in sd.items() if k in keys}
     else:
         try:
             keys = set(FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata().state_dict_metadata)
         except Exception:
             keys = set()  # dcp.load below names what is unreadable
-    lora = sorted(k[6:] for k in keys if k.startswith("model.") and k not in sd and k.endswith(("lora_A", "lora_B")))
-    if lora:  # a distributed LoRA run's adapters: merging boxes of DCP tensors is not built; never drop them
+    lora = sorted(k[6:] for k in keys if k.startswith("model.") and k not in sd and is_lora_name(k))
+    if lora:  # a distributed LoRA run's adapters into weights: merging boxes of DCP tensors is not built; never lost
         raise GenoctxError(f"{ckpt}: a LoRA run's distributed checkpoint (adapters such as {lora[0]}): start from it "
                            "with `genoctx export --merge` of it, then --init the export")  # fmt: skip
     try:
@@ -262,10 +269,20 @@ def dcp_error_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def persistent_targets(model: nn.Module, dims) -> dict:
-    """``local_targets`` of the tensors a checkpoint stores (parameters and persistent buffers)."""
+def base_targets(model: nn.Module, dims, buffers: bool = True) -> dict:
+    """``local_targets`` without the LoRA adapters (``genoctx.model.lora.is_lora_name``): what a source fills. The
+    adapters are drawn afterwards (``build_model``'s ``lora``) or loaded with the run's checkpoint (``--resume``)."""
+    from ..model.lora import is_lora_name
+
+    return {k: v for k, v in local_targets(model, dims, buffers=buffers).items() if not is_lora_name(k)}
+
+
+def persistent_targets(model: nn.Module, dims, adapters: bool = True) -> dict:
+    """``local_targets`` of the tensors a checkpoint stores (parameters and persistent buffers); without
+    ``adapters``, the base's alone (``base_targets``: what ``fill`` reads from an HF model or an ``--init`` run)."""
     keep = set(model.state_dict().keys())
-    return {k: v for k, v in local_targets(model, dims).items() if k in keep}
+    targets = local_targets(model, dims) if adapters else base_targets(model, dims)
+    return {k: v for k, v in targets.items() if k in keep}
 
 
 def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
@@ -286,14 +303,14 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
             local.zero_()
         return {"source": "zeros", "path": None, "skipped": None}
     if isinstance(source, Fresh):
-        fill_fresh(local_targets(model, dims), init_spec(model), model.init_seed)
+        fill_fresh(base_targets(model, dims), init_spec(model), model.init_seed)
         return {"source": "fresh", "path": None, "skipped": None, "seed": model.init_seed}
     if isinstance(source, FromHF):
         from ..model.hf import read_hf_into
 
         # warn=False: what the index leaves out was said once, by the driver's check_hf (genoctx.train.init,
         # genoctx.eval.distributed) before any rank started
-        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims), warn=False)
+        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims, adapters=False), warn=False)
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)
@@ -301,9 +318,9 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
         if base is not None:  # it holds only what trained: its base first (a chain of such runs followed)
             fill(model, dims, base)
         if is_sharded(ckpt):
-            _load_dcp_weights(ckpt, model, dims, partial=base is not None)
+            _load_dcp_weights(ckpt, model, dims, partial=base is not None, adapters=source.adapters)
         else:
-            targets = persistent_targets(model, dims)
+            targets = persistent_targets(model, dims, source.adapters)
             if model.lm_head.weight is model.embed_tokens.weight:
                 targets.pop(TIED_HEAD, None)
             read_checkpoint_slices(ckpt / "model.safetensors", targets, partial=base is not None,
@@ -327,6 +344,7 @@ def build_model(
     compile: bool = False,
     offload_activations: bool = False,
     frozen_fp8: FrozenFP8 | None = None,
+    lora=None,
 ) -> HybridLM:
     """Make ``HybridLM(cfg)`` on the mesh of ``dims``: meta device, ``apply_parallel``, ``to_empty``, fill this
     rank's pieces from ``source`` (module docstring). A collective when ``dims`` is distributed (FSDP2's
@@ -349,6 +367,12 @@ def build_model(
         frozen_fp8: these weights held as fp8 (``_hold_fp8``): filled straight from an HF base's fp8 blocks, any
             other source (a base stored in bf16, a fresh init) quantized once filled; a genoctx checkpoint or
             ``Zeros`` fills the holders as they are. One device only.
+        lora: a ``genoctx.model.lora.LoRASpec`` (``train.trainable: lora``) or None. The adapters are added on the
+            meta device, before parallelism (expert parallelism splits the experts' adapters with them, FSDP2 shards
+            them as the other parameters), the source fills the base (never the adapters), then every rank draws its
+            pieces of the one-process adapters for ``lora.seed`` (``genoctx.model.lora.reset_lora`` with this rank's
+            targets: A kaiming-uniform, B zeros; the same values under every layout). ``Zeros()`` leaves them zero
+            (a checkpoint holding them is loaded next); ``FromCheckpoint(path, adapters=True)`` reads them.
 
     Returns:
         The model; ``model.build_info`` says what filled it (``fill``'s dict) and ``model.parallel_handles`` holds
@@ -357,6 +381,7 @@ def build_model(
     Raises:
         GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
         GenoctxError: ``frozen_fp8`` with a mesh (``FP8_ONE_PROCESS``); an HF base whose fp8 blocks do not fit.
+        GenoctxError: LoRA targets that match nothing (naming ``train.lora_targets``).
         ValueError: ``offload_activations`` without ``activation_checkpointing``.
     """
     from ..model.model import cast_model
@@ -368,6 +393,13 @@ def build_model(
     if dtype != torch.float32:
         cast_model(model, dtype)
     quantize_after = _hold_fp8(model, dims, source, frozen_fp8)
+    if lora is not None:  # on meta, before parallelism (module docstring)
+        from ..model.lora import apply_lora
+
+        try:
+            apply_lora(model, lora.rank, lora.alpha, lora.targets, seed=lora.seed)
+        except ValueError as e:
+            raise GenoctxError(f"train.lora_targets {lora.targets!r}: {e}") from None
     handles = []
     if dims is not None:
         handles = apply_parallel(model, dims, activation_checkpointing=activation_checkpointing,
@@ -407,6 +439,10 @@ def build_model(
     if frozen_fp8 is not None:
         model.build_info["fp8"] = {"held": len(frozen_fp8.names), "quantized": len(quantize_after),
                                    "block": list(frozen_fp8.block)}  # fmt: skip
+    if lora is not None and not isinstance(source, Zeros) and not getattr(source, "adapters", False):
+        from ..model.lora import reset_lora
+
+        reset_lora(model, lora.seed, local_targets(model, dims, buffers=False))
     if isinstance(source, FromHF):
         from ..model.hf import log_skipped
 

@@ -48,11 +48,21 @@ those rows, accumulates the local experts' weight gradients and sends back the i
 output (the reverse ``all_to_all_single``), from which the sender forms ``dL/dweight = <dL/dy, output>``. So the
 exchange is re-run in backward as part of the Function's own backward, never inside a checkpoint recomputation;
 the backward of every MoE layer is one autograd node, so ranks cannot reorder its collectives. The expert
-recomputation runs under the autocast state of the forward. ``MoE.recompute`` only decides whether step 1 is
-checkpointed: under EP the expert activations are always recomputed (keeping them would make the receiving rank's
-memory follow the routing). Cost, per (token, slot) row: forward sends D values each way, backward 2 D each way
-(the hidden state is re-sent instead of kept, the output is returned for the weight's gradient), and each expert
-runs its forward twice (forward, recomputation) and its backward once, as with checkpointing.
+recomputation runs under the autocast state of the forward.
+
+LoRA (``genoctx.model.lora``, issue 44): the experts' adapters are stored expert-first (``gate_up_proj_lora_A``
+[E, r, D], ``gate_up_proj_lora_B`` [E, 2I, r], ``down_proj_lora_A`` [E, r, I], ``down_proj_lora_B`` [E, D, r]) so that
+``apply_ep`` splits them on dim 0 with the base weights. They are inputs of ``_EPExperts`` like the base weights: the
+owner runs ``expert_mlp`` with expert ``e``'s slices (the one-process math of ``Experts.forward``) and its backward
+accumulates their gradients as it does the weights'. Frozen tensors (``requires_grad`` False, e.g.
+``train.trainable: lora`` or a list without ``experts``) get no accumulator and their weight-gradient matmuls never
+run: the recomputed expert's autograd asks only for what trains (plus the rows' input gradient).
+
+``MoE.recompute`` only decides whether step 1 is checkpointed: under EP the expert activations are always recomputed
+(keeping them would make the receiving rank's memory follow the routing). Cost, per (token, slot) row: forward sends
+D values each way, backward 2 D each way (the hidden state is re-sent instead of kept, the output is returned for the
+weight's gradient), and each expert runs its forward twice (forward, recomputation) and its backward once, as with
+checkpointing.
 
 Gradients: a local expert's gradient already sums the contributions of every EP rank's tokens; reduce it only
 over the ranks that hold the same block (``expert_parameters`` lists these parameters, each marked
@@ -211,11 +221,26 @@ def _group_by_expert(per: Tensor, device) -> tuple[Tensor, list[int]]:
     return perm, cpu_values(per.sum(0))
 
 
-def _run_experts(xr: Tensor, per: Tensor, gate_up: Tensor, down: Tensor, limit: float) -> Tensor:
-    """Forward of the local experts on received rows xr [n, D] (rows per (source, expert) ``per``) -> [n, D]."""
+def _lora_of(lora: tuple | None, e: int) -> tuple | None:
+    """Local expert ``e``'s slices of the stacked adapters ``(A_gu [El, r, D], B_gu [El, 2I, r], A_dn [El, r, I],
+    B_dn [El, D, r], scale)`` (a None pair stays None) in ``expert_mlp``'s form; None without adapters."""
+    if lora is None:
+        return None
+    return (*(None if t is None else t[e] for t in lora[:4]), lora[4])
+
+
+def _run_experts(
+    xr: Tensor, per: Tensor, gate_up: Tensor, down: Tensor, limit: float, lora: tuple | None = None
+) -> Tensor:
+    """Forward of the local experts on received rows xr [n, D] (rows per (source, expert) ``per``) -> [n, D];
+    ``lora`` the local experts' stacked adapters (``_lora_of``) or None."""
     perm, sizes = _group_by_expert(per, xr.device)
     xs = xr[perm]
-    ys = [expert_mlp(xe, gate_up[e], down[e], limit) for e, xe in enumerate(xs.split(sizes)) if xe.shape[0]]
+    ys = [
+        expert_mlp(xe, gate_up[e], down[e], limit, _lora_of(lora, e))
+        for e, xe in enumerate(xs.split(sizes))
+        if xe.shape[0]
+    ]
     h = torch.empty(xr.shape[0], xr.shape[1], dtype=_out_dtype(xr, gate_up), device=xr.device)
     if ys:
         h[perm] = torch.cat(ys).to(h.dtype)
@@ -228,11 +253,17 @@ def _out_dtype(x: Tensor, gate_up: Tensor) -> torch.dtype:
 
 
 def _backward_experts(
-    xr: Tensor, ghr: Tensor, per: Tensor, gate_up: Tensor, down: Tensor, limit: float, g_gu: Tensor, g_dn: Tensor
+    xr: Tensor, ghr: Tensor, per: Tensor, weights: list, limit: float, scale: float | None, grads: list
 ) -> tuple[Tensor, Tensor]:
     """Recompute the local experts on received rows xr [n, D] with grad and back-propagate their output gradient
-    ghr [n, D]: adds the weight gradients into ``g_gu`` [El, 2I, D] and ``g_dn`` [El, D, I]; returns (dL/dxr [n, D]
-    in xr's dtype, the expert outputs [n, D])."""
+    ghr [n, D].
+
+    ``weights``: the six stacked local tensors ``[gate_up [El, 2I, D], down [El, D, I], A_gu [El, r, D], B_gu [El,
+    2I, r], A_dn [El, r, I], B_dn [El, D, r]]`` (an adapter None where there is none); ``scale`` the adapters'
+    ``alpha / r`` (None without adapters). ``grads``: one accumulator per entry of ``weights`` (same shape), or None
+    where that tensor's gradient is not wanted (a frozen tensor): its gradient is then never computed (autograd
+    skips the weight-gradient matmuls of an input that does not require grad). Adds each wanted gradient of expert
+    ``e`` into ``grads[i][e]``; returns (dL/dxr [n, D] in xr's dtype, the expert outputs [n, D])."""
     perm, sizes = _group_by_expert(per, xr.device)
     xs, gs = xr[perm], ghr[perm]
     gx = torch.zeros_like(xr)
@@ -244,12 +275,18 @@ def _backward_experts(
         rows = perm[off : off + n]
         with torch.enable_grad():
             xe = xs[off : off + n].detach().requires_grad_(True)
-            gu = gate_up[e].detach().requires_grad_(True)
-            dn = down[e].detach().requires_grad_(True)
-            he = expert_mlp(xe, gu, dn, limit)
-            dx, dgu, ddn = torch.autograd.grad(he, (xe, gu, dn), gs[off : off + n].to(he.dtype))
-        g_gu[e] += dgu
-        g_dn[e] += ddn
+            ws = [
+                None if w is None else w[e].detach().requires_grad_(g is not None)
+                for w, g in zip(weights, grads, strict=True)
+            ]
+            lora = None if scale is None else (*ws[2:], scale)
+            he = expert_mlp(xe, ws[0], ws[1], limit, lora)
+            wanted = [xe] + [w for w, g in zip(ws, grads, strict=True) if g is not None]
+            got = torch.autograd.grad(he, wanted, gs[off : off + n].to(he.dtype))
+        dx, rest = got[0], iter(got[1:])
+        for g in grads:
+            if g is not None:
+                g[e] += next(rest)
         gx[rows] = dx
         h[rows] = he.detach().to(h.dtype)
         off += n
@@ -259,12 +296,19 @@ def _backward_experts(
 class _EPExperts(torch.autograd.Function):
     """``Σ_slots weight · Expert_e(x_t)`` with the experts spread over the EP ranks (module docstring, 3-4).
 
-    forward(x [N, D], weights [N, k] fp32, gate_up [El, 2I, D], down [El, D, I], plan) -> [N, D] in the experts'
-    output dtype. Backward returns the gradients of x, weights and the two local weight tensors.
+    forward(x [N, D], weights [N, k] fp32, plan, combine, scale, gate_up [El, 2I, D], down [El, D, I], A_gu
+    [El, r, D], B_gu [El, 2I, r], A_dn [El, r, I], B_dn [El, D, r]) -> [N, D] in the experts' output dtype. The four
+    adapters (``genoctx.model.lora``; each None where there is none, ``scale`` None without any) add
+    ``scale · (h A_e^T) B_e^T`` to expert ``e``'s projections inside ``expert_mlp``, as ``Experts.forward`` does in
+    one process. Backward returns the gradients of x, weights and of each local tensor that requires grad; a frozen
+    one (``requires_grad`` False: ``train.trainable`` without ``experts``) gets None and its weight-gradient matmuls
+    never run.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, plan: _Plan, combine: str) -> Tensor:
+    def forward(ctx, x: Tensor, weights: Tensor, plan: _Plan, combine: str, scale: float | None, *ws: Tensor) -> Tensor:
+        gate_up, down = ws[0], ws[1]
+        lora = None if scale is None else (*ws[2:], scale)
         N, D = x.shape
         hd = _out_dtype(x, gate_up)
         acc = torch.promote_types(hd, weights.dtype)
@@ -275,7 +319,7 @@ class _EPExperts(torch.autograd.Function):
             send, recv, slots, per = plan.round(r)
             tok = slots // plan.k
             (xr,) = _exchange([x[tok]], send, recv, plan.group)
-            h = _run_experts(xr, per, gate_up, down, plan.limit)
+            h = _run_experts(xr, per, gate_up, down, plan.limit, lora)
             (hb,) = _exchange([h], recv, send, plan.group)
             if slot_sum:
                 out.index_copy_(0, slots, hb * w[slots].unsqueeze(-1))
@@ -284,7 +328,9 @@ class _EPExperts(torch.autograd.Function):
             del xr, h, hb  # this round's rows and activations go before the next round
         if slot_sum:
             out = out.view(N, plan.k, D).sum(1)
-        ctx.save_for_backward(x, weights, gate_up, down)
+        present = [t is not None for t in ws]
+        ctx.save_for_backward(x, weights, *(t for t in ws if t is not None))
+        ctx.present, ctx.scale = present, scale
         ctx.plan, ctx.hd, ctx.combine = plan, hd, combine
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -292,7 +338,9 @@ class _EPExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weights, gate_up, down = ctx.saved_tensors
+        x, weights, *saved = ctx.saved_tensors
+        it = iter(saved)
+        ws = [next(it) if p else None for p in ctx.present]
         plan, hd = ctx.plan, ctx.hd
         dev, enabled, dtype = ctx.autocast
         acc = torch.promote_types(hd, weights.dtype)
@@ -301,7 +349,9 @@ class _EPExperts(torch.autograd.Function):
         slot_sum = ctx.combine == "slot_sum"
         gx = x.new_zeros(x.shape[0] * plan.k, x.shape[1], dtype=acc) if slot_sum else torch.zeros_like(x)
         gw = torch.zeros_like(w)
-        g_gu, g_dn = torch.zeros_like(gate_up), torch.zeros_like(down)
+        need_w = ctx.needs_input_grad[5:]
+        # accumulators only for what trains: a frozen expert weight gets no buffer and no weight-gradient matmul
+        grads = [torch.zeros_like(t) if t is not None and need else None for t, need in zip(ws, need_w, strict=True)]
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
             for r in range(plan.rounds):
                 send, recv, slots, per = plan.round(r)
@@ -309,7 +359,7 @@ class _EPExperts(torch.autograd.Function):
                 gwt = g[tok]  # gradient of weight · output, [n_send, D] in acc
                 gh = (gwt * w[slots].unsqueeze(-1)).to(hd)
                 xr, ghr = _exchange([x[tok], gh], send, recv, plan.group)
-                gxr, hr = _backward_experts(xr, ghr, per, gate_up, down, plan.limit, g_gu, g_dn)
+                gxr, hr = _backward_experts(xr, ghr, per, ws, plan.limit, ctx.scale, grads)
                 gxs, hs = _exchange([gxr, hr], recv, send, plan.group)
                 if slot_sum:
                     gx.index_copy_(0, slots, gxs.to(acc))
@@ -320,14 +370,7 @@ class _EPExperts(torch.autograd.Function):
         if slot_sum:
             gx = gx.view(x.shape[0], plan.k, x.shape[1]).sum(1).to(x.dtype)
         need = ctx.needs_input_grad
-        return (
-            gx if need[0] else None,
-            gw.view_as(weights) if need[1] else None,
-            g_gu if need[2] else None,
-            g_dn if need[3] else None,
-            None,
-            None,
-        )
+        return (gx if need[0] else None, gw.view_as(weights) if need[1] else None, None, None, None, *grads)
 
 
 def _plan(experts: torch.Tensor, ex: Experts, cap: int) -> _Plan:
@@ -365,7 +408,8 @@ def _ep_experts_forward(ex: Experts, x: Tensor, experts: Tensor, weights: Tensor
     must call it. Sets ``ex.ep_stats`` (``ep_received_rows``, ``ep_max_round_rows``, ``ep_rounds``)."""
     plan = _plan(experts, ex, cap)
     ex.combine = combine_path()  # as Experts.forward: index_add, or slot_sum under train.deterministic
-    y = _EPExperts.apply(x, weights, ex.gate_up_proj, ex.down_proj, plan, ex.combine)
+    adapters = [getattr(ex, f"{n}_lora_{ab}", None) for n in ("gate_up_proj", "down_proj") for ab in "AB"]
+    y = _EPExperts.apply(x, weights, plan, ex.combine, ex.lora_scale, ex.gate_up_proj, ex.down_proj, *adapters)
     lo_hi = [round_bounds(plan.pair, plan.rounds, r) for r in range(plan.rounds)]
     rows = [cpu_values((hi[:, plan.me] - lo[:, plan.me]).sum()) for lo, hi in lo_hi]  # host plan: no device read
     ex.ep_stats = {"ep_received_rows": sum(rows), "ep_max_round_rows": max(rows, default=0), "ep_rounds": len(rows)}
@@ -420,14 +464,21 @@ class _EPOverride:
                 del m.forward
 
 
+# an Experts module's tensors split on dim 0 (experts): the base weights, then LoRA's expert-first adapters
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_lora_A", "gate_up_proj_lora_B", "down_proj_lora_A",
+                  "down_proj_lora_B")  # fmt: skip
+
+
 def apply_ep(model: nn.Module, ep_group, ep_size: int, ep_rank: int) -> list[_EPOverride]:
     """Spread the routed experts of every ``MoE`` in ``model`` over the EP group (module docstring).
 
-    For each MoE: ``experts.gate_up_proj`` [E, 2I, D] and ``experts.down_proj`` [E, D, I] are replaced by new
-    ``nn.Parameter``s holding clones of rows ``[ep_rank E / ep_size, (ep_rank + 1) E / ep_size)`` (so call this
-    before building the optimizer), each marked ``_genoctx_expert = True``; the ``Experts`` module records
-    ``ep_size``, ``ep_rank``, ``expert_offset`` (its first global expert), ``n_local_experts`` and ``ep_group``
-    (``n_experts`` stays E, the router's count); ``forward`` is overridden on the MoE and Experts instances.
+    For each MoE: ``experts.gate_up_proj`` [E, 2I, D] and ``experts.down_proj`` [E, D, I] (and their LoRA adapters,
+    ``genoctx.model.lora``, stored expert-first: ``*_lora_A`` [E, r, in], ``*_lora_B`` [E, out, r]; ``EXPERT_TENSORS``)
+    are replaced by new ``nn.Parameter``s (same ``requires_grad``) holding clones of rows ``[ep_rank E / ep_size,
+    (ep_rank + 1) E / ep_size)`` (so call this before building the optimizer), each marked ``_genoctx_expert =
+    True``; the ``Experts`` module records ``ep_size``, ``ep_rank``, ``expert_offset`` (its first global expert),
+    ``n_local_experts`` and ``ep_group`` (``n_experts`` stays E, the router's count); ``forward`` is overridden on the
+    MoE and Experts instances.
 
     Args:
         model: any module containing ``genoctx.model.moe.MoE`` layers (a ``HybridLM``, or a ``MoE`` itself).
@@ -458,10 +509,6 @@ def apply_ep(model: nn.Module, ep_group, ep_size: int, ep_rank: int) -> list[_EP
             )
         if "forward" in vars(moe) or hasattr(moe.experts, "ep_size"):
             raise ValueError("apply_ep: the model already has expert parallelism applied")
-        if getattr(moe.experts, "lora_scale", None) is not None:  # the EP path would silently skip them
-            raise ValueError(
-                "apply_ep: LoRA adapters on the routed experts are not supported under expert parallelism yet"
-            )
     if ep_group is None and ep_size > 1:
         raise ValueError(f"expert parallelism: ep={ep_size} needs a process group")
     if ep_group is not None and (dist.get_world_size(ep_group), dist.get_rank(ep_group)) != (ep_size, ep_rank):
@@ -474,8 +521,10 @@ def apply_ep(model: nn.Module, ep_group, ep_size: int, ep_rank: int) -> list[_EP
         ex = moe.experts
         El = ex.n_experts // ep_size
         off = ep_rank * El
-        for name in ("gate_up_proj", "down_proj"):
-            old = getattr(ex, name)
+        for name in EXPERT_TENSORS:  # the base weights and their expert-first adapters [E, ...], when present
+            old = getattr(ex, name, None)
+            if old is None:
+                continue
             p = nn.Parameter(old.detach()[off : off + El].clone(), requires_grad=old.requires_grad)
             p._genoctx_expert = True
             setattr(ex, name, p)

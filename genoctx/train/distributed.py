@@ -141,6 +141,7 @@ def _train_worker(config: dict, session) -> None:
         describe_trainable,
         end_attempt,
         log_step,
+        lora_spec,
         sample_batch,
         save_run_checkpoint,
         train_autocast,
@@ -178,7 +179,8 @@ def _train_worker(config: dict, session) -> None:
     model = build_model(recipe.model, dims, source=source, device=dev, param_dtype=bf16_params,
                         activation_checkpointing=cfg.activation_checkpointing,
                         offload_activations=cfg.offload_activations,
-                        offload_optimizer=cfg.offload_optimizer, compile=cfg.compile)  # fmt: skip
+                        offload_optimizer=cfg.offload_optimizer, compile=cfg.compile,
+                        lora=lora_spec(recipe))  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
     if rank == 0 and cfg.trainable != "all":
         log.info(describe_trainable(trainable_counts(model, cfg.trainable)))

@@ -40,7 +40,7 @@ from ..errors import GenoctxError
 from ..model.fp8 import holders
 from ..model.groups import GROUPS, LORA, group_of, parse_trainable
 from ..model.host import read
-from ..model.lora import is_lora_name
+from ..model.lora import LoRASpec, adapter_draws, is_lora_name
 from ..model.model import HybridLM, shift_inputs, token_losses
 from ..model.precision import island
 from ..parallel.context import all_reduce_moe_loads, all_reduce_sum, shard_sequence
@@ -52,7 +52,6 @@ from .checkpoint import (
     CKPT_DIR,
     HOLDS,
     TRAINABLE,
-    apply_recipe_lora,
     base_of,
     check_base_chain,
     has_lora,
@@ -130,30 +129,35 @@ def is_indexer_parameter(name: str) -> bool:
     return ".self_attn.indexer." in f".{name}"
 
 
-LORA_ONE_PROCESS = "train.trainable: lora runs in one process for now (issue 44)"
-
-
 def check_trainable(spec: str, mesh: bool = False, compile: bool = False) -> tuple[str, ...]:
     """The groups ``train.trainable`` names (``genoctx.model.groups.parse_trainable``), refusing what cannot run yet.
 
     Args:
         spec: ``train.trainable``.
-        mesh: the run is distributed (``--num-workers``, EP): LoRA is wired in one process only.
-        compile: ``train.compile`` (the adapters are added after the layers are compiled: not yet).
+        mesh: the run is distributed (``--num-workers``, EP). LoRA runs in every mesh layout (FSDP2, folded EP, CP,
+            HSDP, the chunked backward, activation checkpointing): the flag is kept for callers and refuses nothing.
+        compile: ``train.compile`` (LoRA is not compiled yet).
 
     Raises:
-        GenoctxError: a bad spec; ``lora`` with ``mesh`` (``LORA_ONE_PROCESS``) or with ``compile``.
+        GenoctxError: a bad spec; ``lora`` with ``compile``.
     """
     try:
         groups = parse_trainable(spec)
     except ValueError as e:
         raise GenoctxError(str(e)) from None
-    if LORA in groups and mesh:
-        raise GenoctxError(LORA_ONE_PROCESS)
     if LORA in groups and compile:
         raise GenoctxError("train.trainable: lora with train.compile is not supported yet (issue 44): set "
                            "train.compile=false")  # fmt: skip
     return groups
+
+
+def lora_spec(recipe) -> LoRASpec | None:
+    """``build_model``'s ``lora`` for a recipe: ``train.lora_rank``, ``lora_alpha``, ``lora_targets`` and A's seed
+    ``train.seed`` when ``train.trainable`` names ``lora``, else None (``genoctx.parallel.build.build_model``)."""
+    t = recipe.train
+    if not has_lora(recipe):
+        return None
+    return LoRASpec(t.lora_rank, t.lora_alpha, t.lora_targets, t.seed)
 
 
 def group_or_lora(name: str, layer_types) -> str:
@@ -176,8 +180,9 @@ def freeze_untrained(model: HybridLM, spec: str) -> None:
     if groups == GROUPS:
         return
     names = [n for n, _ in model.named_parameters()]
-    if LORA in groups and not any(is_lora_name(n) for n in names):  # a mesh run, or a caller that forgot apply_lora
-        raise GenoctxError(f"train.trainable {spec}: the model has no LoRA adapters ({LORA_ONE_PROCESS})")
+    if LORA in groups and not any(is_lora_name(n) for n in names):  # a caller that built no adapters
+        raise GenoctxError(f"train.trainable {spec}: the model has no LoRA adapters (build it with "
+                           "build_model(lora=lora_spec(recipe)))")  # fmt: skip
     for name, p in model.named_parameters():
         if group_or_lora(name, model.cfg.layer_types) not in groups:
             p.requires_grad_(False)
@@ -785,19 +790,21 @@ def train_unlocked(
     fp8 = frozen_fp8(cfg, recipe.model, base, saved if resuming else None)  # train.frozen_dtype (genoctx.train.frozen)
     # the one construction path (mesh of 1); train.compile: each decoder layer compiled (genoctx.parallel.compile);
     # train.activation_checkpointing / offload_activations: each layer recomputed, its input kept in host memory
+    # train.trainable: lora: the adapters are built on meta with the model and drawn after the base is filled (a resume
+    # then loads the saved ones)
+    check_trainable(cfg.trainable, compile=cfg.compile)
     model = build_model(recipe.model, None, source=source, device=dev, compile=cfg.compile,
                         activation_checkpointing=cfg.activation_checkpointing,
-                        offload_activations=cfg.offload_activations, frozen_fp8=fp8)  # fmt: skip
+                        offload_activations=cfg.offload_activations, frozen_fp8=fp8,
+                        lora=lora_spec(recipe))  # fmt: skip
     if fp8 is not None:
         log.info("frozen matmul weights in fp8: %d (%d quantized at load), %s blocks", len(fp8.names),
                  model.build_info["fp8"]["quantized"], "x".join(map(str, fp8.block)))  # fmt: skip
     if base is not None and not resuming:
         log.info("initialised from %s (%s)", base["source"], base.get("revision") or base["path"])
-    if has_lora(recipe):  # after the base's weights, before the optimizer; a resume then loads the saved adapters
-        check_trainable(cfg.trainable, compile=cfg.compile)
-        adapted = apply_recipe_lora(model, recipe)
-        log.info("LoRA: rank %d, alpha %g on %d projections (%s)", cfg.lora_rank, cfg.lora_alpha, len(adapted),
-                 cfg.lora_targets)  # fmt: skip
+    if has_lora(recipe):
+        log.info("LoRA: rank %d, alpha %g on %d projections (%s)", cfg.lora_rank, cfg.lora_alpha,
+                 len(adapter_draws(model)) // 2, cfg.lora_targets)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)
     if cfg.trainable != "all":
         log.info(describe_trainable(trainable_counts(model, cfg.trainable)))

@@ -189,8 +189,10 @@ def test_init_as_peft_and_errors():
         apply_lora(_model()[0], RANK, ALPHA, targets=["q_proj", "nope_proj"])
     from genoctx.parallel.experts import apply_ep
 
-    with pytest.raises(ValueError, match="LoRA adapters on the routed experts"):
-        apply_ep(model, None, 1, 0)
+    split = _model()[0]
+    apply_ep(split, None, 1, 0)  # adapters go on before expert parallelism (which splits them with the experts)
+    with pytest.raises(ValueError, match="before expert parallelism"):
+        apply_lora(split, RANK, ALPHA)
 
 
 def test_meta_built_adapters_redrawn_by_reset_lora_equal_a_direct_apply():

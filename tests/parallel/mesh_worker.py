@@ -59,8 +59,13 @@ CASES = {
     "fsdp2_cp2_chunk_ac": (1, 2, 2),
     # "_frozen": train.trainable FROZEN_SPEC (issue 44): the routed experts, dense MLPs, embedding and head frozen
     "fsdp2_fep2_frozen": (2, 2, 1, True),
+    # "_lora": train.trainable lora (LORA: the default targets, the routed experts' adapters included), the base frozen
+    "fsdp2_fep2_lora": (2, 2, 1, True),
+    "cp2_fep2_lora_ac": (2, 1, 2, True),
+    "fsdp2_chunk_lora": (1, 2, 1),
 }
 FROZEN_SPEC = "kda,dsa,indexer,router,mhc,norms"
+LORA = dict(rank=4, alpha=8.0)  # train.lora_rank / lora_alpha of the "_lora" cases (A drawn from train.seed)
 CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long (CP=2: two rounds, the last one 32)
 STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
@@ -85,6 +90,13 @@ def mesh_model() -> HybridLM:
             if name.endswith(("hc.base", "e_score_correction_bias")):
                 t.copy_(torch.randn_like(t.float()).to(t.dtype) * 0.1)
     return model
+
+
+def lora_spec(cfg: TrainConfig):
+    """The adapters of the "_lora" cases (``genoctx.model.lora.LoRASpec``): ``LORA``, default targets, ``cfg.seed``."""
+    from genoctx.model.lora import DEFAULT_TARGETS, LoRASpec
+
+    return LoRASpec(LORA["rank"], LORA["alpha"], DEFAULT_TARGETS, cfg.seed)
 
 
 def train_config() -> TrainConfig:
@@ -124,16 +136,21 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     from genoctx.train.loop import build_optimizer, train_step
 
     dims = init_case(name)
-    # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
-    model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
-                        offload_optimizer=name.endswith("_offload"), offload_activations="_offact" in name)  # fmt: skip
-    calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
-    model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     cfg = train_config()
     if "_chunk" in name:
         cfg.seq_chunk_tokens = CHUNK
     if "_frozen" in name:
         cfg.trainable = FROZEN_SPEC
+    lora = None
+    if "_lora" in name:  # the adapters built on meta, split and sharded with the model, drawn as one process draws them
+        cfg.trainable, cfg.lora_rank, cfg.lora_alpha, lora = "lora", LORA["rank"], LORA["alpha"], lora_spec(cfg)
+    # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
+    model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
+                        offload_optimizer=name.endswith("_offload"), offload_activations="_offact" in name,
+                        lora=lora)  # fmt: skip
+    calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
+    model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
+    adapters_start = _full_params(model, lora is not None)
     opt, sched = build_optimizer(model, cfg, cfg.steps)
     start, named = _locals(model), dict(model.named_parameters())
     frozen = {n: t for n, t in start.items() if not named[n].requires_grad}  # this rank's frozen shards
@@ -145,7 +162,9 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     after = _locals(model)
+    evaluated = _eval_rebuild(model, opt, sched, cfg, dims, Path(hf_dir).parent / name) if "_lora" in name else None
     return {
+        "evaluated": evaluated,
         "mixer_forwards": calls[0],
         "local_numel": local,  # parameters this rank holds (sharded: about full / shard size)
         "trainable_numel": sum(after[n].numel() for n, p in named.items() if p.requires_grad),
@@ -158,11 +177,44 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
             for t in st.values()
             if torch.is_tensor(t) and t.dim()
         ),
+        "trainable": sorted(n for n, p in named.items() if p.requires_grad),
+        # LoRA: the adapters (whole; a routed expert's: this rank's block of experts) as drawn and after the steps
+        "adapters_start": adapters_start,
+        "adapters": _full_params(model, lora is not None),
         "layout": dims.layout.to_dict(),
         "coords": dims.coordinates(),
         "offsets": _expert_offsets(model),
         "steps": steps,
     }
+
+
+def _eval_rebuild(model, opt, sched, cfg, dims, run_dir: Path) -> dict:
+    """Save a sharded checkpoint of the trained LoRA ``model`` and build it again on the same mesh as the mesh
+    evaluation does (``genoctx.eval.distributed.build_eval_model``: the adapters built from the run's recipe and read
+    from the checkpoint). Returns the names of this rank's local tensors that differ from the trained model's."""
+    from genoctx.eval.distributed import build_eval_model
+    from genoctx.eval.scoring import eval_checkpoint
+    from genoctx.recipes import Recipe
+    from genoctx.train.sharded import save_sharded
+
+    ckpt = save_sharded(run_dir, cfg.steps, model, opt, sched, Recipe(model=mesh_config(), train=cfg), {}, dims)
+    spec = eval_checkpoint(ckpt)
+    rebuilt = build_eval_model(spec, dims, "cpu", None)
+    want, got = _locals(model), _locals(rebuilt)
+    return {"lora": spec.lora is not None, "names": sorted(got) == sorted(want),
+            "differ": [n for n in want if n in got and not torch.equal(got[n], want[n])]}  # fmt: skip
+
+
+def _full_params(model, lora: bool) -> dict:
+    """The LoRA adapters of ``model`` gathered to full size (a routed expert's: its rows of this rank's block, at
+    ``_expert_offsets``), copied; {} when ``lora`` is False. A collective under FSDP (every rank calls it)."""
+    from genoctx.model.lora import is_lora_name
+
+    out = {}
+    for name, p in model.named_parameters() if lora else ():
+        if is_lora_name(name):
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
 
 
 def _biases(model) -> dict:

@@ -302,3 +302,104 @@ def test_ep_peak_memory_does_not_depend_on_routing(distributed):
     assert mem["forced_one_round"][0]["stats"]["ep_max_round_rows"] == EP * MEM_TOKENS * 2
     assert busiest["forced_one_round"] > 1.15 * busiest["balanced_one_round"]
     assert busiest["forced_one_round"] > 1.15 * busiest["balanced"]
+
+
+def _lora_moe(frozen: bool = True) -> MoE:
+    """``ep_moe`` in fp64 (moe_intermediate_size 24: the experts' weight shapes [48, 32] / [32, 24] differ from
+    every other matmul's output here) with rank-2 LoRA adapters on both expert projections, B drawn non-zero (a
+    fresh B is zero: its A would get no gradient), the base expert weights frozen unless ``frozen`` is False."""
+    from genoctx.model.lora import EXPERT_TARGETS, apply_lora
+
+    moe = ep_moe(dict(moe_chunk_tokens=5, moe_intermediate_size=24), "random").double()
+    apply_lora(moe, 2, 6.0, EXPERT_TARGETS, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name in ("gate_up_proj_lora_B", "down_proj_lora_B"):
+            b = getattr(moe.experts, name)
+            b.copy_(torch.randn(b.shape, generator=gen, dtype=b.dtype) * 0.3)
+    for name in EXPERT_PARAMS:
+        moe.get_parameter(name).requires_grad_(not frozen)
+    return moe
+
+
+class _MatmulShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the output shape of every matmul (mm, addmm, bmm) run while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def _weight_grad_matmuls(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> int:
+    """Matmuls of ``moe``'s backward whose output has an expert weight's shape (one expert's ``gate_up`` [2I, D] or
+    ``down`` [D, I]): its weight-gradient products (each round gives an expert at most moe_chunk_tokens x top-k =
+    15 rows, so no activation has these shapes)."""
+    ex = moe.experts
+    weights = {tuple(ex.gate_up_proj.shape[1:]), tuple(ex.down_proj.shape[1:])}
+    xi = x.clone().requires_grad_(True)
+    loss = (moe(xi) * g).sum()
+    with _MatmulShapes() as mode:
+        loss.backward()
+    return sum(s in weights for s in mode.shapes)
+
+
+def test_ep_lora_gradients_equal_the_merged_weights():
+    """LoRA on the routed experts under EP (ep=1: the rounds and the autograd Function without communication), fp64,
+    base expert weights frozen: the output and the gradients of x, of the four expert adapters and of the router and
+    shared expert equal autograd through the merged formulation (the slow reference: a merged copy run with
+    ``W + s B_e A_e`` built from the adapters by ``merged_parameters``) to 1e-12, in several rounds; the frozen
+    weights get no gradient."""
+    from torch.func import functional_call
+
+    from genoctx.model.lora import merge_lora, merged_parameters
+
+    ref = _lora_moe()
+    ep = copy.deepcopy(ref)
+    apply_ep(ep, None, 1, 0)
+    assert len(expert_parameters(ep)) == 6  # the two base weights and the four adapters, split with them
+    merged = merge_lora(copy.deepcopy(ref))
+    merged.recompute = False  # a checkpoint's recomputation would run outside functional_call, on the copy's W
+    x, g = (t.double() for t in ep_tokens("lora", 0, (2, 23), 32))
+    adapters = {n: p for n, p in ref.named_parameters() if "lora" in n}
+    trained = {n: p for n, p in merged.named_parameters() if p.requires_grad}  # router, shared expert
+
+    xi = x.clone().requires_grad_(True)
+    y_ref = functional_call(merged, {**merged_parameters(ref), **trained}, (xi,))
+    want = torch.autograd.grad((y_ref * g).sum(), [xi, *adapters.values(), *trained.values()])
+    xe = x.clone().requires_grad_(True)
+    y = ep(xe)
+    (y * g).sum().backward()
+    got = [xe.grad] + [ep.get_parameter(n).grad for n in [*adapters, *trained]]
+    assert ep.stats["ep_rounds"] > 1
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(["x", *adapters, *trained], got, want, strict=True):
+        assert b.abs().max() > 0, name  # every adapter carries signal (B non-zero)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=name)
+    assert ep.experts.gate_up_proj.grad is None and ep.experts.down_proj.grad is None
+
+
+@pytest.mark.parametrize("ep", [True, False], ids=["ep_function", "one_process_grouped"])
+def test_frozen_expert_weights_get_no_gradient_matmul(ep):
+    """With the base expert weights frozen (``train.trainable`` without ``experts``; LoRA on them or not) neither the
+    EP backward nor the one-process grouped dispatch computes their weight gradients: no matmul of the backward has
+    a weight's shape. The same model with the weights trainable runs two per expert and round (the count is not
+    vacuous), and the adapters' gradients are the same either way."""
+    x, g = (t.double() for t in ep_tokens("frozen", 0, (2, 23), 32))
+    counts, grads = {}, {}
+    for frozen in (True, False):
+        moe = _lora_moe(frozen)
+        moe.shared_experts.requires_grad_(False)  # its down_proj [32, 24] has a routed expert's shape
+        if ep:
+            apply_ep(moe, None, 1, 0)
+        counts[frozen] = _weight_grad_matmuls(moe, x, g)
+        grads[frozen] = {n: p.grad for n, p in moe.named_parameters() if "lora" in n}
+    assert counts[True] == 0
+    assert counts[False] >= 2 * 8 and counts[False] % 2 == 0
+    for name, gr in grads[True].items():
+        torch.testing.assert_close(gr, grads[False][name], atol=1e-12, rtol=1e-12, msg=name)

@@ -32,7 +32,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 import mesh_worker  # noqa: E402
 from mesh_runner import fork_ranks  # noqa: E402
-from mesh_worker import CASES, CHUNK, FROZEN_SPEC, RESHARD, STEPS, mesh_config, mesh_model, train_config  # noqa: E402
+from mesh_worker import (  # noqa: E402
+    CASES,
+    CHUNK,
+    FROZEN_SPEC,
+    RESHARD,
+    STEPS,
+    lora_spec,
+    mesh_config,
+    mesh_model,
+    train_config,
+)
 
 L = 160  # window tokens: CP=2 pieces of 80
 TWO = ["fsdp2", "ep2", "dp2", "ep2_ac", "fsdp2_offload", "cp2_fep2", "cp2_fep2_ac", "fsdp2_fep2", "fsdp2_fep2_ac",
@@ -49,11 +59,21 @@ def windows() -> torch.Tensor:
     return torch.stack([m[2000 + 3000 * i : 2000 + 3000 * i + L] for i in range(4)])
 
 
+def _lora_model() -> torch.nn.Module:
+    """``mesh_model()`` with the "_lora" cases' adapters added in one process (``apply_lora``, A from train.seed)."""
+    from genoctx.model.lora import apply_lora
+
+    model = mesh_model()
+    spec = lora_spec(train_config())
+    apply_lora(model, spec.rank, spec.alpha, spec.targets, seed=spec.seed)
+    return model
+
+
 def _reference(batch: torch.Tensor, trainable: str = "all") -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = mesh_model()
+        model = _lora_model() if trainable == "lora" else mesh_model()
         cfg = train_config()
         cfg.trainable = trainable
         opt, sched = build_optimizer(model, cfg, cfg.steps)
@@ -62,7 +82,8 @@ def _reference(batch: torch.Tensor, trainable: str = "all") -> list[dict]:
             m = train_step(model, opt, sched, batch, cfg, nullcontext())
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
-            steps.append({"metrics": m, "grads": grads, "biases": biases})
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            steps.append({"metrics": m, "grads": grads, "biases": biases, "params": params})
     finally:
         torch.set_num_threads(threads)
     return steps
@@ -111,7 +132,8 @@ def _expert_rows(name: str, grad: torch.Tensor, offsets: dict, ref: torch.Tensor
 
 
 def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[dict]) -> None:
-    sizes = {n: p.numel() for n, p in mesh_model().named_parameters()}  # every parameter, frozen ones included
+    model = _lora_model() if "_lora" in case else mesh_model()
+    sizes = {n: p.numel() for n, p in model.named_parameters()}  # every parameter, frozen ones included
     full = sum(sizes.values())
     for r, res in enumerate(ranks):
         got = res[case]
@@ -168,6 +190,54 @@ def test_frozen_groups_on_a_mesh(two, windows):
         assert not set(got["frozen"]) & set(got["steps"][-1]["grads"])
         assert 0 < got["trainable_numel"] < got["local_numel"] / 2
     _assert_layout_equals_one_process(two, "fsdp2_fep2_frozen", ref)
+
+
+LORA_TWO = ["fsdp2_fep2_lora", "cp2_fep2_lora_ac", "fsdp2_chunk_lora"]
+
+
+@pytest.fixture(scope="module")
+def lora_two(windows, tmp_path_factory):
+    return _spawn(windows, tmp_path_factory.mktemp("mesh2_lora"), 2, LORA_TWO)
+
+
+@pytest.mark.parametrize("case", LORA_TWO)
+def test_lora_on_a_mesh_equals_one_process(lora_two, windows, case):
+    """``train.trainable: lora`` (issue 44) on two ranks: FSDP=2 with folded EP=2 (the routed experts' adapters split
+    with their experts and run inside the EP exchange), CP=2 with folded EP=2 and activation checkpointing, FSDP=2 with
+    the chunked backward (three chunks). The adapters are built on meta and each rank draws its pieces of the
+    one-process draws (``build_model(lora=...)``): they start equal to one process's ``apply_lora`` for the same seed.
+    Every base tensor's local shard stays bit-identical over the steps; only adapters train, get gradients and
+    optimizer state (two moments of each trainable shard); loss, norm, every adapter gradient at both steps and the
+    adapters after the steps equal one process's (the mesh tolerances)."""
+    from genoctx.model.lora import is_lora_name
+
+    lay = Layout(**lora_two[0][case]["layout"])
+    ref = _reference(windows[: lay.dp], "lora")
+    params = dict(_lora_model().named_parameters())
+    start = {n: p for n, p in params.items() if is_lora_name(n)}
+    for r, res in enumerate(lora_two):
+        got = res[case]
+        assert got["trainable"] and all(is_lora_name(n) for n in got["trainable"])
+        assert set(got["adapters"]) == set(start) == set(got["trainable"])
+        assert any("experts.gate_up_proj_lora_A" in n for n in got["adapters"])
+        assert got["frozen_changed"] == [] and set(got["frozen"]) == set(params) - set(start)  # the whole base
+        assert set(got["steps"][-1]["grads"]) == set(start)  # no base tensor got a gradient
+        assert 0 < got["trainable_numel"] < got["local_numel"] / 2
+        # the run's sharded checkpoint built again as the mesh evaluation builds it: adapters and base as trained
+        assert got["evaluated"] == {"lora": True, "names": True, "differ": []}, (case, r)
+        # the run's sharded checkpoint built again as the mesh evaluation builds it: adapters and base as trained
+        assert got["evaluated"] == {"lora": True, "names": True, "differ": []}, (case, r)
+        for name, a in got["adapters_start"].items():  # as drawn: one process's A (B zeros) under every layout
+            assert torch.equal(a, _expert_rows(name, a, got["offsets"], start[name].detach())), (case, r, name)
+        for name, a in got["adapters"].items():  # after the steps: both A and B moved, as in one process
+            want = _expert_rows(name, a, got["offsets"], ref[-1]["params"][name])
+            if ".experts." not in name:  # (an expert no token reached would keep its zero B)
+                assert not torch.equal(a, got["adapters_start"][name]), name
+            # AdamW moves each element by about lr whatever its gradient's size: an element whose gradient is near 0
+            # moves by an amount its rounding decides. So 1e-3 of lr absolute (4.3e-6 measured, chunked), 1e-4 relative
+            torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-3 * train_config().lr,
+                                       msg=lambda m, n=name, r=r: f"{case} rank {r} {n}: {m}")  # fmt: skip
+    _assert_layout_equals_one_process(lora_two, case, ref)
 
 
 def _three_steps(batch: torch.Tensor, ckpt_dir: Path | None = None) -> list[float]:

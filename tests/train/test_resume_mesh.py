@@ -92,6 +92,7 @@ LAYOUTS = {
     "fsdp2_bf16_moments": dict(fsdp=2),  # train.optimizer_state_dtype=bf16 (RECIPE_SETS)
     "cp2_fep2_knobs": dict(cp=2, ep=2, ep_folded=True),  # both memory knobs, chunked, under CP x folded EP (FSDP)
     "hsdp2x2_knobs": dict(fsdp=2, workers=4),  # both memory knobs under HSDP (2 replicas x FSDP 2)
+    "fep2_lora": dict(fsdp=2, ep=2, ep_folded=True),  # train.trainable: lora (the experts' adapters under EP)
 }
 RECIPE_SETS = {
     "fsdp2_bf16_moments": ["train.optimizer_state_dtype=bf16"],
@@ -99,6 +100,7 @@ RECIPE_SETS = {
                        "train.offload_activations=true", "train.seq_chunk_tokens=64"],
     "hsdp2x2_knobs": ["train.optimizer_state_dtype=bf16", "train.activation_checkpointing=true",
                       "train.offload_activations=true"],
+    "fep2_lora": ["train.trainable=lora", "train.lora_rank=4"],
 }  # fmt: skip
 
 
@@ -122,7 +124,15 @@ def test_a_resumed_mesh_run_is_the_uninterrupted_run(prepared, tmp_path, name):
         moments = read_full_tensors(list_checkpoints(plain)[-1], prefix="optim.")
         assert all(v.dtype == torch.float32 for k, v in moments.items() if k.endswith(("exp_avg", "exp_avg_sq")))
         assert [r["seq_chunks"] for r in _rows(plain)][-2:] == [1, 1]
-    if name in RECIPE_SETS:  # the moments: saved in bf16, and the resumed run's equal the uninterrupted run's
+    if name == "fep2_lora":  # the adapters trained, were saved and resumed (checked above); only they have moments
+        from genoctx.model.lora import is_lora_name
+
+        weights = _weights(full)
+        moments = read_full_tensors(list_checkpoints(full)[-1], prefix="optim.")
+        assert any(k.endswith("experts.gate_up_proj_lora_A") for k in weights)
+        assert {k.rsplit(".", 1)[0] for k in moments} == {k for k in weights if is_lora_name(k)}
+    if "train.optimizer_state_dtype=bf16" in RECIPE_SETS.get(name, []):  # the moments: saved in bf16, and the
+        # resumed run's equal the uninterrupted run's
         ma, mb = (read_full_tensors(list_checkpoints(r)[-1], prefix="optim.") for r in (part, full))
         moments = [k for k in mb if k.endswith(("exp_avg", "exp_avg_sq"))]
         assert moments and ma.keys() == mb.keys()
@@ -148,6 +158,18 @@ def test_a_one_process_checkpoint_resumes_on_the_mesh_at_the_runs_rate(prepared,
     # weights: CP=2's fp32 sums differ in the last bits and AdamW's normalised steps carry that to ~4e-6; a step
     # at a wrong rate (0.003 for 0.0023) moves them ~7e-4
     _same_run(part, full, rel=1e-5, atol=1e-4)
+
+
+def test_a_one_process_lora_checkpoint_resumes_on_the_mesh(prepared, tmp_path):
+    """A one-process LoRA run (safetensors) resumed on CP=2 x folded EP=2 (one data-parallel rank, as one process):
+    every rank reads its slices of the adapters and their moments (not drawn again; the experts' adapters split with
+    their experts), so steps 3 and 4 and the final weights are the uninterrupted run's."""
+    recipe = _recipe("train.trainable=lora", "train.lora_rank=4")
+    full = tmp_path / "full"
+    train(prepared, recipe, full)
+    part = _cut_back(full, tmp_path / "part", 2)
+    assert _mesh(prepared, recipe, part, cp=2, ep=2, ep_folded=True, resume=True)["resumed_from"] == 2
+    _same_run(part, full, rel=1e-5, atol=1e-4)  # tolerances of the CP=2 resume above
 
 
 @pytest.fixture(scope="module")
