@@ -161,6 +161,18 @@ def test_atomic_and_not_empty(base, tmp_path, monkeypatch):
     ]
 
 
+def test_bf16_keeps_the_fp32_islands(base, tmp_path):
+    """``dtype=bf16``: adapters and saved modules in bf16, the fp32 islands (KDA conv, dt_bias, A_log) in fp32."""
+    model = _trained(base, ("kda", "lora"))
+    assert save_peft(model, tmp_path / "a", ("kda", "lora"), rank=RANK, alpha=ALPHA, dtype=torch.bfloat16)["dtype"] == (
+        "bfloat16"
+    )
+    tensors = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    islands = {k for k in tensors if k.endswith(("conv1d.weight", "dt_bias", "A_log"))}
+    assert len(islands) == 3 * 3  # three KDA layers
+    assert all((t.dtype == torch.float32) == (k in islands) for k, t in tensors.items())
+
+
 def test_base_of_run():
     hub = {"kind": "hf", "source": "zai-org/GLM-5.3-Flash", "revision": "abc", "path": "/c/snap", "hf_base": "/c/snap"}
     assert base_of_run(hub) == ("zai-org/GLM-5.3-Flash", "abc", None)
@@ -169,10 +181,11 @@ def test_base_of_run():
     assert base_of_run(None)[0] is None and "no HF base" in base_of_run(None)[2]
 
 
-def test_cli_export_of_a_lora_run(prepared, tmp_path):
+def test_cli_export_of_a_lora_run(prepared, tmp_path, monkeypatch):
     """A tiny LoRA run (lora,norms, two steps): ``genoctx export`` writes the adapter, PeftModel on transformers'
-    model of the run's step-0 weights (their own export) equals genoctx's logits; ``--merge`` writes the merged model,
-    which transformers loads to the same logits; a non-empty --out is one line, exit 2."""
+    model of the run's step-0 weights (their own --merge export) equals genoctx's logits; ``--merge`` writes the
+    merged model, which transformers loads to the same logits; a non-empty --out and a sharded LoRA checkpoint are
+    one line, exit 2."""
     over = ["train.seq_len=64", "train.steps=2", "train.warmup_steps=0", "train.lr=1e-2", "train.checkpoint_every=2",
             "train.trainable=lora,norms", "train.lora_rank=4", "train.lora_alpha=8"]  # fmt: skip
     rec = load_recipe("recipes/tiny.yaml", over)
@@ -200,6 +213,15 @@ def test_cli_export_of_a_lora_run(prepared, tmp_path):
     _, Model = reference_modules()
     assert torch.allclose(logits(Model.from_pretrained(str(tmp_path / "merged")).eval(), ids), want, atol=ATOL, rtol=0)
     assert (logits(Model.from_pretrained(str(tmp_path / "base")).eval(), ids) - want).abs().max() > 1e-3
+    from typer.testing import CliRunner
+
+    import genoctx.train.sharded as sharded
+    from genoctx.cli import app
+
+    monkeypatch.setattr(sharded, "is_sharded", lambda path: True)  # as a LoRA run on a mesh will write them
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "sharded")])
+    assert r.exit_code == 2 and "a sharded checkpoint of a LoRA run" in r.output and not (tmp_path / "sharded").exists()
+    monkeypatch.undo()
     again = ["export", str(tmp_path / "run"), "--out", str(tmp_path / "adapter"), "--base", str(tmp_path / "base")]
     r = run_genoctx(*again)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "pass --force" in r.stderr, r.stderr
