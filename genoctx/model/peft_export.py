@@ -232,8 +232,9 @@ def peft_adapter(
                 linears.append(path)
             else:
                 experts.append(path)
+    saved = {w: _merged_state(model.get_submodule(w), f"{w}.") for w in whole}
     for w in whole:
-        missing = [k for k in _merged_state(model.get_submodule(w), f"{w}.") if f"{w}.{k}" not in known]
+        missing = [k for k in saved[w] if f"{w}.{k}" not in known]
         if missing:
             raise GenoctxError(f"{w}.{missing[0]}: trained whole, but transformers' glm5_next has no such tensor; use "
                                "--merge")  # fmt: skip
@@ -263,7 +264,7 @@ def peft_adapter(
             tensors[key + "lora_A.weight"] = stored("lora_A", a)
             tensors[key + "lora_B.weight"] = stored("lora_B", b)
     for w in whole:
-        for k, t in _merged_state(model.get_submodule(w), f"{w}.").items():
+        for k, t in saved[w].items():
             tensors[f"{PEFT_PREFIX}{hf_path(f'{w}.{k}')}"] = stored(f"{w}.{k}", t)
     fields = {
         "target_modules": _target_regex(linears, all_paths),
