@@ -1162,7 +1162,20 @@ def export(
             help="Run directory (its latest checkpoint), checkpoint directory, or HF model directory (a re-export)."
         ),
     ],
-    out: Annotated[Path, typer.Option(help="Output HF model directory (config.json + safetensors).")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            help="Output directory: an HF model (config.json + safetensors), or a PEFT adapter for a LoRA run."
+        ),
+    ],
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge",
+            help="A LoRA run: write the full model with the adapters merged (W + alpha/r B A) instead of a PEFT "
+            "adapter. Any other run or HF directory: no effect (the full model is what export writes).",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out.")] = False,
     wait: Annotated[
         bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
@@ -1170,8 +1183,9 @@ def export(
     base: Annotated[
         Path | None,
         typer.Option(
-            help="HF directory the model came from: its config, vision tower, MTP layer and tokenizer files are kept. "
-            "Default: the run's init model (state.json `init.path`), or CKPT itself when it is an HF directory."
+            help="HF directory the model came from: its config, vision tower, MTP layer and tokenizer files are kept "
+            "(a PEFT adapter: its base_model_name_or_path). Default: the run's init model (state.json `init`), or CKPT "
+            "itself when it is an HF directory."
         ),
     ] = None,
     no_base: Annotated[
@@ -1196,6 +1210,11 @@ def export(
     """Write a checkpoint as a Hugging Face model directory that transformers loads
     (Glm5NextForConditionalGeneration.from_pretrained); prints a JSON summary. See docs/checkpoints.md, "Export".
 
+    A LoRA run (train.trainable names lora) is written as a PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors, the routed experts' adapters as peft's target_parameters, groups trained whole as
+    modules_to_save) that peft.PeftModel.from_pretrained loads onto transformers' glm5_next base; --merge writes the
+    merged full model instead. A sharded (multi-GPU) LoRA checkpoint is refused for now.
+
     A genoctx checkpoint's weight files are first checked against the sizes and xxh3_64 digests recorded when it
     was written (--no-verify skips it); a run directory whose newest checkpoint does not verify is refused, naming
     the newest one that does.
@@ -1204,12 +1223,15 @@ def export(
       genoctx export runs/demo --out export/demo --dtype bf16
       genoctx export runs/hg38-512k --out export/glm-dna --base models/GLM-5.3-Flash --max-shard-size 5GB
       genoctx export export/demo --out export/demo-1gb --max-shard-size 1GB
+      genoctx export runs/lora --out export/lora-adapter
+      genoctx export runs/lora --out export/lora-merged --merge
     """
     _setup_logging(verbose)
     import os
 
     import torch
 
+    from .model.groups import LORA, parse_trainable
     from .model.hf import base_config, check_export_dir, is_hf_dir, load_hf, parse_bytes, read_config, save_hf
     from .model.lora import is_lora_name, merge_lora
     from .train.checkpoint import load_model, load_recipe_of, read_state, resolve_checkpoint
@@ -1233,12 +1255,17 @@ def export(
     if src.is_relative_to(dst) and not (hf and src == dst):
         raise GenoctxError(f"--out {out} holds the checkpoint {path}: replacing it would delete it; choose another")
     log = logging.getLogger("genoctx")
+    recipe = None if hf else load_recipe_of(path)
+    adapters = recipe is not None and LORA in parse_trainable(recipe.train.trainable)
+    if adapters and is_sharded(path):
+        raise GenoctxError(f"{path}: a sharded checkpoint of a LoRA run; exporting it (as a PEFT adapter or --merge) "
+                           "is not built yet (issue 44)")  # fmt: skip
+    init = None if hf else read_state(path).get("init")
     base_dir = base
     if base is None and not no_base:
         if hf:
             base_dir = path  # a re-export keeps what the directory holds besides the text model
         else:
-            init = read_state(path).get("init")
             if isinstance(init, dict) and (init.get("hf_base") or init.get("path")):
                 init["path"] = init.get("hf_base") or init["path"]  # the HF root of a chain of --init runs
                 if is_hf_dir(init["path"]):
@@ -1250,17 +1277,30 @@ def export(
                         "(no vision tower, MTP layer or tokenizer files); pass --base DIR to keep them",
                         init.get("source") or init["path"], init["path"],
                     )  # fmt: skip
-    cfg = read_config(path)[0] if hf else load_recipe_of(path).model
+    cfg = read_config(path)[0] if hf else recipe.model
     if base_dir is not None:
         base_config(cfg, base_dir)  # a base of another architecture fails now, before loading weights
+    if adapters and not merge:  # a LoRA run: a PEFT adapter folder
+        from .model.peft_export import base_of_run, save_peft
+
+        name, revision, note = base_of_run(init if isinstance(init, dict) else None)
+        if base is not None or no_base:
+            name, revision, note = (str(base) if base is not None else None), None, None
+        if note:
+            log.info("%s", note)
+        t = recipe.train
+        summary = save_peft(load_model(path)[0], out, parse_trainable(t.trainable), rank=t.lora_rank,
+                            alpha=t.lora_alpha, base=name, revision=revision, dtype=dtypes[dtype], force=force,
+                            wait=wait)  # fmt: skip
+        _emit_json({"checkpoint": str(path), **summary})
+        return
     if not hf and is_sharded(path):  # a distributed run's checkpoint: read one tensor at a time, never all at once
         model = lazy_state(path, cfg)
     else:
         model = load_hf(path) if hf else load_model(path)[0]
-        if any(is_lora_name(n) for n, _ in model.named_parameters()):  # a LoRA run: the merged model (--merge)
+        if any(is_lora_name(n) for n, _ in model.named_parameters()):  # a LoRA run with --merge
             merge_lora(model)
-            log.info("a LoRA run: writing the merged model (W + alpha/r B A), what --merge will mean; the PEFT "
-                     "adapter export is not built yet (issue 44)")  # fmt: skip
+            log.info("a LoRA run, --merge: writing the merged model (W + alpha/r B A)")
     summary = save_hf(model, out, base_dir=base_dir, max_shard_bytes=shard, force=force, dtype=dtypes[dtype], wait=wait)
     _emit_json({"checkpoint": str(path), **summary})
 

@@ -956,6 +956,55 @@ def _exchange(a: Path, b: Path, atomic: bool = True) -> None:
     os.rename(side, a)
 
 
+@contextlib.contextmanager
+def export_folder(out: Path, *, force: bool = False, wait: bool = False):
+    """Write an export folder atomically: yields an empty temporary sibling folder (``.NAME.export-XXXX``) to fill,
+    then swaps it into place as ``out`` (``_exchange``) when the block ends without error. A failed or killed export
+    leaves ``out`` as it was (a folder this call created is removed again); temporaries of killed exports are removed
+    by the next export. One writer at a time (``genoctx.lock.output_lock``, ``what="export"``); the finished folder
+    has no lock file. Used by ``save_hf`` and ``genoctx.model.peft_export.save_peft``.
+
+    Raises:
+        GenoctxError: ``out`` not empty without ``force`` (``check_export_dir``), a file, or locked by another writer
+            (unless ``wait``).
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from ..lock import LOCK_NAME, output_lock, share_like_umask
+
+    out = Path(os.path.abspath(out))
+    if out.is_symlink():
+        out = out.resolve()
+    check_export_dir(out, force)
+    existed = out.exists()
+    with output_lock(out, wait=wait, what="export") as lock:
+        tmp = None
+        try:
+            check_export_dir(out, force)  # again, now that no other writer can fill it
+            for stale in out.parent.iterdir():  # temporaries of killed exports (no live writer: we hold the lock)
+                if stale.name.startswith(f".{out.name}.export-") and stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+            with output_lock(tmp, what="export"):  # its lock file becomes out's when the folders are swapped
+                yield tmp
+                share_like_umask(tmp)  # mkdtemp made it 0700: readable by collaborators, as a plain mkdir would be
+                _exchange(tmp, out)  # out: the export (its lock file the one held here); tmp: what out held
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp = None
+                (out / LOCK_NAME).unlink(missing_ok=True)  # still held until the block ends; waiters re-lock
+        except BaseException:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if lock.created:
+                lock.discard()
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        out.rmdir()
+            raise
+
+
 def save_hf(
     model: HybridLM,
     out_dir: str | Path,
@@ -1004,10 +1053,6 @@ def save_hf(
             ``max_shard_bytes`` < 1.
     """
     import os
-    import shutil
-    import tempfile
-
-    from ..lock import LOCK_NAME, output_lock, share_like_umask
 
     if max_shard_bytes < 1:
         raise GenoctxError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
@@ -1025,53 +1070,29 @@ def save_hf(
     if name is None:
         raise GenoctxError(f"cannot export dtype {dtype or held}; use bfloat16, float16 or float32")
     config = export_config(model.cfg, name, raw)
-    check_export_dir(out, force)
-    existed = out.exists()
-    with output_lock(out, wait=wait, what="export") as lock:
-        tmp = None
-        try:
-            check_export_dir(out, force)  # again, now that no other writer can fill it
-            for stale in out.parent.iterdir():  # temporaries of killed exports (no live writer: we hold the lock)
-                if stale.name.startswith(f".{out.name}.export-") and stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-            with output_lock(tmp, what="export"):  # its lock file becomes out's when the folders are swapped
-                tensors = _model_tensors(model, dtype)
-                counts = {"vision": 0, "mtp": 0, "dequantized": 0}
-                copied: list[str] = []
-                if base is not None:
-                    carried, counts = _carried_tensors(base, model.cfg, dtype or held)
-                    tensors += carried
-                shards = _plan_shards(tensors, max_shard_bytes)
-                n = len(shards)
-                names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-                for fname, shard in zip(names, shards, strict=True):
-                    _write_shard(tmp / fname, {t.key: t.get() for t in shard})
-                total = sum(t.nbytes for t in tensors)
-                if n > 1:
-                    weight_map = {t.key: f for f, shard in zip(names, shards, strict=True) for t in shard}
-                    index = {
-                        "metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors), "total_size": total},
-                        "weight_map": dict(sorted(weight_map.items())),
-                    }
-                    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-                if base is not None:
-                    copied = _copy_files(base, tmp)
-                share_like_umask(tmp)  # mkdtemp made it 0700: readable by collaborators, as a plain mkdir would be
-                _exchange(tmp, out)  # out: the export (its lock file the one held here); tmp: what out held
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp = None
-                (out / LOCK_NAME).unlink(missing_ok=True)  # still held until the block ends; waiters re-lock
-        except BaseException:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if lock.created:
-                lock.discard()
-                if not existed:
-                    with contextlib.suppress(OSError):
-                        out.rmdir()
-            raise
+    with export_folder(out, force=force, wait=wait) as tmp:
+        tensors = _model_tensors(model, dtype)
+        counts = {"vision": 0, "mtp": 0, "dequantized": 0}
+        copied: list[str] = []
+        if base is not None:
+            carried, counts = _carried_tensors(base, model.cfg, dtype or held)
+            tensors += carried
+        shards = _plan_shards(tensors, max_shard_bytes)
+        n = len(shards)
+        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for fname, shard in zip(names, shards, strict=True):
+            _write_shard(tmp / fname, {t.key: t.get() for t in shard})
+        total = sum(t.nbytes for t in tensors)
+        if n > 1:
+            weight_map = {t.key: f for f, shard in zip(names, shards, strict=True) for t in shard}
+            index = {
+                "metadata": {"total_parameters": sum(math.prod(t.shape) for t in tensors), "total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if base is not None:
+            copied = _copy_files(base, tmp)
     if counts["vision"] or counts["mtp"]:
         log.info(
             "%s: carried over %d MTP tensors and %d vision-tower tensors unchanged from %s%s", out, counts["mtp"],

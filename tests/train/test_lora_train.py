@@ -1,7 +1,7 @@
 """``train.trainable: lora`` in one process (issue 44): the recipe keys, the optimizer holding exactly the adapters (and
 the named groups), the base bit-identical after steps, the adapters moving, a resume exact, eval rebuilding the
-adapters from the checkpoint's recipe and export writing the merged model. The mesh refusal (one line, exit 2) is
-``tests/train/test_trainable.py::test_recipe_key_is_validated_and_canonical``. The adapters' maths (forward and
+adapters from the checkpoint's recipe and export --merge writing the merged model. The mesh refusal (one line, exit 2)
+is ``tests/train/test_trainable.py::test_recipe_key_is_validated_and_canonical``. The adapters' maths (forward and
 gradients equal to the merged formulation) is ``tests/model/test_lora.py``."""
 
 from contextlib import nullcontext
@@ -78,8 +78,9 @@ def test_lora_resume_is_exact_and_eval_and_export_rebuild_the_adapters(prepared,
     r = run_genoctx("eval", "--by-position", "--data", str(prepared), "--checkpoint", str(tmp_path / "full"),
                     "--max-windows", "1", "--resamples", "0", "--format", "json")  # fmt: skip
     assert r.returncode == 0, r.stderr  # eval of a LoRA checkpoint: the adapters rebuilt from its recipe
-    # export of a LoRA run: the merged model, whose forward is the adapted one's
-    r = run_genoctx("export", str(tmp_path / "full"), "--out", str(tmp_path / "hf"))
+    # export --merge of a LoRA run: the merged model, whose forward is the adapted one's (the PEFT adapter export:
+    # tests/model/test_peft_export.py)
+    r = run_genoctx("export", str(tmp_path / "full"), "--out", str(tmp_path / "hf"), "--merge")
     assert r.returncode == 0 and "writing the merged model" in r.stderr, r.stderr
     merged = load_hf(tmp_path / "hf")
     assert not any(is_lora_name(n) for n, _ in merged.named_parameters())
