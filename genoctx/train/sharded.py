@@ -205,11 +205,75 @@ def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
     restore_schedule(scheduler, sched)
 
 
-def lazy_state(ckpt: Path, cfg):
-    """The model of a DCP checkpoint as a ``genoctx.model.hf.LazyState`` (``save_hf`` reads one tensor at a time)."""
+def lazy_state(ckpt: Path, cfg, lora_scale: float | None = None):
+    """The model of a DCP checkpoint as a ``genoctx.model.hf.LazyState`` (``save_hf`` reads one tensor at a time).
+
+    ``lora_scale`` (``train.lora_alpha / train.lora_rank``; a LoRA run's ``genoctx export --merge``): every adapted
+    weight is merged as it is read, ``W + lora_scale · B A`` (a linear's ``X.weight`` [out, in] with ``X.lora_A``
+    [r, in] and ``X.lora_B`` [out, r]; an experts stack ``X`` [E, out, in] with ``X_lora_A`` [E, r, in] and
+    ``X_lora_B`` [E, out, r], per expert), summed in W's dtype promoted to fp32 and rounded once, as
+    ``genoctx.model.lora.merge_lora`` (``_merge_adapter_box``); the adapters themselves are not in the state. Each
+    read holds W and its two small adapters, never the whole model."""
     from ..model.hf import LazyState
+    from ..model.lora import is_lora_name
+    from ..parallel.build import _adapters_to_merge, _merge_adapter_box
 
     keys = checkpoint_keys(ckpt)
     meta = {k[len("model.") :]: (tuple(shape), dt) for k, (shape, dt) in keys.items() if k.startswith("model.")}
     held = meta["embed_tokens.weight"][1]
-    return LazyState(cfg, lambda name: read_full_tensors(ckpt, names=[name])[name], meta, held)
+    pairs = {}
+    if lora_scale is not None:
+        plain = {k: None for k in meta if not is_lora_name(k)}
+        pairs = _adapters_to_merge(set(meta), plain)
+        meta = {k: v for k, v in meta.items() if k in plain}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in pairs:
+            return read_full_tensors(ckpt, names=[name])[name]
+        a, b = pairs[name]
+        got = read_full_tensors(ckpt, names=[name, a, b])
+        w = got[name]
+        _merge_adapter_box(w, (slice(None),) * w.dim(), got[a], got[b], lora_scale)
+        return w
+
+    return LazyState(cfg, read, meta, held)
+
+
+def adapter_model(ckpt: Path, recipe: Recipe):
+    """The model of a DCP checkpoint of a LoRA run as ``genoctx.model.peft_export.save_peft`` reads it, without the
+    whole model: built on the meta device with the run's adapters (``train.lora_*``), then only what a PEFT adapter
+    folder holds read from ``dcp/`` (``read_full_tensors``, whole tensors, one process): every adapter (linear
+    ``lora_A`` [r, in] / ``lora_B`` [out, r], experts' [E, r, in] / [E, out, r]) and every tensor of the modules
+    saved whole (``peft_export.whole_modules`` of the groups ``train.trainable`` names besides ``lora``). Every other
+    tensor stays on meta, in the checkpoint's dtype (the export's ``keep``). Works alike for a whole DCP checkpoint
+    and for one holding only what trains (whose base the caller has checked: the adapter folder holds nothing of it).
+
+    Raises:
+        GenoctxError: a tensor the folder needs that the checkpoint lacks, or unreadable files (named).
+    """
+    from ..model.groups import LORA, parse_trainable
+    from ..model.lora import LoRASpec, is_lora_name
+    from ..model.peft_export import whole_modules
+    from ..parallel.build import build_model
+
+    t = recipe.train
+    model = build_model(recipe.model, None, materialize=False,
+                        lora=LoRASpec(t.lora_rank, t.lora_alpha, t.lora_targets, t.seed))  # fmt: skip
+    keys = checkpoint_keys(ckpt)
+    whole = whole_modules(model, {g for g in parse_trainable(t.trainable) if g != LORA})
+    names = [n for n, _ in model.named_parameters() if is_lora_name(n)]
+    names += [f"{w}.{k}" for w in whole for k in model.get_submodule(w).state_dict()]
+    got = read_full_tensors(ckpt, names=names)
+    with torch.no_grad():
+        for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            slot = mod._parameters if leaf in mod._parameters else mod._buffers
+            if name in got:
+                value = got[name]
+            elif "model." + name in keys:  # meta, in the dtype the checkpoint holds it in
+                value = torch.empty(keys["model." + name][0], dtype=keys["model." + name][1], device="meta")
+            else:
+                continue
+            slot[leaf] = torch.nn.Parameter(value, requires_grad=False) if slot is mod._parameters else value
+    return model
