@@ -64,15 +64,18 @@ FORMAT = "dcp"
 
 
 def save_sharded(
-    run_dir: Path, step: int, model, optimizer, scheduler, recipe: Recipe, state: dict, dims, keep: int = 0
-) -> Path:
+    run_dir: Path, step: int, model, optimizer, scheduler, recipe: Recipe, state: dict, dims, keep: int = 0,
+    held: set[str] | None = None,
+) -> Path:  # fmt: skip
     """Write ``RUN/checkpoints/step_{step}`` from every rank of ``dims`` (a collective: all ranks call it).
 
     Returns the final directory (on every rank). Each rank reads back and hashes the shard files it wrote; rank 0
     records every file's size and xxh3_64 digest in state.json (module docstring). ``keep`` > 0 removes all but the
-    ``keep`` newest checkpoints up to this one (rank 0, ``prune_checkpoints``). The fault injection
-    ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before ``state.json`` and the
-    rename.
+    ``keep`` newest checkpoints up to this one (rank 0, ``prune_checkpoints``). ``held``: a partial checkpoint (a run
+    from a base training a subset; ``state`` holds ``"holds": "trainable"`` and the base's ``init``): only these model
+    tensors (``genoctx.train.checkpoint.held_names``) and the optimizer state (which holds only what trains). The
+    fault injection ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before
+    ``state.json`` and the rename.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -88,7 +91,7 @@ def save_sharded(
     coll.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
-        dcp.save(canonical_state(model, optimizer, dims), checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save(_held_state(canonical_state(model, optimizer, dims), held), checkpoint_id=str(tmp / DCP_DIR))
         mine = digest_files(tmp, _rank_shards(tmp, rank))  # this rank's files, read back from disk
         parts = [None] * dist.get_world_size()
         coll.all_gather_object(parts, mine)  # (also the barrier: every rank's files are complete)
@@ -116,6 +119,11 @@ def save_sharded(
     return final
 
 
+def _held_state(sd: dict, held: set[str] | None) -> dict:
+    """``canonical_state`` less the model tensors a partial checkpoint does not hold (``held`` None: all of it)."""
+    return sd if held is None else {k: v for k, v in sd.items() if not k.startswith("model.") or k[6:] in held}
+
+
 def _rank_shards(root: Path, rank: int) -> list[str]:
     """The DCP shard files rank ``rank`` wrote under ``root/dcp`` (``__{rank}_{i}.distcp``, the names torch's
     ``FileSystemWriter`` gives them), relative to ``root``. Any other file of ``dcp/`` (``.metadata``) rank 0
@@ -123,8 +131,10 @@ def _rank_shards(root: Path, rank: int) -> list[str]:
     return sorted(f"{DCP_DIR}/{p.name}" for p in (Path(root) / DCP_DIR).glob(f"__{rank}_*.distcp"))
 
 
-def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+def load_sharded(ckpt: Path, model, optimizer, scheduler, dims, held: set[str] | None = None) -> None:
     """Restore model, optimizer and schedule in place from a DCP checkpoint saved in any layout (a collective).
+    ``held``: a partial checkpoint's names (``save_sharded``): it must hold exactly these model tensors, loaded over
+    the base the model was built from; every other tensor keeps its value.
 
     Raises:
         GenoctxError: the checkpoint does not hold this model's tensors (named), or its files are unreadable.
@@ -134,7 +144,13 @@ def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
 
     from ..parallel.build import dcp_error_line
 
-    sd = canonical_state(model, optimizer, dims)
+    sd = _held_state(canonical_state(model, optimizer, dims), held)
+    if held is not None:
+        keys = {k[6:] for k in checkpoint_keys(ckpt) if k.startswith("model.")}
+        if keys != held:
+            odd = sorted(keys - held) or sorted(held - keys)
+            raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds only what trains, but not this run's: "
+                               f"{'unexpected' if keys - held else 'missing'} {odd[0]}")  # fmt: skip
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR))
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -186,19 +202,29 @@ def _optimizer_by_name(ckpt: Path, model, optimizer) -> tuple[dict[str, torch.Te
     return out, opt.get("scheduler")
 
 
-def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+def load_any(ckpt: Path, model, optimizer, scheduler, dims, held: set[str] | None = None) -> None:
     """Restore a distributed model (``apply_parallel`` done, optimizer built) from a checkpoint of any layout: DCP
     (``load_sharded``) or a one-process safetensors checkpoint (each rank reads its slices of ``model.safetensors``
-    with ``get_slice`` and of the memory-mapped ``optimizer.pt``: never the whole model)."""
+    with ``get_slice`` and of the memory-mapped ``optimizer.pt``: never the whole model). ``held``: the checkpoint
+    holds only what trains (these names), over the base the model was built from."""
     if is_sharded(ckpt):
-        load_sharded(ckpt, model, optimizer, scheduler, dims)
+        load_sharded(ckpt, model, optimizer, scheduler, dims, held=held)
         return
     from ..parallel.build import persistent_targets, read_checkpoint_slices
 
     targets = persistent_targets(model, dims)
     if model.lm_head.weight is model.embed_tokens.weight:
         targets.pop(TIED_HEAD, None)
-    read_checkpoint_slices(Path(ckpt) / "model.safetensors", targets)
+    if held is not None:  # exactly what trains (the one-process loader's rule), read over the base
+        from safetensors import safe_open
+
+        with safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys()) - {TIED_HEAD}
+        if keys != held:
+            odd = sorted(keys - held) or sorted(held - keys)
+            raise GenoctxError(f"{ckpt}/model.safetensors: holds only what trains, but not this run's: "
+                               f"{'unexpected' if keys - held else 'missing'} {odd[0]}")  # fmt: skip
+    read_checkpoint_slices(Path(ckpt) / "model.safetensors", targets, partial=held is not None)
     full, sched = _optimizer_by_name(ckpt, model, optimizer)
     fill_from_full({k: v for k, v in canonical_state(model, optimizer, dims).items() if k.startswith("optim.")},
                    full, Path(ckpt) / "optimizer.pt")  # fmt: skip
