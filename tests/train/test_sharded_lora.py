@@ -3,7 +3,10 @@
 ``genoctx export`` of a 2-rank LoRA run's DCP checkpoint (folded EP=2 x FSDP=2: the experts' adapters split with
 their experts) writes the PEFT adapter that the same model saved in one process writes, tensor for tensor, reading
 only the adapters and the modules saved whole; ``--merge`` writes the merged model one weight at a time, equal to
-``merge_lora`` of the whole model. The ranks are spawned gloo processes (``mesh_runner.spawn_workers``).
+``merge_lora`` of the whole model. A mesh run from an HF base training ``router,norms,lora`` writes partial DCP
+checkpoints (what trains, its AdamW state, the base named by digest) that resume on the mesh exactly, in one process,
+and that mesh eval and export read; a one-process partial checkpoint resumes on the mesh. The ranks are spawned gloo
+processes (``mesh_runner.spawn_workers``).
 """
 
 from __future__ import annotations
