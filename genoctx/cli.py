@@ -1213,7 +1213,7 @@ def export(
     A LoRA run (train.trainable names lora) is written as a PEFT adapter folder (adapter_config.json +
     adapter_model.safetensors, the routed experts' adapters as peft's target_parameters, groups trained whole as
     modules_to_save) that peft.PeftModel.from_pretrained loads onto transformers' glm5_next base; --merge writes the
-    merged full model instead. A sharded (multi-GPU) LoRA checkpoint is refused for now.
+    merged full model instead (a sharded checkpoint too: its adapters read alone, or merged weight by weight).
 
     A genoctx checkpoint's weight files are first checked against the sizes and xxh3_64 digests recorded when it
     was written (--no-verify skips it); a run directory whose newest checkpoint does not verify is refused, naming
@@ -1257,10 +1257,8 @@ def export(
     log = logging.getLogger("genoctx")
     recipe = None if hf else load_recipe_of(path)
     adapters = recipe is not None and LORA in parse_trainable(recipe.train.trainable)
-    if adapters and is_sharded(path):
-        raise GenoctxError(f"{path}: a sharded checkpoint of a LoRA run; exporting it (as a PEFT adapter or --merge) "
-                           "is not built yet (issue 44)")  # fmt: skip
-    init = None if hf else read_state(path).get("init")
+    state = None if hf else read_state(path)
+    init = None if state is None else state.get("init")
     base_dir = base
     if base is None and not no_base:
         if hf:
@@ -1289,13 +1287,27 @@ def export(
         if note:
             log.info("%s", note)
         t = recipe.train
-        summary = save_peft(load_model(path)[0], out, parse_trainable(t.trainable), rank=t.lora_rank,
+        if is_sharded(path):  # a mesh run's DCP checkpoint: the adapters and modules saved whole alone are read
+            from .train.checkpoint import check_base, is_partial
+            from .train.sharded import adapter_model
+
+            if is_partial(state):
+                check_base(state, path)
+            lora_model = adapter_model(path, recipe)
+        else:
+            lora_model = load_model(path)[0]
+        summary = save_peft(lora_model, out, parse_trainable(t.trainable), rank=t.lora_rank,
                             alpha=t.lora_alpha, base=name, revision=revision, dtype=dtypes[dtype], force=force,
                             wait=wait)  # fmt: skip
         _emit_json({"checkpoint": str(path), **summary})
         return
-    if not hf and is_sharded(path):  # a distributed run's checkpoint: read one tensor at a time, never all at once
-        model = lazy_state(path, cfg)
+    from .train.checkpoint import is_partial
+
+    if not hf and is_sharded(path) and not is_partial(state):  # a distributed run's checkpoint: read one tensor at
+        # a time, never all at once; a LoRA run's adapted weights merged as they are read (--merge)
+        model = lazy_state(path, cfg, lora_scale=recipe.train.lora_alpha / recipe.train.lora_rank if adapters else None)
+        if adapters:
+            log.info("a LoRA run, --merge: writing the merged model (W + alpha/r B A)")
     else:
         model = load_hf(path) if hf else load_model(path)[0]
         if any(is_lora_name(n) for n, _ in model.named_parameters()):  # a LoRA run with --merge

@@ -134,6 +134,7 @@ def _train_worker(config: dict, session) -> None:
     from ..parallel.build import Fresh, Zeros, build_model
     from ..parallel.mesh import init_parallel
     from ..recipes import recipe_from_dict
+    from .checkpoint import is_partial
     from .faults import DRIVER_ENV, ENV, maybe_kill
     from .init import base_source
     from .loop import (
@@ -173,7 +174,11 @@ def _train_worker(config: dict, session) -> None:
 
         init_run = Path(config["init_run"]) if config.get("init_run") else None  # a run directory given
         refuse_unverified(Path(base["path"]), base["source"], init_run, "--init", "start from it", dims=dims)
-    source = Zeros() if picked is not None else base_source(base) if base is not None else Fresh()
+    # a run from a base training a subset (the driver's partial_record): its checkpoints hold what trains, so a resume
+    # builds from the base and loads them over it
+    held = partial_held(recipe) if is_partial(extra) else None
+    source = (base_source(base) if held is not None else Zeros()) if picked is not None else (
+        base_source(base) if base is not None else Fresh())  # fmt: skip
     bf16_params = torch.bfloat16 if cfg.dtype == "bf16" and dev.type == "cuda" else None  # FSDP MixedPrecisionPolicy
     # meta device -> EP, CP, AC, FSDP2 -> to_empty -> this rank's shards (genoctx.parallel.build)
     model = build_model(recipe.model, dims, source=source, device=dev, param_dtype=bf16_params,
@@ -188,7 +193,7 @@ def _train_worker(config: dict, session) -> None:
     if extra.get("token_map"):
         head = VocabHead(TokenMap.from_dict(extra["token_map"]), extra["loss_vocab"], recipe.loss.chunk_tokens)
     start, loaded, attempt = _resume(out, picked, model, optimizer, scheduler, rank, world, config["invocation"], dims,
-                                     session=session)  # fmt: skip
+                                     session=session, held=held)  # fmt: skip
     ds = WindowDataset(data_dir, "train")
     autocast = train_autocast(cfg.dtype, dev)
     end = cfg.steps if config["stop_after"] is None else min(cfg.steps, config["stop_after"])
@@ -226,7 +231,7 @@ def _train_worker(config: dict, session) -> None:
                     if dims.is_distributed:  # every rank writes its shards (genoctx.train.sharded; also fsdp_one)
                         state = {"data": data_state, "seed": cfg.seed, **extra, "cp": dims.cp, "dp": dims.dp}
                         path = save_sharded(out, step + 1, model, optimizer, scheduler, recipe, state, dims,
-                                            keep=cfg.keep_checkpoints)  # fmt: skip
+                                            keep=cfg.keep_checkpoints, held=held)  # fmt: skip
                     elif rank == 0:
                         path = save_run_checkpoint(out, step + 1, model, optimizer, scheduler, recipe, data_state, dims,
                                                    extra=extra)  # fmt: skip
@@ -302,9 +307,21 @@ def _step_or(ckpt: Path, default: int) -> int:
         return default
 
 
+def partial_held(recipe: Recipe) -> set[str]:
+    """The one-device names a partial checkpoint of ``recipe``'s model holds (``genoctx.train.checkpoint.held_names``
+    of ``train.trainable``), from the model built on the meta device with its adapters (no memory)."""
+    from ..parallel.build import build_model
+    from .checkpoint import held_names
+    from .loop import lora_spec
+
+    return held_names(build_model(recipe.model, None, materialize=False, lora=lora_spec(recipe)),
+                      recipe.train.trainable)  # fmt: skip
+
+
 def _resume(
-    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str, dims=None, *, session=None
-) -> tuple[int, Path | None, dict]:
+    out: Path, picked, model, optimizer, scheduler, rank: int, world: int, invocation: str, dims=None, *, session=None,
+    held: set[str] | None = None,
+) -> tuple[int, Path | None, dict]:  # fmt: skip
     """Load the checkpoint ``_choose_checkpoint`` picked on every rank (a ``RUN/checkpoints`` choice must be visible
     to every rank: RUN on a shared filesystem); rank 0 then records the attempt
     (``genoctx.train.loop.begin_attempt``: partial saves removed, metrics cut back, ``start`` event).
@@ -322,7 +339,7 @@ def _resume(
 
     def load(path: Path) -> None:  # any layout into this one (a collective when distributed)
         if dims is not None and dims.is_distributed:
-            load_any(path, model, optimizer, scheduler, dims)
+            load_any(path, model, optimizer, scheduler, dims, held=held)
         else:
             load_training_state(path, model, optimizer, scheduler)
 
@@ -514,7 +531,7 @@ def train_distributed(
 
 def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_worker, resume, stop_after,
             max_failures, placement_timeout, allow_batch_change, seq_len, plan=None):  # fmt: skip
-    from .checkpoint import check_base_chain, is_partial, latest_checkpoint, validate_checkpoint
+    from .checkpoint import HOLDS, TRAINABLE, latest_checkpoint, partial_record, validate_checkpoint
     from .faults import ENV as FAULT_ENV
     from .faults import parse_fault
     from .init import describe, vocab_head
@@ -529,20 +546,20 @@ def _launch(run_workers, data_dir, recipe, base, out, layout, address, gpus_per_
     if resume and latest is not None:
         latest = _readable_checkpoint(out, recipe.train.verify_checkpoints)
         state = validate_checkpoint(latest)  # an unreadable checkpoint: a one-line error here, not a failed group
-        if is_partial(state):  # (a mesh run writes whole checkpoints: genoctx.train.checkpoint.partial_record)
-            raise GenoctxError(f"--resume: {latest} holds only what trains (a one-process run from a base): resume "
-                               "it in one process (without --num-workers)")  # fmt: skip
         check_resume(recipe, latest, state, base)
         per_rank = recipe.train.batch_size * seq_len  # tokens per data rank per step (seq_len: the crop or window)
         change = check_global_batch(latest, state, layout.dp, per_rank, allow_batch_change)
     if resume:
         warn_newer_incomplete(out, latest)
-    if state is None:
-        check_base_chain(base)  # --init of a partial run: its own base unchanged (the ranks read it)
+    # a run from a base training a subset: its checkpoints hold what trains and name the base (a resume checks it);
+    # also checks an --init run's own base when that run is partial (the ranks read it)
+    partial = partial_record(recipe.train.trainable, base, state, latest)
     extra = describe(base, vocab_head(recipe, base, state))
     if state is not None and state.get("init") and base is None:
         extra["init"] = state["init"]
     carry_batch_changes(extra, state, change)
+    if partial is not None:
+        extra.update({"init": partial, HOLDS: TRAINABLE})
     out.mkdir(parents=True, exist_ok=True)
     if change is not None:
         record_event(out, {"event": "batch_change", **change})

@@ -64,15 +64,18 @@ FORMAT = "dcp"
 
 
 def save_sharded(
-    run_dir: Path, step: int, model, optimizer, scheduler, recipe: Recipe, state: dict, dims, keep: int = 0
-) -> Path:
+    run_dir: Path, step: int, model, optimizer, scheduler, recipe: Recipe, state: dict, dims, keep: int = 0,
+    held: set[str] | None = None,
+) -> Path:  # fmt: skip
     """Write ``RUN/checkpoints/step_{step}`` from every rank of ``dims`` (a collective: all ranks call it).
 
     Returns the final directory (on every rank). Each rank reads back and hashes the shard files it wrote; rank 0
     records every file's size and xxh3_64 digest in state.json (module docstring). ``keep`` > 0 removes all but the
-    ``keep`` newest checkpoints up to this one (rank 0, ``prune_checkpoints``). The fault injection
-    ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before ``state.json`` and the
-    rename.
+    ``keep`` newest checkpoints up to this one (rank 0, ``prune_checkpoints``). ``held``: a partial checkpoint (a run
+    from a base training a subset; ``state`` holds ``"holds": "trainable"`` and the base's ``init``): only these model
+    tensors (``genoctx.train.checkpoint.held_names``) and the optimizer state (which holds only what trains). The
+    fault injection ``GENOCTX_FAULT_KILL=save:STEP`` fires on rank 0 after the shards are written, before
+    ``state.json`` and the rename.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -88,7 +91,7 @@ def save_sharded(
     coll.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
-        dcp.save(canonical_state(model, optimizer, dims), checkpoint_id=str(tmp / DCP_DIR))
+        dcp.save(_held_state(canonical_state(model, optimizer, dims), held), checkpoint_id=str(tmp / DCP_DIR))
         mine = digest_files(tmp, _rank_shards(tmp, rank))  # this rank's files, read back from disk
         parts = [None] * dist.get_world_size()
         coll.all_gather_object(parts, mine)  # (also the barrier: every rank's files are complete)
@@ -116,6 +119,11 @@ def save_sharded(
     return final
 
 
+def _held_state(sd: dict, held: set[str] | None) -> dict:
+    """``canonical_state`` less the model tensors a partial checkpoint does not hold (``held`` None: all of it)."""
+    return sd if held is None else {k: v for k, v in sd.items() if not k.startswith("model.") or k[6:] in held}
+
+
 def _rank_shards(root: Path, rank: int) -> list[str]:
     """The DCP shard files rank ``rank`` wrote under ``root/dcp`` (``__{rank}_{i}.distcp``, the names torch's
     ``FileSystemWriter`` gives them), relative to ``root``. Any other file of ``dcp/`` (``.metadata``) rank 0
@@ -123,8 +131,10 @@ def _rank_shards(root: Path, rank: int) -> list[str]:
     return sorted(f"{DCP_DIR}/{p.name}" for p in (Path(root) / DCP_DIR).glob(f"__{rank}_*.distcp"))
 
 
-def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+def load_sharded(ckpt: Path, model, optimizer, scheduler, dims, held: set[str] | None = None) -> None:
     """Restore model, optimizer and schedule in place from a DCP checkpoint saved in any layout (a collective).
+    ``held``: a partial checkpoint's names (``save_sharded``): it must hold exactly these model tensors, loaded over
+    the base the model was built from; every other tensor keeps its value.
 
     Raises:
         GenoctxError: the checkpoint does not hold this model's tensors (named), or its files are unreadable.
@@ -134,7 +144,13 @@ def load_sharded(ckpt: Path, model, optimizer, scheduler, dims) -> None:
 
     from ..parallel.build import dcp_error_line
 
-    sd = canonical_state(model, optimizer, dims)
+    sd = _held_state(canonical_state(model, optimizer, dims), held)
+    if held is not None:
+        keys = {k[6:] for k in checkpoint_keys(ckpt) if k.startswith("model.")}
+        if keys != held:
+            odd = sorted(keys - held) or sorted(held - keys)
+            raise GenoctxError(f"{ckpt}/{DCP_DIR}: holds only what trains, but not this run's: "
+                               f"{'unexpected' if keys - held else 'missing'} {odd[0]}")  # fmt: skip
     try:
         dcp.load(sd, checkpoint_id=str(Path(ckpt) / DCP_DIR))
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps every rank's
@@ -186,30 +202,104 @@ def _optimizer_by_name(ckpt: Path, model, optimizer) -> tuple[dict[str, torch.Te
     return out, opt.get("scheduler")
 
 
-def load_any(ckpt: Path, model, optimizer, scheduler, dims) -> None:
+def load_any(ckpt: Path, model, optimizer, scheduler, dims, held: set[str] | None = None) -> None:
     """Restore a distributed model (``apply_parallel`` done, optimizer built) from a checkpoint of any layout: DCP
     (``load_sharded``) or a one-process safetensors checkpoint (each rank reads its slices of ``model.safetensors``
-    with ``get_slice`` and of the memory-mapped ``optimizer.pt``: never the whole model)."""
+    with ``get_slice`` and of the memory-mapped ``optimizer.pt``: never the whole model). ``held``: the checkpoint
+    holds only what trains (these names), over the base the model was built from."""
     if is_sharded(ckpt):
-        load_sharded(ckpt, model, optimizer, scheduler, dims)
+        load_sharded(ckpt, model, optimizer, scheduler, dims, held=held)
         return
     from ..parallel.build import persistent_targets, read_checkpoint_slices
 
     targets = persistent_targets(model, dims)
     if model.lm_head.weight is model.embed_tokens.weight:
         targets.pop(TIED_HEAD, None)
-    read_checkpoint_slices(Path(ckpt) / "model.safetensors", targets)
+    if held is not None:  # exactly what trains (the one-process loader's rule), read over the base
+        from safetensors import safe_open
+
+        with safe_open(str(Path(ckpt) / "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys()) - {TIED_HEAD}
+        if keys != held:
+            odd = sorted(keys - held) or sorted(held - keys)
+            raise GenoctxError(f"{ckpt}/model.safetensors: holds only what trains, but not this run's: "
+                               f"{'unexpected' if keys - held else 'missing'} {odd[0]}")  # fmt: skip
+    read_checkpoint_slices(Path(ckpt) / "model.safetensors", targets, partial=held is not None)
     full, sched = _optimizer_by_name(ckpt, model, optimizer)
     fill_from_full({k: v for k, v in canonical_state(model, optimizer, dims).items() if k.startswith("optim.")},
                    full, Path(ckpt) / "optimizer.pt")  # fmt: skip
     restore_schedule(scheduler, sched)
 
 
-def lazy_state(ckpt: Path, cfg):
-    """The model of a DCP checkpoint as a ``genoctx.model.hf.LazyState`` (``save_hf`` reads one tensor at a time)."""
+def lazy_state(ckpt: Path, cfg, lora_scale: float | None = None):
+    """The model of a DCP checkpoint as a ``genoctx.model.hf.LazyState`` (``save_hf`` reads one tensor at a time).
+
+    ``lora_scale`` (``train.lora_alpha / train.lora_rank``; a LoRA run's ``genoctx export --merge``): every adapted
+    weight is merged as it is read, ``W + lora_scale · B A`` (a linear's ``X.weight`` [out, in] with ``X.lora_A``
+    [r, in] and ``X.lora_B`` [out, r]; an experts stack ``X`` [E, out, in] with ``X_lora_A`` [E, r, in] and
+    ``X_lora_B`` [E, out, r], per expert), summed in W's dtype promoted to fp32 and rounded once, as
+    ``genoctx.model.lora.merge_lora`` (``_merge_adapter_box``); the adapters themselves are not in the state. Each
+    read holds W and its two small adapters, never the whole model."""
     from ..model.hf import LazyState
+    from ..model.lora import is_lora_name
+    from ..parallel.build import _adapters_to_merge, _merge_adapter_box
 
     keys = checkpoint_keys(ckpt)
     meta = {k[len("model.") :]: (tuple(shape), dt) for k, (shape, dt) in keys.items() if k.startswith("model.")}
     held = meta["embed_tokens.weight"][1]
-    return LazyState(cfg, lambda name: read_full_tensors(ckpt, names=[name])[name], meta, held)
+    pairs = {}
+    if lora_scale is not None:
+        plain = {k: None for k in meta if not is_lora_name(k)}
+        pairs = _adapters_to_merge(set(meta), plain)
+        meta = {k: v for k, v in meta.items() if k in plain}
+
+    def read(name: str) -> torch.Tensor:
+        if name not in pairs:
+            return read_full_tensors(ckpt, names=[name])[name]
+        a, b = pairs[name]
+        got = read_full_tensors(ckpt, names=[name, a, b])
+        w = got[name]
+        _merge_adapter_box(w, (slice(None),) * w.dim(), got[a], got[b], lora_scale)
+        return w
+
+    return LazyState(cfg, read, meta, held)
+
+
+def adapter_model(ckpt: Path, recipe: Recipe):
+    """The model of a DCP checkpoint of a LoRA run as ``genoctx.model.peft_export.save_peft`` reads it, without the
+    whole model: built on the meta device with the run's adapters (``train.lora_*``), then only what a PEFT adapter
+    folder holds read from ``dcp/`` (``read_full_tensors``, whole tensors, one process): every adapter (linear
+    ``lora_A`` [r, in] / ``lora_B`` [out, r], experts' [E, r, in] / [E, out, r]) and every tensor of the modules
+    saved whole (``peft_export.whole_modules`` of the groups ``train.trainable`` names besides ``lora``). Every other
+    tensor stays on meta, in the checkpoint's dtype (the export's ``keep``). Works alike for a whole DCP checkpoint
+    and for one holding only what trains (whose base the caller has checked: the adapter folder holds nothing of it).
+
+    Raises:
+        GenoctxError: a tensor the folder needs that the checkpoint lacks, or unreadable files (named).
+    """
+    from ..model.groups import LORA, parse_trainable
+    from ..model.lora import LoRASpec, is_lora_name
+    from ..model.peft_export import whole_modules
+    from ..parallel.build import build_model
+
+    t = recipe.train
+    model = build_model(recipe.model, None, materialize=False,
+                        lora=LoRASpec(t.lora_rank, t.lora_alpha, t.lora_targets, t.seed))  # fmt: skip
+    keys = checkpoint_keys(ckpt)
+    whole = whole_modules(model, {g for g in parse_trainable(t.trainable) if g != LORA})
+    names = [n for n, _ in model.named_parameters() if is_lora_name(n)]
+    names += [f"{w}.{k}" for w in whole for k in model.get_submodule(w).state_dict()]
+    got = read_full_tensors(ckpt, names=names)
+    with torch.no_grad():
+        for name, _ in list(model.named_parameters()) + list(model.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            slot = mod._parameters if leaf in mod._parameters else mod._buffers
+            if name in got:
+                value = got[name]
+            elif "model." + name in keys:  # meta, in the dtype the checkpoint holds it in
+                value = torch.empty(keys["model." + name][0], dtype=keys["model." + name][1], device="meta")
+            else:
+                continue
+            slot[leaf] = torch.nn.Parameter(value, requires_grad=False) if slot is mod._parameters else value
+    return model
