@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from genoctx.model.config import preset
-from genoctx.model.groups import group_of
+from genoctx.model.groups import GROUPS, group_of
 from genoctx.model.model import HybridLM
 from genoctx.parallel.layout import Layout
 from genoctx.plan import memory, plan_memory
@@ -132,7 +132,8 @@ def test_lora_adds_r_in_plus_out_per_target_one_adapter_per_expert():
 
 def test_lora_flops_are_2r_in_plus_out_per_token_per_target_forward_3x_with_backward():
     r, n = 8, L
-    tr = check_trainable("lora", r, "bf16", ("q_proj",))  # the KDA layers' q_proj only: no checkpoint inside
+    # every group trains too (so every input needs a gradient), and adapters on the KDA layers' q_proj only
+    tr = check_trainable(",".join(GROUPS) + ",lora", r, "bf16", ("q_proj",))
     base = step_flops(TINY, L, ONE, recompute=False)
     lora = step_flops(TINY, L, ONE, recompute=False, trainable=tr)
     q = [p for name, p in PARAMS.items() if name.endswith("self_attn.q_proj.weight")]
