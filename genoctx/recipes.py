@@ -107,6 +107,9 @@ class TrainConfig:
     lora_rank: int = 16
     lora_alpha: float = 32.0
     lora_targets: str = ",".join(DEFAULT_TARGETS)
+    # the dtype frozen weights are held in: "bf16", or "fp8" (the published checkpoint's block-scaled e4m3 matmul
+    # weights and their scales as loaded, dequantized per use; genoctx.model.fp8; genoctx.plan.trainable)
+    frozen_dtype: str = "bf16"
     # torch.compile each decoder layer (genoctx.parallel.compile; Inductor): the first step compiles (minutes on a
     # CPU, growing with the window); off by default until measured on a GPU (bench/compile_speed.py); not with
     # cp > 1, ep > 1 or seq_chunk_tokens (the chunked backward) yet
@@ -129,7 +132,7 @@ class TrainConfig:
             _bad("train.loggers", f"must list {' and/or '.join(map(repr, LOGGERS))}", bad[0])
         self.loggers = list(dict.fromkeys(self.loggers))  # each once, in order
         choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag"),
-                   "optimizer_state_dtype": ("fp32", "bf16")}  # fmt: skip
+                   "optimizer_state_dtype": ("fp32", "bf16"), "frozen_dtype": ("bf16", "fp8")}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f"train.{name}", f"must be {' or '.join(map(repr, allowed))}", getattr(self, name))

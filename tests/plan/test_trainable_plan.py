@@ -212,3 +212,30 @@ def test_memory_and_comms_gather_the_same_frozen_and_trainable_bytes(spec, rank,
         assert x["block_bytes"] == pytest.approx(gathered, rel=0.01)
     full = memory._layers(st)
     assert all(x["dequant"] == 0 for x in full) and (dtype != "fp8" or all(x["dequant"] > 0 for x in layers))
+
+
+@pytest.mark.parametrize(
+    "name,seq_len,hardware", [("hg38-512k-node", 1 << 19, "h100"), ("hg38-1m-node", 1 << 20, "b200")]
+)
+def test_one_node_recipes_fit_their_node(name, seq_len, hardware):
+    """``recipes/hg38-{512k,1m}-node.yaml`` (issue 44) are the planner's fitting rows of the one-node commands: their
+    layout (8 workers), knobs and what trains, planned for GLM-5.3-Flash (the base the recipes load) on their
+    hardware profile, fit the GPU and the host memory."""
+    from pathlib import Path
+
+    from genoctx.plan.hardware import load_hardware
+    from genoctx.recipes import load_recipe
+
+    rec = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml")
+    t, hw = rec.train, load_hardware(hardware)
+    assert rec.init == "zai-org/GLM-5.3-Flash" and (t.trainable, t.frozen_dtype) == ("lora", "fp8")
+    layout = Layout(ep=t.ep, dp_shard=t.fsdp, cp=t.cp, ep_folded=t.ep_folded)
+    assert layout.world == 8
+    plan = plan_memory(preset("glm-5.3-flash"), seq_len, layout, gpu_memory_gib=hw.memory_gib,
+                       host_memory_gib=hw.host_memory_gib, recompute=t.activation_checkpointing,
+                       optimizer_offload=t.offload_optimizer, offload_activations=t.offload_activations,
+                       optimizer_state_dtype=t.optimizer_state_dtype, seq_chunk_tokens=t.seq_chunk_tokens,
+                       trainable=t.trainable, lora_rank=t.lora_rank, frozen_dtype=t.frozen_dtype,
+                       loss_chunk_tokens=rec.loss.chunk_tokens)  # fmt: skip
+    assert plan["fits"] and plan["host_fits"] is not False, (plan["total_gib"], plan["host_gib"])
+    assert plan["total_gib"] <= hw.memory_gib and plan["trainable"]["params_lora"] > 0
