@@ -1471,6 +1471,7 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
+    from .plan.report import short_of
     from .plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
     from .plan.time import add_time, rank_by_throughput
 
@@ -1550,8 +1551,8 @@ def plan(
         if not fitting:
             doc["closest"] = plans[:10]
             logging.getLogger("genoctx.plan").warning(
-                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU", gpus, gpu_memory_gib,
-                plans[0]["total_gib"],
+                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU (%s)", gpus, gpu_memory_gib,
+                plans[0]["total_gib"], short_of(plans[0]).replace("#1 ", "it "),
             )  # fmt: skip
         shown = fitting or plans
     if not eval_ and not auto and not any(p["fits"] for p in plans):  # does chunking fit? (--seq-chunk auto's pick)

@@ -239,3 +239,24 @@ def test_one_node_recipes_fit_their_node(name, seq_len, hardware):
                        loss_chunk_tokens=rec.loss.chunk_tokens)  # fmt: skip
     assert plan["fits"] and plan["host_fits"] is not False, (plan["total_gib"], plan["host_gib"])
     assert plan["total_gib"] <= hw.memory_gib and plan["trainable"]["params_lora"] > 0
+
+
+def test_a_plan_that_does_not_fit_says_what_it_is_short_of():
+    """The table's line under a row that does not fit names GPU memory or host memory with the numbers (issue 44: a
+    frozen-groups run that fits the GPU but not the host must not read as a GPU that is too small)."""
+    from genoctx.plan.report import format_table, short_of
+
+    tr = dict(trainable="kda,dsa,indexer,router,mhc,norms", frozen_dtype="fp8")
+    ok = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80.0, **tr)
+    gpu = plan_memory(TINY, L, SHARD2, gpu_memory_gib=ok["total_gib"] / 2, **tr)
+    host = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80.0, optimizer_offload=True, host_memory_gib=1e-9, **tr)
+    assert ok["fits"] and not gpu["fits"] and gpu["host_fits"] is None
+    assert not host["fits"] and host["host_fits"] is False and host["total_gib"] <= 80.0
+    need, have = gpu["total_gib"], gpu["gpu_memory_gib"]
+    assert short_of(gpu) == (f"#1 does not fit: short of GPU memory: needs {need:.1f} GiB per GPU, {have:g} GiB "
+                             f"available ({need - have:.1f} short)")  # fmt: skip
+    assert short_of(host).startswith("#1 does not fit: short of host memory: needs ") and "GPU memory" not in short_of(
+        host
+    )  # fmt: skip
+    assert f"needs {host['host_gib']:.1f} GiB per GPU, 1e-09 GiB available" in short_of(host)
+    assert f"({short_of(host)})" in format_table([host]) and "does not fit" not in format_table([ok])
