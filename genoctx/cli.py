@@ -1530,6 +1530,7 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
+    from .plan.report import short_of
     from .plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
     from .plan.time import add_time, rank_by_throughput
 
@@ -1609,8 +1610,8 @@ def plan(
         if not fitting:
             doc["closest"] = plans[:10]
             logging.getLogger("genoctx.plan").warning(
-                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU", gpus, gpu_memory_gib,
-                plans[0]["total_gib"],
+                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU (%s)", gpus, gpu_memory_gib,
+                plans[0]["total_gib"], short_of(plans[0]).replace("#1 ", "it "),
             )  # fmt: skip
         shown = fitting or plans
     if not eval_ and not auto and not any(p["fits"] for p in plans):  # does chunking fit? (--seq-chunk auto's pick)
@@ -1637,7 +1638,9 @@ def plan(
                      fsdp_one=shown[0]["layout"].get("fsdp_one", False))  # fmt: skip
         doc = {"dry_run": run_dry(cfg, lay, activation_checkpointing=not (no_recompute or eval_), dtype=kwargs["dtype"],
                                   optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer),
-                                  optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32")),
+                                  optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32"),
+                                  **{k: kwargs[k] for k in ("trainable", "lora_rank", "frozen_dtype", "lora_targets")
+                                     if k in kwargs}),
                **doc}  # fmt: skip (the plan's knobs: --knobs auto may have turned optimizer offload or bf16 moments on)
     if format_ == "json":
         _emit_json(doc)
@@ -1657,8 +1660,8 @@ def _trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_t
     (empty when every parameter trains: the plan as before).
 
     Raises:
-        GenoctxError: the flags with --eval or --dry-run (the dry run counts full training), a bad group list, rank
-            or dtype (``genoctx.plan.trainable.check_trainable``).
+        GenoctxError: the flags with --eval, a bad group list, rank or dtype
+            (``genoctx.plan.trainable.check_trainable``).
     """
     from .plan.trainable import check_trainable
 
@@ -1668,9 +1671,6 @@ def _trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_t
     if eval_:
         raise GenoctxError("--trainable, --lora-rank, --frozen-dtype and --lora-targets are about a training step; "
                            "--eval plans scoring one window")  # fmt: skip
-    if dry_run:
-        raise GenoctxError("--dry-run counts full training: not yet with --trainable, --lora-rank, --frozen-dtype "
-                           "(issue 44)")  # fmt: skip
     rank = lora_rank if lora_rank is not None else (16 if "lora" in trainable.replace(" ", "").split(",") else 0)
     targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets is not None else None
     try:
@@ -1774,6 +1774,9 @@ def _format_dry_run(dr: dict, plan: dict, eval_: bool = False) -> str:
         g = r["largest_unsharded_group"]
         train = "" if eval_ else (f"gradients {r['gradients'] / gib:.3f} [{per['gradients']:.3f}]  optimizer "
                                   f"{r['optimizer_state'] / gib:.3f} [{per['optimizer_state']:.3f}]  ")  # fmt: skip
+        if "frozen" in r:  # train.trainable: the frozen weights (in weights) and what trains, each
+            train = (f"frozen {r['frozen'] / gib:.3f} [{per.get('frozen', 0.0):.3f}]  trainable params "
+                     f"{r['trainable_params_local']:.4g}  " + train)  # fmt: skip
         lines.append(
             f"  rank {r['rank']:>3}: params {r['params_local']:.4g}  weights {r['weights'] / gib:.3f} "
             f"[{per['weights']:.3f}]  {train}buffers "

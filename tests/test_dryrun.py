@@ -184,3 +184,53 @@ def test_cli_train_dry_run(prepared, tmp_path):
     bad = genoctx(*args, "--num-workers", 4, "--fsdp", 3)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--fsdp 3" in bad.stderr
     assert not out.exists()
+
+
+TRAINABLE_CASES = [
+    ("lora", 4, "fp8", Layout(ep=2, dp_shard=2)),
+    ("kda,dsa,indexer,router,mhc,norms", 0, "fp8", Layout(dp_shard=4)),
+    ("lora,embed,norms", 4, "bf16", Layout(ep=2, dp_shard=2, cp=2, ep_folded=True)),
+    ("lora", 16, "fp8", Layout(dp_replicate=2, ep=2)),
+]
+
+
+@pytest.mark.parametrize("spec,r,frozen,layout", TRAINABLE_CASES, ids=["lora-ep2", "groups-fsdp4", "longlora-fep2",
+                                                                        "lora16-hsdp"])  # fmt: skip
+def test_trainable_dry_run_equals_the_plan(spec, r, frozen, layout):
+    """``train.trainable`` (issue 44): the dry run's frozen bytes (fp8 weights + fp32 scale blocks, or bf16), the
+    trainable masters (LoRA adapters placed as their targets: experts' over EP, dense ones FSDP dim 0), gradients and
+    AdamW moments per rank equal the plan's, every rank; rank 0's trainable elements exactly."""
+    d = dry_run(SMALL, layout, ranks="all", trainable=spec, lora_rank=r, frozen_dtype=frozen)
+    plan = P.plan_memory(SMALL, 1 << 14, layout, gpu_memory_gib=80.0, trainable=spec, lora_rank=r,
+                         frozen_dtype=frozen)  # fmt: skip
+    per = plan["persistent_gib"]
+    assert d["trainable"]["trainable"] == spec and d["trainable"]["frozen_dtype"] == frozen
+    for x in d["ranks"]:
+        for key in ("frozen", "weights", "gradients", "optimizer_state"):
+            assert x[key] / GIB == pytest.approx(per[key], abs=1e-6), (x["rank"], key)
+        assert x["weights"] == x["frozen"] + x["gradients"]  # fp32 masters and gradients of what trains only
+        assert 0 < x["frozen"] and 0 < x["gradients"] < x["weights"]
+    r0 = d["ranks"][0]
+    assert r0["trainable_params_local"] == plan["trainable_params_per_rank"]
+    if r:  # the adapters alone (LoRA) or beside groups: their share counted apart
+        assert r0["adapters"]["adapter_params_local"] > 0
+    full = dry_run(SMALL, layout, ranks=[0])["ranks"][0]  # everything trains: more of everything but frozen
+    assert r0["gradients"] < full["gradients"] and r0["optimizer_state"] < full["optimizer_state"]
+    assert r0["params_local"] >= full["params_local"]  # the frozen base is all still held (plus the adapters)
+
+
+def test_cli_plan_dry_run_one_node_lora_fp8_at_the_real_size():
+    """The published run on one node (issue 44): GLM-5.3-Flash, 512k tokens on 8 H100s, LoRA on a frozen fp8 base,
+    the plan's fitting layout (folded EP 8 over CP 8, optimizer offload) dry-run at 8 ranks: each static term of rank 0
+    and rank 7 equals the plan's (~36.6 GiB of frozen fp8 weights and scales, ~1.3 GiB of adapter masters)."""
+    r = genoctx("plan", "--dry-run", "--preset", "glm-5.3-flash", "--seq-len", "512k", "--gpus", 8, "--hardware",
+                "h100", "--trainable", "lora", "--frozen-dtype", "fp8", "--ep", 8, "--ep-folded", "--cp", 8,
+                "--offload-optimizer", "--offload-activations", "--seq-chunk", "16k", "--format", "json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    per, dr = doc["layouts"][0]["persistent_gib"], doc["dry_run"]
+    assert doc["layouts"][0]["fits"] and [x["rank"] for x in dr["ranks"]] == [0, 7]
+    for x in dr["ranks"]:
+        for key in ("frozen", "weights", "gradients", "optimizer_state"):
+            assert x[key] / GIB == pytest.approx(per[key], abs=1e-6), (x["rank"], key)
+    assert 30 < per["frozen"] < 40 and per["gradients"] < 2

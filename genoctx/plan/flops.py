@@ -21,7 +21,8 @@ Method. Every product of the code is a term here, with the number of times it ru
   region inside ``k`` nested checkpoints runs ``k + 1`` times, ``k + 2`` with AC). With ``seq_chunk_tokens`` the
   no-grad forward sweep runs every chunk once more (no indexer KL there, no checkpoints).
 - backward: ``2x`` a product's forward (input and weight gradients), ``1x`` where only one side needs a gradient: the
-  indexer's projections (input detached: weight gradient only), the KDA core's first product with a zero initial
+  indexer's projections (input detached: weight gradient only), a frozen weight (``train.trainable``: input gradient
+  only; ``0x`` where the input needs none either, ``_flow``), the KDA core's first product with a zero initial
   state; none for what gets no gradient (the indexer top-k, run without grad; the last state update of a KDA core
   whose final state is not used). The sparse MLA backward is ``2.5x`` its forward (it recomputes the scores: five
   products to the forward's two); the KDA core adds the triangular solve's ``G_A = -G_B X^T`` product.
@@ -83,7 +84,7 @@ from __future__ import annotations
 
 from ..model.config import DSA, ModelConfig
 from ..parallel.layout import Layout, cp_pieces
-from .trainable import Trainable, lora_widths
+from .trainable import Trainable, param_entries
 
 PUBLISHED_SKEW = 4.0  # busiest / mean routed-expert load per rank seen in the published GLM-5.3-Flash run
 NUCLEOTIDE_VOCAB = 8  # a model with this vocabulary trains on its own logits (``genoctx.plan.sizes``)
@@ -109,9 +110,19 @@ class _Tally:
     of ``fwd`` FLOPs forward and ``bwd`` backward, inside ``depth`` nested checkpoints of the layer (each reruns it
     once in backward), run on ``unit``."""
 
-    def __init__(self) -> None:
+    def __init__(self, dead: bool = True) -> None:
         self.f = {c: dict.fromkeys(PHASES, 0.0) for c in COMPONENTS}
         self.u = {c: {p: {} for p in PHASES} for c in COMPONENTS}  # component -> phase -> unit -> FLOPs
+        # the forward of layers no gradient reaches (``_flow``): apply_ac does not rerun them
+        self.dead = _Tally(dead=False) if dead else None
+
+    def merge(self, other: _Tally) -> None:
+        """Add ``other``'s FLOPs (every phase and unit)."""
+        for c in COMPONENTS:
+            for p in PHASES:
+                self.f[c][p] += other.f[c][p]
+                for u, v in other.u[c][p].items():
+                    self.u[c][p][u] = self.u[c][p].get(u, 0.0) + v
 
     def add(self, comp: str, fwd: float, bwd: float = 0.0, depth: int = 0, rerun: float | None = None,
             unit: str = "run") -> None:  # fmt: skip
@@ -132,6 +143,118 @@ def _mm(t: _Tally, comp: str, n: float, d_in: int, d_out: int, grad: bool, sides
 
 
 # ------------------------------------------------------------------ layers, one call each
+
+
+def _sides(g: dict | None, key: str) -> int:
+    """Backward products of a product ``key`` of the layer: one per operand that needs a gradient (``_flow``: the
+    input, the weight); 2 in full training (``g`` None)."""
+    if g is None:
+        return 2
+    x_live, w_train = g[key][:2]
+    return int(x_live) + int(w_train)
+
+
+class _LayerFlow:
+    """``_flow``'s bookkeeping of one decoder layer (its names start with ``pre``): ``d`` is the layer's entry."""
+
+    def __init__(self, pre: str, train: dict, adapters: dict) -> None:
+        self.pre, self.train, self.adapters = pre, train, adapters
+        self.d: dict = {"adapters": []}
+
+    def tw(self, rel: str) -> bool:
+        """Whether the layer's parameter ``rel`` trains."""
+        return self.train[self.pre + rel]
+
+    def lin(self, key: str, x_live: bool, mod: str, weight: str = ".weight") -> bool:
+        """A weight product ``key`` of module ``mod`` on an input that needs a gradient (``x_live``) or not; returns
+        whether its output needs one."""
+        w, ad = self.tw(mod + weight), self.pre + mod in self.adapters
+        self.d[key] = (x_live, w, ad)
+        if ad and not mod.endswith("kv_b_proj"):
+            part, d_in, d_out = self.adapters[self.pre + mod]
+            self.d["adapters"].append((part, d_in, d_out, x_live))
+        return x_live or w or ad
+
+    def hc(self, name: str, x_live: bool) -> bool:
+        """An mHC (``attn_hc``/``ffn_hc``) on streams ``x_live``: its ``fn`` product and ``comb^T x`` (two
+        activations); returns whether its coefficients need a gradient."""
+        m = self.tw(f"{name}.fn")
+        self.d[f"{name}_fn"] = (x_live, m, False)
+        coeff = x_live or m or self.tw(f"{name}.base") or self.tw(f"{name}.scale")
+        self.d[f"{name}_comb"] = (coeff, x_live, False)
+        return coeff
+
+
+def _flow(cfg: ModelConfig, tr: Trainable) -> tuple[list[dict], tuple]:
+    """Which operands of each product need a gradient when not everything trains (``train.trainable``), as autograd
+    decides it: a tensor needs one when a trainable parameter is upstream of it. Per decoder layer ``{key: (input
+    needs a gradient, weight trains, has a LoRA adapter)}`` for its weight products (and ``(a, b, False)`` for the
+    mHC ``comb^T x`` of two activations), ``"core"`` / ``"attn"`` (the KDA core's or the sparse attention's backward
+    runs: one of their inputs needs a gradient), ``"indexer"`` (the indexer trains: its weight gradients from the KL),
+    ``"adapters"`` (``[(component, in, out, input needs a gradient)]`` of its per-token adapters) and ``"kv_b_merge"``
+    (``kv_b_proj`` carries an adapter: ``W + s B A`` is formed once per call, ``genoctx.model.dsa``); and the LM
+    head's ``(input needs a gradient, weight trains, False)``.
+
+    So a frozen weight's product computes ``dX`` only (one backward product, not two) where its input needs a
+    gradient, and nothing where it does not (the first layers before anything trains: with ``embed`` frozen the
+    residual streams need no gradient until the first trainable tensor). The indexer's inputs are detached."""
+    ents = param_entries(cfg, tr)
+    train = {e["name"]: e["train"] for e in ents if not e["lora"]}
+    adapters: dict[str, tuple] = {}
+    for e in ents:
+        if e["lora"] and e["name"].endswith("lora_A"):
+            adapters[e["name"][: -len(".lora_A")]] = (e["lora"], e["in"], e["out"])
+    layers = []
+    live = train["embed_tokens.weight"]
+    for i, kind in enumerate(cfg.layer_types):
+        lay = _LayerFlow(f"layers.{i}.", train, adapters)
+        d, tw, lin, hc = lay.d, lay.tw, lay.lin, lay.hc
+        pre = lay.pre
+        coeff = hc("attn_hc", live)
+        h = coeff or tw("input_layernorm.weight")
+        a = "self_attn."
+        if kind == DSA:
+            qa = lin("q_a_proj", h, a + "q_a_proj") or tw(a + "q_a_layernorm.weight")
+            q = lin("q_b_proj", qa, a + "q_b_proj")
+            lat = lin("kv_a_proj_with_mqa", h, a + "kv_a_proj_with_mqa") or tw(a + "kv_a_layernorm.weight")
+            kvb = tw(a + "kv_b_proj.weight") or pre + a + "kv_b_proj" in adapters  # the (merged) weight
+            d["kv_b_merge"] = pre + a + "kv_b_proj" in adapters
+            d["uk"] = (q, kvb, False)
+            d["attn"] = q or kvb or lat
+            d["uv"] = (d["attn"], kvb, False)
+            y = lin("o_proj", d["attn"] or kvb, a + "o_proj")
+            # the indexer's projections (group ``indexer``; its k_norm is ``norms``: no weight gradient from it)
+            d["indexer"] = train.get(pre + a + "indexer.wk.weight", False)
+        else:
+            qkv = any([lin(k, h, a + k) for k in ("q_proj", "k_proj", "v_proj")])
+            conv = lin("conv1d", qkv, a + "conv1d")
+            fg = a + "forget_gate."
+            g_ = lin("f_b_proj", lin("f_a_proj", h, fg + "f_a_proj"), fg + "f_b_proj")
+            g_ = g_ or tw(fg + "dt_bias") or tw(fg + "A_log")
+            beta = lin("b_proj", h, a + "b_proj")
+            d["core"] = conv or g_ or beta
+            gate = lin("g_b_proj", lin("g_a_proj", h, a + "g_a_proj"), a + "g_b_proj")
+            y = lin("o_proj", d["core"] or gate or tw(a + "o_norm.weight"), a + "o_proj")
+        live = y or coeff
+        coeff = hc("ffn_hc", live)
+        h = coeff or tw("post_attention_layernorm.weight")
+        if cfg.mlp_layer_types[i] == "dense":
+            act = lin("gate_proj", h, "mlp.gate_proj") | lin("up_proj", h, "mlp.up_proj")
+            y = lin("down_proj", act, "mlp.down_proj")
+        else:
+            y = lin("router", h, "mlp.gate")
+            if cfg.n_shared_experts:
+                se = "mlp.shared_experts."
+                act = lin("gate_proj", h, se + "gate_proj") | lin("up_proj", h, se + "up_proj")
+                y = lin("down_proj", act, se + "down_proj") or y
+            act = lin("experts_gu", h, "mlp.experts.gate_up_proj", "")
+            y = lin("experts_down", act, "mlp.experts.down_proj", "") or y
+        d["moe"] = y  # the MoE's checkpointed token chunks are recomputed only when their backward runs
+        live = y or coeff
+        d["layer"] = live  # the decoder layer's output needs a gradient: apply_ac's recompute runs
+        layers.append(d)
+    head = live or train["norm.weight"]
+    return layers, (head, train.get("lm_head.weight", train["embed_tokens.weight"]), False)
 
 
 def _floor_sum(n: int, m: int, a: int, b: int) -> int:
@@ -208,21 +331,24 @@ def _add_kda_core(t: _Tally, cfg: ModelConfig, parts: tuple[float, float, float]
     t.add("kda_core", f - s, b - s_bwd, depth, r - s, unit="run_tf32")
 
 
-def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, output: bool = True, depth: int = 0) -> None:
+def _kda_projections(t: _Tally, cfg: ModelConfig, n: float, grad: bool, *, output: bool = True, depth: int = 0,
+                     g: dict | None = None) -> None:  # fmt: skip
     """``KimiDeltaAttention.project`` (q, k, v, the depthwise conv, the forget gate, beta) and, with ``output``, the
-    output gate and ``o_proj`` of ``n`` tokens."""
+    output gate and ``o_proj`` of ``n`` tokens; ``g``: the layer's backward sides (``_flow``; None: 2 each)."""
     D, H, Dh = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
     hk = H * Dh
     c = "attention_projections"
-    _mm(t, c, n, D, 3 * hk, grad, depth=depth)  # q, k, v
-    _mm(t, c, n, cfg.linear_conv_kernel_dim, 3 * hk, grad, depth=depth, unit="fp32")  # depthwise conv: 2 n 3hk w
-    _mm(t, c, n, D, Dh, grad, depth=depth)  # forget gate f_a
-    _mm(t, c, n, Dh, hk, grad, depth=depth)  # forget gate f_b
-    _mm(t, c, n, D, H, grad, depth=depth)  # b_proj (beta)
+    for key in ("q_proj", "k_proj", "v_proj"):
+        _mm(t, c, n, D, hk, grad, _sides(g, key), depth=depth)
+    # depthwise conv: 2 n 3hk w
+    _mm(t, c, n, cfg.linear_conv_kernel_dim, 3 * hk, grad, _sides(g, "conv1d"), depth=depth, unit="fp32")
+    _mm(t, c, n, D, Dh, grad, _sides(g, "f_a_proj"), depth=depth)  # forget gate f_a
+    _mm(t, c, n, Dh, hk, grad, _sides(g, "f_b_proj"), depth=depth)  # forget gate f_b
+    _mm(t, c, n, D, H, grad, _sides(g, "b_proj"), depth=depth)  # b_proj (beta)
     if output:
-        _mm(t, c, n, D, Dh, grad)  # g_a
-        _mm(t, c, n, Dh, hk, grad)  # g_b
-        _mm(t, c, n, hk, D, grad)  # o_proj
+        _mm(t, c, n, D, Dh, grad, _sides(g, "g_a_proj"))  # g_a
+        _mm(t, c, n, Dh, hk, grad, _sides(g, "g_b_proj"))  # g_b
+        _mm(t, c, n, hk, D, grad, _sides(g, "o_proj"))  # o_proj
 
 
 def _kda_layer(t: _Tally, cfg: ModelConfig, B: int, pieces: list[tuple[int, int]], grad: bool, ctx: dict) -> None:
@@ -233,23 +359,26 @@ def _kda_layer(t: _Tally, cfg: ModelConfig, B: int, pieces: list[tuple[int, int]
     n = rows * c
     K = V = cfg.linear_head_dim
     H = cfg.linear_num_heads
+    g = ctx.get("g")
+    core = g is None or g["core"]  # any input of the core needs a gradient: its backward runs whole
     if ctx["cp"]:
         w = cfg.linear_conv_kernel_dim - 1
-        _mm(t, "attention_projections", rows * w, cfg.hidden_size, 3 * H * K, grad)  # the pieces' conv tails
-        depth = 1 if grad else 0  # the state pass is one checkpoint; its core's blocks a second one inside it
-        _kda_projections(t, cfg, n, grad, output=False, depth=depth)
+        for key in ("q_proj", "k_proj", "v_proj"):  # the pieces' conv tails
+            _mm(t, "attention_projections", rows * w, cfg.hidden_size, H * K, grad, _sides(g, key))
+        depth = 1 if grad and core else 0  # the state pass is one checkpoint; its core's blocks a second one in it
+        _kda_projections(t, cfg, n, grad, output=False, depth=depth, g=g)
         # the state pass runs genoctx's chunk_kda (fp32) whatever kda_kernel is (genoctx.parallel.context.kda_cp_cache)
-        parts = _kda_core(cfg, rows, c, V + K, grad, state_in_grad=False, state_out_used=True)  # from [0 | I]
-        _add_kda_core(t, cfg, parts, rows, c, depth + 1 if grad else 0, fla=False)
+        parts = _kda_core(cfg, rows, c, V + K, grad and core, state_in_grad=False, state_out_used=True)  # [0 | I]
+        _add_kda_core(t, cfg, parts, rows, c, depth + 1 if grad and core else 0, fla=False)
         P = ctx["n_pieces"]  # the fold S_{p+1} = M_p S_p + L_p over every natural piece, on every rank
         fold = 2.0 * B * H * K * K * V
         # backward: dM and dS (only dM for a zero S_0); the last product's state is used only when carried on
         back = sum(fold * (2 if p or ctx["carry_in"] else 1) for p in range(P) if p < P - 1 or ctx["carry_out"])
-        t.add("kda_core", P * fold, back if grad else 0.0, unit="fp32")  # the fold: autocast off, fp32 states
-    _kda_projections(t, cfg, n, grad)
-    parts = _kda_core(cfg, rows, c, V, grad, state_in_grad=ctx["cp"] or ctx["carry_in"],
+        t.add("kda_core", P * fold, back if grad and core else 0.0, unit="fp32")  # autocast off, fp32 states
+    _kda_projections(t, cfg, n, grad, g=g)
+    parts = _kda_core(cfg, rows, c, V, grad and core, state_in_grad=ctx["cp"] or ctx["carry_in"],
                       state_out_used=ctx["carry_out"] and not ctx["cp"])  # fmt: skip
-    _add_kda_core(t, cfg, parts, rows, c, 1 if grad else 0, fla=cfg.kda_kernel == "fla")
+    _add_kda_core(t, cfg, parts, rows, c, 1 if grad and core else 0, fla=cfg.kda_kernel == "fla")
 
 
 def _topk_scoring(cfg: ModelConfig, S: int, T: int) -> float:
@@ -277,19 +406,25 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
     HI, dI, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     full = cfg.indexer_types[i] == "full"
     sparse = cfg.dsa_mode == "sparse"
-    kl = full and grad and cfg.indexer_stage != "off"
+    kl_fwd = full and grad and cfg.indexer_stage != "off"  # the indexer KL, its gradients inside the forward
     n = B * sum(T for _, T in pieces)
     p = "attention_projections"
+    g = ctx.get("g")
+    kl_w = kl_fwd and (g is None or g["indexer"])
+    attn = g is None or g["attn"]  # the indexer's weight gradients: only when it trains
     if ctx["cp"]:
-        _mm(t, p, n, D, R, grad)  # latents for the gather
+        _mm(t, p, n, D, R, grad, _sides(g, "kv_a_proj_with_mqa"))  # latents for the gather
         if full:
-            _mm(t, p, n, D, 2 * dI, grad and kl, sides=1)  # indexer keys and compress gates (input detached)
-    _mm(t, p, n, D, qr, grad)  # q_a_proj
-    _mm(t, p, n, qr, H * dqk, grad)  # q_b_proj
-    _mm(t, p, n, D, R, grad)  # kv_a_proj_with_mqa
-    _mm(t, p, n, H * dqk, R, grad)  # q W_UK (absorbed; per head dqk -> R)
-    _mm(t, p, n, H * R, dv, grad)  # o_lat W_UV (per head R -> dv)
-    _mm(t, p, n, H * dv, D, grad)  # o_proj
+            _mm(t, p, n, D, 2 * dI, grad and kl_w, sides=1)  # indexer keys and compress gates (input detached)
+    _mm(t, p, n, D, qr, grad, _sides(g, "q_a_proj"))  # q_a_proj
+    _mm(t, p, n, qr, H * dqk, grad, _sides(g, "q_b_proj"))  # q_b_proj
+    _mm(t, p, n, D, R, grad, _sides(g, "kv_a_proj_with_mqa"))  # kv_a_proj_with_mqa
+    _mm(t, p, n, H * dqk, R, grad, _sides(g, "uk"))  # q W_UK (absorbed; per head dqk -> R)
+    _mm(t, p, n, H * R, dv, grad, _sides(g, "uv"))  # o_lat W_UV (per head R -> dv)
+    _mm(t, p, n, H * dv, D, grad, _sides(g, "o_proj"))  # o_proj
+    if g is not None and g["kv_b_merge"]:  # W + s B A of kv_b_proj, once per call; gradients to A and B
+        _mm(t, p, len(pieces) * H * (dqk + dv), ctx["lora_r"], R, grad)
+    kl = kl_w
     if full:  # inputs detached: weight gradients only, and only from the KL
         _mm(t, p, n, qr, HI * dI, grad and kl, sides=1)  # wq_b
         _mm(t, p, n, D, dI, grad and kl, sides=1)  # wk
@@ -303,20 +438,20 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
     for S, T in pieces:
         if not sparse:  # SDPA under autocast: the compute dtype
             keys = _dense_keys(cfg, S, T)
-            t.add("dsa_attention", 4.0 * B * H * R * keys, 10.0 * B * H * R * keys if grad else 0.0)
-            if kl and cfg.indexer_stage == "warmup":
-                _warmup_kl(t, cfg, B, S, T)
+            t.add("dsa_attention", 4.0 * B * H * R * keys, 10.0 * B * H * R * keys if grad and attn else 0.0)
+            if kl_fwd and cfg.indexer_stage == "warmup":
+                _warmup_kl(t, cfg, B, S, T, kl_w)
             continue
         Kp = widths[S] if full else shared_k
         W = Kp * kp + tail
         nq = B * T
-        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad else 0.0, unit=attn_unit)
+        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad and attn else 0.0, unit=attn_unit)
         if full:  # the pooled keys are fp32: the top-k's dots run in fp32 (FMA), the KL with autocast off
             t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
-            if kl and cfg.indexer_stage == "sparse":  # target scores, pool scores, and their gradients, in forward
+            if kl_fwd and cfg.indexer_stage == "sparse":  # target scores, pool scores and their gradients, in forward
                 t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + HI * Kp), unit="fp32")
-            elif kl:
-                _warmup_kl(t, cfg, B, S, T)
+            elif kl_fwd:
+                _warmup_kl(t, cfg, B, S, T, kl_w)
 
 
 def _dense_keys(cfg: ModelConfig, S: int, T: int) -> float:
@@ -329,41 +464,57 @@ def _dense_keys(cfg: ModelConfig, S: int, T: int) -> float:
     return float(_tiles(T, rows, S, 1)[0])
 
 
-def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int) -> None:
+def _warmup_kl(t: _Tally, cfg: ModelConfig, B: int, S: int, T: int, train: bool = True) -> None:
     """The warm-up stage's KL tiles (``_kl_warmup_tile``, checkpointed): dense target scores (no grad) and indexer
-    scores of every visible complete pool (with grad), tiles of ``indexer_tile_tokens // (N H)`` rows."""
+    scores of every visible complete pool (with grad when the indexer trains: ``train``), tiles of
+    ``indexer_tile_tokens // (N H)`` rows."""
     H, R, HI, dI, kp = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     N = S + T
     rows = max(1, cfg.indexer_tile_tokens // (N * H))
     keys, pools = _tiles(T, rows, S, kp)
     scores = 2.0 * B * HI * dI * pools
-    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, 2 * scores, 1, unit="fp32")  # autocast off, fp32
+    back = 2 * scores if train else 0.0
+    t.add("dsa_indexer", 2.0 * B * H * R * keys + scores, back, 1, unit="fp32")  # autocast off, fp32
 
 
-def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float) -> None:
+def _swiglu(t: _Tally, comp: str, n: float, D: int, inter: int, grad: bool, g: dict | None, depth: int = 0,
+            keys: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")) -> None:  # fmt: skip
+    """A SwiGLU over ``n`` rows: gate and up ``D -> inter`` each (or, two ``keys``, one ``gate_up`` product ``D -> 2
+    inter``), down ``inter -> D`` (backward sides from ``g``)."""
+    width = inter * (2 if len(keys) == 2 else 1)
+    for key in keys[:-1]:
+        _mm(t, comp, n, D, width, grad, _sides(g, key), depth=depth)
+    _mm(t, comp, n, inter, D, grad, _sides(g, keys[-1]), depth=depth)
+
+
+def _ffn_layer(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float,
+               g: dict | None = None) -> None:  # fmt: skip
     """The feed-forward of layer ``i`` over ``n`` tokens: a dense SwiGLU MLP, or the MoE (router, shared expert,
-    routed experts; each token chunk a checkpoint)."""
+    routed experts; each token chunk a checkpoint); ``g``: the layer's backward sides (``_flow``)."""
     D = cfg.hidden_size
     if cfg.mlp_layer_types[i] == "dense":
-        _mm(t, "dense_mlp", n, D, 3 * cfg.intermediate_size, grad)
+        _swiglu(t, "dense_mlp", n, D, cfg.intermediate_size, grad, g)
         return
     shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-    _mm(t, "experts", n, D, cfg.n_routed_experts, grad, depth=1, unit="fp32")  # router: fp32, autocast off
+    depth = 1 if g is None or g["moe"] else 0  # a chunk's checkpoint reruns only when its backward runs
+    # router: fp32, autocast off
+    _mm(t, "experts", n, D, cfg.n_routed_experts, grad, _sides(g, "router"), depth=depth, unit="fp32")
     if shared:
-        _mm(t, "dense_mlp", n, D, 3 * shared, grad, depth=1)
-    slots = n * cfg.num_experts_per_tok * ep_factor
-    _mm(t, "experts", slots, D, 3 * cfg.moe_intermediate_size, grad, depth=1)
+        _swiglu(t, "dense_mlp", n, D, shared, grad, g, depth=depth)
+    slots = n * cfg.num_experts_per_tok * ep_factor  # gate_up_proj [E, 2I, D] is one product
+    _swiglu(t, "experts", slots, D, cfg.moe_intermediate_size, grad, g, depth, ("experts_gu", "experts_down"))
 
 
-def _mhc(t: _Tally, cfg: ModelConfig, n: float, grad: bool) -> None:
+def _mhc(t: _Tally, cfg: ModelConfig, n: float, grad: bool, g: dict | None = None) -> None:
     """Two hyper-connections of a layer: ``x~ fn^T`` ``[nD] -> [(2 + n) n]`` and ``comb^T x`` (``n^2 D``) per token."""
     m, D = cfg.hc_mult, cfg.hidden_size
-    for _ in range(2):  # autocast off, fp32 coefficients and streams
-        _mm(t, "mhc", n, m * D, (2 + m) * m, grad, unit="fp32")
-        _mm(t, "mhc", n, m * m, D, grad, unit="fp32")
+    for hc in ("attn_hc", "ffn_hc"):  # autocast off, fp32 coefficients and streams
+        _mm(t, "mhc", n, m * D, (2 + m) * m, grad, _sides(g, f"{hc}_fn"), unit="fp32")
+        _mm(t, "mhc", n, m * m, D, grad, _sides(g, f"{hc}_comb"), unit="fp32")
 
 
-def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None, ctx: dict) -> None:
+def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None, ctx: dict,
+          sides: int = 2) -> None:  # fmt: skip
     """The LM head and loss: the model's own ``lm_head`` (an 8-token vocabulary) or the chunked head of a text base
     (``genoctx.model.head``: logits recomputed in backward) over ``rows`` softmax rows (default ``vocab_size``).
 
@@ -373,14 +524,14 @@ def _head(t: _Tally, cfg: ModelConfig, n: float, grad: bool, rows: int | None, c
     autocast (``run``), the nucleotide rows' in fp32 (``.float()``; issue 43 item 13 keeps autocast off it)."""
     D = cfg.hidden_size
     if cfg.vocab_size == NUCLEOTIDE_VOCAB:
-        _mm(t, "lm_head_loss", n, D, cfg.vocab_size, grad)
+        _mm(t, "lm_head_loss", n, D, cfg.vocab_size, grad, sides)
         return
     V = rows or cfg.vocab_size
     if ctx["eval"]:
         unit = "run" if rows is None else "fp32"
     else:
         unit = "run" if ctx["fsdp"] else "fp32"
-    _mm(t, "lm_head_loss", n, D, V, grad, depth=1, unit=unit)
+    _mm(t, "lm_head_loss", n, D, V, grad, sides, depth=1, unit=unit)
 
 
 # ------------------------------------------------------------------ the rank's calls
@@ -401,40 +552,46 @@ def _rank_rounds(L: int, cp: int, cp_layout: str, seq_chunk_tokens: int | None) 
     return rounds
 
 
-def _lora(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float, r: int, w: dict) -> None:
-    """LoRA adapters of layer ``i`` (``genoctx.plan.trainable``): ``2 r (in + out)`` per token per target forward
-    (``x A^T``, then ``B``), twice that backward; ``w``: the layer's ``in + out`` sums (``lora_widths``). The mixer's
-    in ``attention_projections``, the MLP's (shared experts inside the MoE's checkpointed chunks) in ``dense_mlp``,
-    the experts' per routed row in ``experts``."""
-    moe = cfg.mlp_layer_types[i] != "dense"
-    if w["mixer"]:
-        _mm(t, "attention_projections", n, r, w["mixer"], grad)
-    if w["mlp"]:
-        _mm(t, "dense_mlp", n, r, w["mlp"], grad, depth=1 if moe else 0)
-    if w["experts"]:
-        _mm(t, "experts", n * cfg.num_experts_per_tok * ep_factor, r, w["experts"], grad, depth=1)
+def _lora(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: float, r: int,
+          adapters: list) -> None:  # fmt: skip
+    """LoRA adapters of layer ``i`` (``genoctx.plan.trainable``), ``adapters`` from ``_flow``: ``2 r (in + out)`` per
+    token per target forward (``x A^T``, then ``B``); backward ``dA``, ``dB`` and the input's gradient of ``B``'s
+    product, and ``x``'s of ``A``'s where ``x`` needs one (``3`` or ``4 r (in + out)``). The mixer's in
+    ``attention_projections``, the MLP's (shared experts inside the MoE's checkpointed chunks) in ``dense_mlp``, the
+    experts' per routed row in ``experts``. (``kv_b_proj``'s adapter is merged per call: ``_dsa_layer``.)"""
+    moe = cfg.mlp_layer_types[i] != "dense"  # (an adapter's layer always needs its backward: no dead checkpoint)
+    for part, d_in, d_out, x_live in adapters:
+        comp, rows, depth = {"mixer": ("attention_projections", n, 0), "mlp": ("dense_mlp", n, 1 if moe else 0),
+                             "experts": ("experts", n * cfg.num_experts_per_tok * ep_factor, 1)}[part]  # fmt: skip
+        _mm(t, comp, rows, d_in, r, grad, 1 + int(x_live), depth=depth)  # x A^T
+        _mm(t, comp, rows, r, d_out, grad, 2, depth=depth)  # (x A^T) B^T
 
 
 def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, ep_factor: float,
           loss_vocab_rows: int | None, *, fsdp: bool, eval_mode: bool = False,
-          lora: tuple[int, list] | None = None) -> _Tally:  # fmt: skip
+          flow: tuple | None = None, lora_r: int = 0) -> _Tally:  # fmt: skip
     """One forward (with or without grad) over every round of the rank, and what its backward would cost
-    (``lora``: the adapters' rank and ``lora_widths``, or None)."""
+    (``flow``: ``_flow`` when not everything trains, or None; ``lora_r``: the adapters' rank)."""
     t = _Tally()
     for k, pieces in enumerate(rounds):
         n = B * sum(T for _, T in pieces)
         ctx = {"cp": cp > 1, "n_pieces": n_pieces, "carry_in": k > 0, "carry_out": k < len(rounds) - 1,
-               "fsdp": fsdp, "eval": eval_mode}  # fmt: skip
+               "fsdp": fsdp, "eval": eval_mode, "lora_r": lora_r}  # fmt: skip
         for i, kind in enumerate(cfg.layer_types):
+            g = ctx["g"] = flow[0][i] if flow is not None else None
+            lt = t if g is None or g["layer"] else _Tally(dead=False)  # a layer before anything needs a gradient: apart
             if kind == DSA:
-                _dsa_layer(t, cfg, i, B, pieces, grad, ctx)
+                _dsa_layer(lt, cfg, i, B, pieces, grad, ctx)
             else:
-                _kda_layer(t, cfg, B, pieces, grad, ctx)
-            _ffn_layer(t, cfg, i, n, grad, ep_factor)
-            if lora is not None:
-                _lora(t, cfg, i, n, grad, ep_factor, lora[0], lora[1][i])
-            _mhc(t, cfg, n, grad)
-        _head(t, cfg, n, grad, loss_vocab_rows, ctx)
+                _kda_layer(lt, cfg, B, pieces, grad, ctx)
+            _ffn_layer(lt, cfg, i, n, grad, ep_factor, g)
+            if g is not None and g["adapters"]:
+                _lora(lt, cfg, i, n, grad, ep_factor, lora_r, g["adapters"])
+            _mhc(lt, cfg, n, grad, g)
+            if lt is not t:
+                t.merge(lt)
+                t.dead.merge(lt)
+        _head(t, cfg, n, grad, loss_vocab_rows, ctx, 2 if flow is None else int(flow[1][0]) + int(flow[1][1]))
     return t
 
 
@@ -485,9 +642,9 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
         cp_layout: ``"contiguous"`` or ``"zigzag"`` (``genoctx.parallel.layout.cp_pieces``).
         loss_vocab_rows: softmax rows of the chunked head of a text base (5 for ``loss.vocab: nucleotide``); None =
             ``vocab_size``. An 8-token model trains on its own logits.
-        trainable: what trains (``genoctx.plan.trainable.Trainable``): with LoRA its adapters' FLOPs are added
-            (``_lora``); frozen tensors' weight-gradient matmuls are still counted (an upper bound). None: full
-            training.
+        trainable: what trains (``genoctx.plan.trainable.Trainable``): frozen weights' products compute only their
+            input's gradient, and nothing before the first tensor that needs one (``_flow``); LoRA adds its
+            adapters' products (``_lora``). None: full training.
 
     Returns:
         ``{"components": {name: {"forward", "recompute", "backward": FLOPs, "class": "matmul" | "attention" |
@@ -506,21 +663,23 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
     skew = min(skew, float(layout.ep)) if layout.ep > 1 else 1.0
     rounds = _rank_rounds(seq_len, layout.cp, cp_layout, seq_chunk_tokens)
     B = batch_size
-    lora = (trainable.lora_rank, lora_widths(cfg, trainable)) if trainable is not None and trainable.lora_rank else None
-    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, lora=lora)
+    flow = _flow(cfg, trainable) if trainable is not None and not trainable.default else None
+    lora = dict(flow=flow, lora_r=trainable.lora_rank if trainable is not None else 0)
+    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, **lora)
     comps = {c: dict(grad.f[c]) for c in COMPONENTS}
     units = {c: {p: dict(grad.u[c][p]) for p in PHASES} for c in COMPONENTS}
 
-    def rerun(c: str, tally: _Tally) -> None:  # tally's forward of c once more, as recompute
-        comps[c]["recompute"] += tally.f[c]["forward"]
+    def rerun(c: str, tally: _Tally, sign: float = 1.0) -> None:  # tally's forward of c once more, as recompute
+        comps[c]["recompute"] += sign * tally.f[c]["forward"]
         for u, v in tally.u[c]["forward"].items():
-            units[c]["recompute"][u] = units[c]["recompute"].get(u, 0.0) + v
+            units[c]["recompute"][u] = units[c]["recompute"].get(u, 0.0) + sign * v
 
     for c in COMPONENTS:
         if recompute and c != "lm_head_loss":  # apply_ac: every decoder layer's forward once more (not the head)
             rerun(c, grad)
+            rerun(c, grad.dead, -1.0)  # but not the layers no gradient reaches
     if len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len):
-        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, lora=lora)
+        sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, **lora)
         for c in COMPONENTS:
             rerun(c, sweep)
     return _result(comps, units, B * seq_len // layout.cp)

@@ -880,6 +880,7 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
         "knobs": [k for k, on in (("offload_activations", st.offload_act), ("optimizer_state_dtype=bf16",
                   st.moment_bytes == 2), ("optimizer_offload", st.offload)) if on],  # fmt: skip
         "host_gib": _gib(host),
+        "host_memory_gib": host_memory_gib,
         "host_fits": host_fits,
         "host_device_bytes": moved,
     }

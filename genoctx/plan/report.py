@@ -75,6 +75,8 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         )
     if len(plans) > limit:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
+    if plans and not plans[0]["fits"]:
+        lines.append(f"     ({short_of(plans[0])})")
     lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
                  "sends per step, balanced routing)")
     if timed:
@@ -131,9 +133,21 @@ def _trainable_line(p: dict) -> str:
             f"{t['frozen_dtype']} ({t['frozen_bytes'] / 2**30:.1f} GiB with scales); per GPU #1 holds "
             f"{p['persistent_gib'].get('frozen', 0.0):.2f} GiB frozen, "
             f"{p['persistent_gib']['optimizer_state']:.2f} GiB optimizer state)")  # fmt: skip
-    if p.get("host_fits") is False:
-        line += f"\n     (#1 does not fit the host: {p['host_gib']:.1f} GiB of host memory per GPU)"
     return line
+
+
+def short_of(p: dict) -> str:
+    """What a plan that does not fit is short of, with the numbers: GPU memory (its peak GiB per GPU against the GPU's)
+    and/or host memory (the GiB per GPU its offloaded state holds against ``host_memory_gib``)."""
+    out = []
+    if p["total_gib"] > p["gpu_memory_gib"]:
+        out.append(f"GPU memory: needs {p['total_gib']:.1f} GiB per GPU, {p['gpu_memory_gib']:g} GiB available "
+                   f"({p['total_gib'] - p['gpu_memory_gib']:.1f} short)")  # fmt: skip
+    if p.get("host_fits") is False:
+        have = p.get("host_memory_gib")
+        out.append(f"host memory: needs {p['host_gib']:.1f} GiB per GPU, {have:g} GiB available "
+                   f"({p['host_gib'] - have:.1f} short)")  # fmt: skip
+    return "#1 does not fit: short of " + "; and of ".join(out) if out else "#1 does not fit"
 
 
 def _time_cells(p: dict) -> str:

@@ -22,11 +22,16 @@ LoRA (``lora_rank`` r > 0, ``lora`` in ``trainable``): one adapter per target (`
 training adapts, ``genoctx.model.lora.DEFAULT_TARGETS``; the routed experts one adapter per expert), ``A [r, in]`` and
 ``B [out, r]``, ``r (in + out)`` trainable parameters per target (per expert for experts), held in the target's layer
 (sharded with it: dense dim 0 over ``dp_shard``, experts over EP and the expert shard). Its FLOPs: ``2 r (in + out)``
-per token per target forward, twice that backward (``genoctx.plan.flops``); its activations: ``x A^T``, ``r`` values per
-token per target (per routed row for experts), in the activation dtype.
+per token per target forward, up to twice that backward (``genoctx.plan.flops``); its activations: ``x A^T``, ``r``
+values per token per target (per routed row for experts), in the activation dtype.
 
-Not counted: the frozen layers' weight-gradient matmuls that no longer run (the FLOPs stay those of full training:
-an upper bound of step time), the smaller activations autograd may keep for a frozen matmul (an upper bound).
+FLOPs (``genoctx.plan.flops._flow``): what autograd runs. A frozen weight's product computes only its input's
+gradient, none before the first tensor that needs a gradient (with ``embed`` frozen, the first layers up to the first
+trainable tensor: no backward and no recompute); ``kv_b_proj``'s adapter is merged per call (``W + s B A``).
+``tests/plan/test_flops.py`` holds it equal to FlopCounterMode on frozen-subset and LoRA steps.
+
+Not counted: the smaller activations autograd may keep for a frozen matmul (an upper bound); ``kv_b_proj``'s adapter
+counts ``r`` activations per token as the others do (it keeps none: an upper bound).
 """
 
 from __future__ import annotations

@@ -142,9 +142,102 @@ def _fsdp_groups(model) -> list[dict]:
     return groups
 
 
+def _fp8_weight(name: str, p: torch.Tensor, modules: dict) -> bool:
+    """Whether frozen parameter ``name`` is held as the published checkpoint's block-scaled fp8 under
+    ``train.frozen_dtype: fp8``: an ``nn.Linear`` weight of a decoder layer's ``self_attn`` or ``mlp`` (not the router
+    ``mlp.gate``) or a routed expert's ``gate_up_proj`` / ``down_proj`` (``genoctx.plan.trainable``'s ``fp8``)."""
+    from torch import nn
+
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("self_attn", "mlp") or p.dim() < 2:
+        return False
+    mod, leaf = name.rsplit(".", 1)
+    if ".mlp.experts." in f".{name}":
+        return leaf in ("gate_up_proj", "down_proj")
+    return isinstance(modules.get(mod), nn.Linear) and leaf == "weight" and not mod.endswith("mlp.gate")
+
+
+def _shard(p: torch.Tensor, shape: tuple) -> tuple[int, int]:
+    """``(local, padded)`` elements of a tensor of global ``shape`` placed as parameter ``p`` is (its DTensor mesh and
+    placements: FSDP2's dim-0 shard, every rank's piece padded to the first ``torch.chunk`` piece; a plain tensor:
+    whole): how FSDP2 would shard a tensor held beside ``p`` (an adapter, an fp8 scale)."""
+    import math
+
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    n = math.prod(shape)
+    if not isinstance(p, DTensor):
+        return n, n
+    local = math.prod(compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)[0])
+    shards = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    return local, -(-shape[0] // shards) * (n // max(1, shape[0]))
+
+
+def _count_trainable(cfg: ModelConfig, model, dims, trainable: dict, moment_bytes: int) -> dict:
+    """What ``train.trainable`` / ``train.lora_rank`` / ``train.frozen_dtype`` change on this rank (issue 44): every
+    parameter of a group that does not train is frozen (``requires_grad_(False)``, so that the optimizer built next
+    holds none of it) and counted in the frozen dtype (fp8: 1 byte per element plus fp32 ``scale_inv`` blocks of 128 x
+    128, ``genoctx.model.fp8.scale_shape``, sharded as the weight); the LoRA adapters ``apply_lora`` makes (on a
+    one-device meta model: their names and shapes) are counted placed as their target weight is (``_shard``: experts'
+    ``[E, r, in]`` / ``[E, out, r]`` over EP and the expert shard on dim 0, dense ones FSDP-sharded on dim 0): fp32
+    master and gradient at the padded size, AdamW moments of the local piece.
+
+    Returns:
+        ``{"frozen", "frozen_params_local", "adapter_weights", "adapter_gradients", "adapter_optimizer_state",
+        "adapter_params_local"}`` (bytes, or elements for ``*_params_local``)."""
+    from ..model.fp8 import scale_shape
+    from ..model.groups import group_of, parse_trainable
+    from ..model.lora import apply_lora
+    from ..model.model import HybridLM
+    from ..parallel.state import local_targets
+
+    groups = set(parse_trainable(trainable["trainable"]))
+    fp8 = trainable["frozen_dtype"] == "fp8"
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    padded = _padded_numel(model) if dims.fsdp else {}
+    out = dict.fromkeys(("frozen", "frozen_params_local", "adapter_weights", "adapter_gradients",
+                         "adapter_optimizer_state", "adapter_params_local"), 0)  # fmt: skip
+    for name, (local, _, _) in local_targets(model, dims, buffers=False).items():
+        if group_of(name, cfg.layer_types) in groups:
+            continue
+        p = params[name]
+        p.requires_grad_(False)
+        held = padded.get(id(p), local.numel())
+        out["frozen_params_local"] += local.numel()
+        if fp8 and _fp8_weight(name, p, modules):
+            out["frozen"] += held + 4 * _shard(p, scale_shape(tuple(p.shape), (128, 128)))[1]
+        else:
+            out["frozen"] += 2 * held
+    if trainable["lora_rank"]:
+        with torch.device("meta"):
+            plain = HybridLM(cfg)
+        targets = trainable.get("lora_targets")
+        kw = {"targets": list(targets)} if targets else {}
+        apply_lora(plain, trainable["lora_rank"], 2.0 * trainable["lora_rank"], **kw)
+        for name, a in plain.named_parameters():
+            if not name.endswith(("lora_A", "lora_B")):
+                continue
+            base = name[: -len(".lora_A")]  # q_proj.lora_A (an nn.Linear's weight), experts' gate_up_proj_lora_A
+            target = params.get(base + ".weight", params.get(base))
+            shape = tuple(a.shape)
+            if a.dim() == 3:  # one adapter per expert: this rank's EP block of experts, as the target holds them
+                shape = (target.shape[0], *shape[1:])
+            n_local, n_padded = _shard(target, shape)
+            out["adapter_params_local"] += n_padded
+            out["adapter_weights"] += 4 * n_padded
+            out["adapter_gradients"] += 4 * n_padded
+            out["adapter_optimizer_state"] += 2 * moment_bytes * n_local
+    return out
+
+
 def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpointing: bool, dtype: str,
-                optimizer_offload: bool, optimizer_state_dtype: str = "fp32") -> dict:  # fmt: skip
-    """One simulated rank, the default process group not yet initialised: init (fake), build, count, destroy."""
+                optimizer_offload: bool, optimizer_state_dtype: str = "fp32",
+                trainable: dict | None = None) -> dict:  # fmt: skip
+    """One simulated rank, the default process group not yet initialised: init (fake), build, count, destroy.
+    ``trainable``: ``{"trainable", "lora_rank", "frozen_dtype", "lora_targets"}`` (``_count_trainable``), or None
+    (everything trains)."""
     import torch.distributed as dist
 
     from ..parallel.build import build_model
@@ -162,12 +255,16 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
         model = build_model(cfg, dims, activation_checkpointing=activation_checkpointing,
                             param_dtype=DTYPES[dtype], offload_optimizer=optimizer_offload,
                             materialize=False)  # fmt: skip
+        split = _count_trainable(cfg, model, dims, trainable, 2 if optimizer_state_dtype == "bf16" else 4) \
+            if trainable is not None else None  # fmt: skip
         by_class = {c: dict.fromkeys(NAME_CLASSES, 0) for c in (*COMPONENTS, "params")}
         params = dict(model.named_parameters())
         padded = _padded_numel(model) if dims.fsdp else {}
         for name, (local, _, _) in local_targets(model, dims, buffers=False).items():
             cls = name_class(name, cfg)
             p = params[name]
+            if not p.requires_grad:  # frozen (train.trainable): counted by _count_trainable
+                continue
             held = padded.get(id(p), local.numel())  # FSDP2 allocates every rank's shard at the padded size
             by_class["weights"][cls] += held * local.element_size()
             by_class["params"][cls] += local.numel()
@@ -177,10 +274,13 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
                 p.grad = None
         for name, b in model.named_buffers():
             by_class["buffers"][name_class(name, cfg)] += _nbytes(b)
-        optimizer, _ = build_optimizer(model, TrainConfig(optimizer_state_dtype=optimizer_state_dtype), 1)
-        canonical_state(model, optimizer, dims)  # zero exp_avg / exp_avg_sq (zeros_like, on meta)
+        state: dict = {}
+        if any(p.requires_grad for p in params.values()):  # (LoRA alone: only adapters train, counted apart)
+            optimizer, _ = build_optimizer(model, TrainConfig(optimizer_state_dtype=optimizer_state_dtype), 1)
+            canonical_state(model, optimizer, dims)  # zero exp_avg / exp_avg_sq (zeros_like, on meta)
+            state = optimizer.state
         names = {id(p): n for n, p in params.items()}
-        for p, st in optimizer.state.items():
+        for p, st in state.items():
             cls = name_class(names[id(p)], cfg)
             by_class["optimizer_state"][cls] += sum(_nbytes(st[k]) for k in ("exp_avg", "exp_avg_sq") if k in st)
         groups = _fsdp_groups(model) if dims.fsdp else []
@@ -205,6 +305,14 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
             "fsdp_groups": len(groups),
             "by_class": {c: {k: v for k, v in d.items() if v} for c, d in by_class.items()},
         }
+        if split is not None:  # frozen weights in their dtype; the adapters' masters, gradients and moments
+            out["trainable_params_local"] = out["params_local"] + split["adapter_params_local"]
+            out["frozen"] = split["frozen"]
+            out["weights"] += split["frozen"] + split["adapter_weights"]
+            out["gradients"] += split["adapter_gradients"]
+            out["optimizer_state"] += split["adapter_optimizer_state"]
+            out["params_local"] += split["frozen_params_local"]
+            out["adapters"] = {k: split[k] for k in split if k.startswith("adapter_")}
         out["total_persistent"] = out["weights"] + out["buffers"] + out["gradients"] + out["optimizer_state"]
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out
@@ -369,7 +477,8 @@ def reuse_server():
             server.err.close()
 
 
-def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype) -> dict:
+def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype,
+         trainable=None) -> dict:  # fmt: skip
     """Every rank in its own fresh process, forked from a server process (``_server_main``) that imported torch and
     genoctx once (one per call, or the one of ``reuse_server``): DTensor's sharding-propagation caches are keyed by
     mesh equality, not by rank, so a second rank built in the same process would get the first rank's mesh (and
@@ -383,7 +492,7 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload,
 
     t0 = time.perf_counter()
     workers = max(1, min(len(ranks), os.cpu_count() or 1, 8))
-    jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype)
+    jobs = [(cfg, layout, r, activation_checkpointing, dtype, optimizer_offload, optimizer_state_dtype, trainable)
             for r in ranks]  # fmt: skip
     request = pickle.dumps((jobs, workers))
     if _kept:
@@ -414,6 +523,7 @@ def _run(cfg, layout, ranks, activation_checkpointing, dtype, optimizer_offload,
         "activation_checkpointing": activation_checkpointing,
         "optimizer_offload": optimizer_offload,
         "optimizer_state_dtype": optimizer_state_dtype,
+        **({"trainable": trainable} if trainable is not None else {}),
         "units": "bytes",
         "ranks": results,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -430,6 +540,10 @@ def dry_run(
     dtype: str = "bf16",
     optimizer_offload: bool = False,
     optimizer_state_dtype: str = "fp32",
+    trainable: str = "all",
+    lora_rank: int = 0,
+    frozen_dtype: str = "bf16",
+    lora_targets: tuple[str, ...] | None = None,
 ) -> dict:
     """Build ``cfg`` on ``layout`` for each simulated rank (module docstring) and count its bytes.
 
@@ -441,6 +555,10 @@ def dry_run(
         dtype: ``"bf16"`` (FSDP2 all-gathers bf16, fp32 islands, fp32 masters) or ``"fp32"``.
         optimizer_offload: FSDP2 ``CPUOffloadPolicy`` (the counted pieces then live in host memory).
         optimizer_state_dtype: AdamW's moments, ``"fp32"`` or ``"bf16"`` (``train.optimizer_state_dtype``).
+        trainable, lora_rank, frozen_dtype, lora_targets: ``train.trainable`` and its keys (issue 44,
+            ``_count_trainable``): frozen tensors counted in ``frozen_dtype`` (no gradient, no moments), the LoRA
+            adapters placed as their targets. Each rank then also has ``"frozen"`` (bytes, included in ``weights``),
+            ``"trainable_params_local"`` (padded) and ``"adapters"``; ``params_local`` counts every local element.
 
     Returns:
         A JSON-ready dict: ``{"layout": {dp_replicate, ep, dp_shard, cp, world}, "dtype", "activation_checkpointing",
@@ -472,11 +590,21 @@ def dry_run(
             f"dry run {layout.describe()}: ep {layout.ep} must divide the "
             f"{cfg.n_routed_experts if moe else 0} routed experts"
         )
+    tr = None
+    if trainable != "all" or lora_rank or frozen_dtype != "bf16" or lora_targets is not None:
+        from ..plan.trainable import check_trainable
+
+        try:
+            t = check_trainable(trainable, lora_rank, frozen_dtype, lora_targets)
+        except ValueError as e:
+            raise GenoctxError(f"dry run: {e}") from None
+        tr = {"trainable": t.spec, "lora_rank": t.lora_rank, "frozen_dtype": t.frozen_dtype,
+              "lora_targets": list(t.lora_targets) if t.lora_targets else None}  # fmt: skip
     if optimizer_offload and not layout.fsdp:
         raise GenoctxError(f"dry run {layout.describe()}: optimizer offload needs FSDP (dp_shard > 1 or cp > 1)")
     try:
         return _run(cfg, layout, list(ranks), activation_checkpointing, dtype, optimizer_offload,
-                    optimizer_state_dtype)  # fmt: skip
+                    optimizer_state_dtype, tr)  # fmt: skip
     except GenoctxError:
         raise
     except Exception as e:  # noqa: BLE001 -- torch's errors while building: one line naming the layout

@@ -11,12 +11,15 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 from genoctx.data.tokenizer import BOS
 from genoctx.model import dsa, kda
 from genoctx.model.config import DSA, preset
+from genoctx.model.lora import apply_lora
 from genoctx.model.model import shift_inputs, token_losses
 from genoctx.parallel.build import build_model
 from genoctx.parallel.layout import Layout
 from genoctx.plan import flops
 from genoctx.plan.flops import PUBLISHED_SKEW, eval_flops, flops_per_token, step_flops
+from genoctx.plan.trainable import Trainable
 from genoctx.train.chunked import chunked_forward_backward
+from genoctx.train.loop import freeze_untrained
 
 
 def _conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
@@ -65,13 +68,18 @@ def _counter(by_dtype: bool = False) -> FlopCounterMode:
     })  # fmt: skip
 
 
-def _count(name: str, L: int, ac: bool, chunk: int | None = None, bf16: bool = False, **overrides) -> tuple:
+def _count(name: str, L: int, ac: bool, chunk: int | None = None, bf16: bool = False, trainable: str = "all",
+           lora_rank: int = 0, **overrides) -> tuple:  # fmt: skip
     """One train step of ``forward_backward``'s one-process objective, counted: (cfg, forward counter, backward
     counter); the chunked backward (``chunk``) counted whole in the second. ``bf16``: the forward under bf16
-    autocast (``train.dtype: bf16``), the counters also by operand dtype."""
+    autocast (``train.dtype: bf16``), the counters also by operand dtype. ``trainable``, ``lora_rank``: what the
+    loop trains (``apply_lora`` with the default targets, then ``freeze_untrained``)."""
     torch.manual_seed(0)
     cfg = preset(name, kernels="torch", kda_kernel="torch", **overrides)
     model = build_model(cfg, activation_checkpointing=ac)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2.0 * lora_rank)
+    freeze_untrained(model, trainable)
     tokens = torch.randint(0, 4, (1, L))
     inputs, scored = shift_inputs(tokens, BOS), torch.ones(1, L, dtype=torch.bool)
     if chunk is not None:
@@ -206,6 +214,37 @@ def test_units_are_the_dtypes_a_bf16_step_runs():
     assert set(step_flops(base, 128)["components"]["lm_head_loss"]["units"]) == {"fp32"}
     assert set(step_flops(base, 128, Layout(dp_shard=2))["components"]["lm_head_loss"]["units"]) == {"run"}
     assert set(eval_flops(base, 128)["components"]["lm_head_loss"]["units"]) == {"run"}
+
+
+SUBSETS = [("kda,dsa,indexer,router,mhc,norms", 0), ("lora", 4), ("lora,embed,norms", 4), ("head", 0),
+           ("norms", 0), ("experts", 0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,L,ac", [("tiny", 128, False), ("cpu-small", 256, True)])
+@pytest.mark.parametrize("spec,r", SUBSETS, ids=[s.replace(",", "+") for s, _ in SUBSETS])
+def test_frozen_and_lora_steps_equal_flop_counter(spec, r, name, L, ac):
+    """What trains changes what the backward runs, and the plan counts what runs (FlopCounterMode, equal to the
+    FLOP): a frozen weight's product computes only its input's gradient (one product, not two), and nothing where
+    the input needs none either (the layers before the first trainable tensor: no backward, and no recompute of
+    their checkpoints); the indexer's weight gradients only when it trains (its k_norm is ``norms``); LoRA's
+    ``x A^T`` two products backward where ``x`` needs a gradient, one where it does not; ``kv_b_proj``'s adapter
+    merged once per call (``W + s B A``). Measured: a frozen-everything-but-``head`` step's backward is the head's
+    weight gradient alone."""
+    cfg, fwd, bwd = _count(name, L, ac, trainable=spec, lora_rank=r)
+    plan = step_flops(cfg, L, recompute=ac, trainable=Trainable(spec, r))
+    assert plan["forward"] == fwd.get_total_flops()
+    assert plan["total"] == fwd.get_total_flops() + bwd.get_total_flops()
+    full = step_flops(cfg, L, recompute=ac)
+    assert plan["backward"] < full["backward"] or r  # frozen weights: fewer backward products (LoRA adds its own)
+    if spec == "head":  # nothing before the head needs a gradient: dW of lm_head only, no recompute
+        assert bwd.get_total_flops() == 2 * L * cfg.hidden_size * cfg.vocab_size and plan["recompute"] == 0
+
+
+def test_frozen_chunked_step_equals_flop_counter():
+    """The chunked backward of a LoRA run (no-grad sweep, then each chunk with grad and recompute)."""
+    cfg, _, both = _count("tiny", 256, True, chunk=64, trainable="lora", lora_rank=4)
+    plan = step_flops(cfg, 256, recompute=True, seq_chunk_tokens=64, trainable=Trainable("lora", 4))
+    assert plan["total"] == both.get_total_flops()
 
 
 def test_chunked_step_and_eval_equal_flop_counter():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from genoctx.model.config import preset
-from genoctx.model.groups import group_of
+from genoctx.model.groups import GROUPS, group_of
 from genoctx.model.model import HybridLM
 from genoctx.parallel.layout import Layout
 from genoctx.plan import memory, plan_memory
@@ -132,7 +132,8 @@ def test_lora_adds_r_in_plus_out_per_target_one_adapter_per_expert():
 
 def test_lora_flops_are_2r_in_plus_out_per_token_per_target_forward_3x_with_backward():
     r, n = 8, L
-    tr = check_trainable("lora", r, "bf16", ("q_proj",))  # the KDA layers' q_proj only: no checkpoint inside
+    # every group trains too (so every input needs a gradient), and adapters on the KDA layers' q_proj only
+    tr = check_trainable(",".join(GROUPS) + ",lora", r, "bf16", ("q_proj",))
     base = step_flops(TINY, L, ONE, recompute=False)
     lora = step_flops(TINY, L, ONE, recompute=False, trainable=tr)
     q = [p for name, p in PARAMS.items() if name.endswith("self_attn.q_proj.weight")]
@@ -211,3 +212,51 @@ def test_memory_and_comms_gather_the_same_frozen_and_trainable_bytes(spec, rank,
         assert x["block_bytes"] == pytest.approx(gathered, rel=0.01)
     full = memory._layers(st)
     assert all(x["dequant"] == 0 for x in full) and (dtype != "fp8" or all(x["dequant"] > 0 for x in layers))
+
+
+@pytest.mark.parametrize(
+    "name,seq_len,hardware", [("hg38-512k-node", 1 << 19, "h100"), ("hg38-1m-node", 1 << 20, "b200")]
+)
+def test_one_node_recipes_fit_their_node(name, seq_len, hardware):
+    """``recipes/hg38-{512k,1m}-node.yaml`` (issue 44) are the planner's fitting rows of the one-node commands: their
+    layout (8 workers), knobs and what trains, planned for GLM-5.3-Flash (the base the recipes load) on their
+    hardware profile, fit the GPU and the host memory."""
+    from pathlib import Path
+
+    from genoctx.plan.hardware import load_hardware
+    from genoctx.recipes import load_recipe
+
+    rec = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml")
+    t, hw = rec.train, load_hardware(hardware)
+    assert rec.init == "zai-org/GLM-5.3-Flash" and (t.trainable, t.frozen_dtype) == ("lora", "fp8")
+    layout = Layout(ep=t.ep, dp_shard=t.fsdp, cp=t.cp, ep_folded=t.ep_folded)
+    assert layout.world == 8
+    plan = plan_memory(preset("glm-5.3-flash"), seq_len, layout, gpu_memory_gib=hw.memory_gib,
+                       host_memory_gib=hw.host_memory_gib, recompute=t.activation_checkpointing,
+                       optimizer_offload=t.offload_optimizer, offload_activations=t.offload_activations,
+                       optimizer_state_dtype=t.optimizer_state_dtype, seq_chunk_tokens=t.seq_chunk_tokens,
+                       trainable=t.trainable, lora_rank=t.lora_rank, frozen_dtype=t.frozen_dtype,
+                       loss_chunk_tokens=rec.loss.chunk_tokens)  # fmt: skip
+    assert plan["fits"] and plan["host_fits"] is not False, (plan["total_gib"], plan["host_gib"])
+    assert plan["total_gib"] <= hw.memory_gib and plan["trainable"]["params_lora"] > 0
+
+
+def test_a_plan_that_does_not_fit_says_what_it_is_short_of():
+    """The table's line under a row that does not fit names GPU memory or host memory with the numbers (issue 44: a
+    frozen-groups run that fits the GPU but not the host must not read as a GPU that is too small)."""
+    from genoctx.plan.report import format_table, short_of
+
+    tr = dict(trainable="kda,dsa,indexer,router,mhc,norms", frozen_dtype="fp8")
+    ok = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80.0, **tr)
+    gpu = plan_memory(TINY, L, SHARD2, gpu_memory_gib=ok["total_gib"] / 2, **tr)
+    host = plan_memory(TINY, L, SHARD2, gpu_memory_gib=80.0, optimizer_offload=True, host_memory_gib=1e-9, **tr)
+    assert ok["fits"] and not gpu["fits"] and gpu["host_fits"] is None
+    assert not host["fits"] and host["host_fits"] is False and host["total_gib"] <= 80.0
+    need, have = gpu["total_gib"], gpu["gpu_memory_gib"]
+    assert short_of(gpu) == (f"#1 does not fit: short of GPU memory: needs {need:.1f} GiB per GPU, {have:g} GiB "
+                             f"available ({need - have:.1f} short)")  # fmt: skip
+    assert short_of(host).startswith("#1 does not fit: short of host memory: needs ") and "GPU memory" not in short_of(
+        host
+    )  # fmt: skip
+    assert f"needs {host['host_gib']:.1f} GiB per GPU, 1e-09 GiB available" in short_of(host)
+    assert f"({short_of(host)})" in format_table([host]) and "does not fit" not in format_table([ok])
