@@ -327,7 +327,8 @@ class _EPExperts(torch.autograd.Function):
     dtype. ``fp8`` (``train.frozen_dtype: fp8``): None, or per base weight ``(block, dtype)`` where it is held in fp8
     (else None): that weight is then its holder's float8 [El, ...] tensor and ``S_gu`` / ``S_dn`` its ``scale_inv``
     (None otherwise); each local expert is dequantized per use (``FP8Stack``), in forward and in the backward's
-    recomputation, as ``Experts.forward`` does in one process; it gets no gradient. The four adapters (``genoctx.model.lora``; each None where there is none, ``scale`` None without any) add
+    recomputation, as ``Experts.forward`` does in one process; it gets no gradient. The four adapters
+    (``genoctx.model.lora``; each None where there is none, ``scale`` None without any) add
     ``scale · (h A_e^T) B_e^T`` to expert ``e``'s projections inside ``expert_mlp``, as ``Experts.forward`` does in
     one process. Backward returns the gradients of x, weights and of each local tensor that requires grad; a frozen
     one (``requires_grad`` False: ``train.trainable`` without ``experts``) gets None and its weight-gradient matmuls

@@ -444,7 +444,9 @@ def test_ep_over_fp8_holders_equals_ep_over_the_dequantized_weights():
     before = [(h.weight.clone(), h.scale_inv.clone()) for h in hs]
     x, g = (t.double() for t in ep_tokens("fp8", 0, (2, 23), 32))
     trained = [n for n, p in ref.named_parameters() if p.requires_grad]
-    assert sum("lora" in n for n in trained) == 4 and not any(n.endswith(("gate_up_proj", "down_proj")) for n in trained)
+    assert sum("lora" in n for n in trained) == 4 and not any(
+        n.endswith(("gate_up_proj", "down_proj")) for n in trained
+    )
     want = _fwd_bwd_named(ref, x, g, trained)
     stacks = {(8, 48, 32), (8, 32, 24)}
     with _Shapes() as mode:

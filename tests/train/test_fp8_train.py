@@ -231,7 +231,10 @@ def test_fp8_checkpoints_hold_the_fp8_bytes_and_resume_exactly(prepared, fp8_bas
     [
         (["train.frozen_dtype=fp16"], "train.frozen_dtype must be 'bf16' or 'fp8', got 'fp16'"),
         (["train.frozen_dtype=fp8"], "train.frozen_dtype: fp8 holds frozen weights, but train.trainable is all"),
-        (["train.frozen_dtype=fp8", "train.trainable=kda,norms", "train.ep=2"], "fp8 runs in one process for now"),
+        (
+            ["train.frozen_dtype=fp8", "train.trainable=kda,norms", "train.ep=2", "train.compile=true"],
+            "fp8 with train.compile runs in one process only",
+        ),
     ],
 )
 def test_bad_frozen_dtype_is_one_line_exit_2(prepared, tmp_path, over, message):
