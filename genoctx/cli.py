@@ -687,7 +687,7 @@ def train(
     rec = load_recipe(recipe, overrides)
     # lora: one line before anything is built (not compiled yet; every mesh layout runs it)
     check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
-    check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: one process for now
+    check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: not with compile
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")

@@ -127,6 +127,7 @@ class FP8Weight(nn.Module):
         self.register_buffer("scale_inv", scale_inv.float())
         self.block = (int(block[0]), int(block[1]))
         self.dtype = dtype
+        self.ep_block: tuple[int, int] | None = None  # (first expert, all experts) once EP sliced it (experts)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:
@@ -145,6 +146,15 @@ class FP8Weight(nn.Module):
         """Expert ``e`` of a stacked ``[E, out, in]`` holder: views of its fp8 rows and its scale blocks (no copy,
         nothing dequantized), for ``fp8_linear`` or ``FP8View.dequantize``."""
         return FP8View(self.weight[e], self.scale_inv[e], self.block, self.dtype)
+
+    def experts(self, first: int, n: int) -> FP8Weight:
+        """A new holder of experts ``[first, first + n)`` of a stacked ``[E, out, in]`` holder (copies of their fp8
+        rows and scale blocks; blocks never span experts, so the slice is block-safe), ``ep_block`` = ``(first, E)``
+        (``genoctx.parallel.experts.apply_ep``; any device, meta included)."""
+        out = FP8Weight(self.weight[first : first + n].clone(), self.scale_inv[first : first + n].clone(), self.block,
+                        self.dtype)  # fmt: skip
+        out.ep_block = (first, self.weight.shape[0])
+        return out
 
     def nbytes(self) -> int:
         """Bytes held: 1 per fp8 element + 4 per scale block."""

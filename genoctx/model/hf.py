@@ -383,28 +383,42 @@ def _read_box(reader: SliceReader, f: Path, key: str, box: tuple[slice, ...], sc
     return _dequant_fp8(t, reader.read(sf, sk, sbox), block, origin=(r0, c0))
 
 
-def _read_kept_fp8(reader: SliceReader, f: Path, key: str, scale, block, region: list, targets: dict, kept: str) -> int:
+def _read_kept_fp8(
+    reader: SliceReader, f: Path, key: str, scale, block, region: list, targets: dict, kept: str, dims: list
+) -> int:
     """Copy checkpoint tensor ``key`` (fp8) and its scale blocks, as stored, into the holder ``kept``'s
-    ``weight`` / ``scale_inv`` at ``region`` (``_slot_region``): no dequantization. Returns the bytes read.
+    ``weight`` / ``scale_inv`` at ``region`` (``_slot_region``, ``dims`` the holder dims the checkpoint tensor
+    keeps): no dequantization; only the part inside this rank's box (its experts under expert parallelism) is
+    read. Returns the bytes read.
 
     Raises:
-        GenoctxError: ``key`` is not stored as the holder's fp8 dtype, the holder is not whole (one device only,
-            for now), or ``region`` cuts a scale block (a stacked expert half whose rows ``b0`` does not divide).
+        GenoctxError: ``key`` is not stored as the holder's fp8 dtype, the rank's box of the holder is not whole on
+            its last two dims (expert parallelism slices only the experts: a rank reads its experts' tensors
+            alone, the others are skipped), or ``region`` cuts a scale block (a stacked expert half whose rows
+            ``b0`` does not divide).
     """
     w, shape, box = targets[f"{kept}.weight"]
     s, sshape, _ = targets[f"{kept}.scale_inv"]
     stored = reader.handle(f).get_slice(key).get_dtype()
     if scale is None or w.dtype != {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}.get(stored):
         raise GenoctxError(f"{f.name}: {key} is {stored}, not an fp8 weight with a scale to keep as {w.dtype}")
-    if [(b.start, b.stop) for b in box] != [(0, n) for n in shape]:
-        raise GenoctxError(f"{f.name}: keeping {key} in fp8 reads whole tensors only (one device)")
+    if [(b.start, b.stop) for b in box[-2:]] != [(0, n) for n in shape[-2:]]:
+        raise GenoctxError(f"{f.name}: keeping {key} in fp8 needs whole rows and columns of {kept[: -len(SUFFIX)]} "
+                           "on each rank (a holder is sliced only on its experts)")  # fmt: skip
     (b0, b1), (r0, r1), (c0, c1) = block, region[-2], region[-1]
     if r0 % b0 or c0 % b1 or (r1 % b0 and r1 != shape[-2]) or (c1 % b1 and c1 != shape[-1]):
         raise GenoctxError(f"{f.name}: {key} fills rows {r0}:{r1}, columns {c0}:{c1} of {kept[: -len(SUFFIX)]}, "
                            f"which cut its {tuple(block)} fp8 blocks: it cannot be kept in fp8")  # fmt: skip
+    # the leading (expert) dims: the part of the region inside this rank's box (EP: its block of [E, ...])
+    inter = [(max(lo, b.start), min(hi, b.stop)) for (lo, hi), b in zip(region[:-2], box[:-2], strict=True)]
+    if any(hi <= lo for lo, hi in inter):
+        return 0  # another rank's experts
+    n = len(shape)  # the checkpoint tensor's leading dims are the holder's that the slot keeps (an int index drops)
+    src = tuple(slice(inter[d][0] - region[d][0], inter[d][1] - region[d][0]) for d in dims if d < n - 2)
+    region = [*((i0 - b.start, i1 - b.start) for (i0, i1), b in zip(inter, box[:-2], strict=True)), region[-2],
+              region[-1]]  # fmt: skip
     sregion = [*region[:-2], (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))]
-    t, st = (reader.read(sf, k, tuple(slice(0, n) for n in reader.handle(sf).get_slice(k).get_shape()))
-             for sf, k in ((f, key), scale))  # fmt: skip
+    t, st = (reader.read(sf, k, (*src, slice(None), slice(None))) for sf, k in ((f, key), scale))
     with torch.no_grad():
         dst = w[tuple(slice(lo, hi) for lo, hi in region)]
         dst.copy_(t.reshape(dst.shape))
@@ -488,7 +502,7 @@ def read_hf_into(root: str | Path, cfg: ModelConfig, targets: dict, warn: bool =
                 scale = (where[sk], sk)
             filled.add((slot.name, repr(slot.index)))
             if slot.name not in targets:
-                read += _read_kept_fp8(reader, f, key, scale, block, region, targets, holder)
+                read += _read_kept_fp8(reader, f, key, scale, block, region, targets, holder, kept)
                 continue
             inter = [(max(r0, b.start), min(r1, b.stop)) for (r0, r1), b in zip(region, box, strict=True)]
             if any(hi <= lo for lo, hi in inter):

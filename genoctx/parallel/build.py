@@ -69,8 +69,8 @@ class FrozenFP8:
 
 
 FP8_ONE_PROCESS = (
-    "train.frozen_dtype: fp8 runs in one process for now (issue 44): FSDP2 and expert parallelism do not shard the "
-    "fp8 holders yet; leave --num-workers unset and train.ep at 1, or set train.frozen_dtype=bf16"
+    "train.frozen_dtype: fp8 with train.compile runs in one process only (issue 44): the fp8 holders' per-use "
+    "dequantization is not compiled on a mesh; set train.compile=false or train.frozen_dtype=bf16"
 )
 
 
@@ -285,16 +285,18 @@ def persistent_targets(model: nn.Module, dims, adapters: bool = True) -> dict:
     return {k: v for k, v in targets.items() if k in keep}
 
 
-def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
+def fill(model: HybridLM, dims: ParallelDims | None, source, quantize: tuple | None = None) -> dict:
     """Fill this rank's pieces of ``model`` (allocated, parallelism applied) from ``source`` (module docstring).
     Non-persistent buffers (router load counts) start at 0. Returns what was done, for the log and tests:
-    ``{"source", "path", "skipped"}``.
+    ``{"source", "path", "skipped"}``. ``quantize`` (``train.frozen_dtype: fp8`` on a mesh): ``(names, block)``,
+    weights held in fp8 that ``source`` holds in another dtype (a fresh init, a bf16 base): this rank's box of each
+    is filled as a plain weight, then quantized into its holder (``_quantizing``).
 
     Raises:
         GenoctxError: a missing, misshapen or unreadable tensor (named with its file); not agreed across ranks
             here (``build_model`` does that).
     """
-    from ..model.init import fill_fresh, init_spec
+    from ..model.init import fill_fresh
 
     for b in model.buffers():
         b.zero_()
@@ -303,20 +305,26 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
             local.zero_()
         return {"source": "zeros", "path": None, "skipped": None}
     if isinstance(source, Fresh):
-        fill_fresh(base_targets(model, dims), init_spec(model), model.init_seed)
+        targets = base_targets(model, dims)
+        temps = _quantizing(model, targets, quantize[0]) if quantize else {}
+        fill_fresh(targets, _fresh_spec(model), model.init_seed)
+        _quantize_into(model, temps, quantize[1] if quantize else (1, 1))
         return {"source": "fresh", "path": None, "skipped": None, "seed": model.init_seed}
     if isinstance(source, FromHF):
         from ..model.hf import read_hf_into
 
         # warn=False: what the index leaves out was said once, by the driver's check_hf (genoctx.train.init,
         # genoctx.eval.distributed) before any rank started
-        info = read_hf_into(source.path, model.cfg, persistent_targets(model, dims, adapters=False), warn=False)
+        targets = persistent_targets(model, dims, adapters=False)
+        temps = _quantizing(model, targets, quantize[0]) if quantize else {}
+        info = read_hf_into(source.path, model.cfg, targets, warn=False)
+        _quantize_into(model, temps, quantize[1] if quantize else (1, 1))
         return {"source": "hf", "path": str(source.path), "skipped": info["skipped"]}
     if isinstance(source, FromCheckpoint):
         ckpt = Path(source.path)
         base = partial_base(ckpt)
         if base is not None:  # it holds only what trained: its base first (a chain of such runs followed)
-            fill(model, dims, base)
+            fill(model, dims, base, quantize)
         if is_sharded(ckpt):
             _load_dcp_weights(ckpt, model, dims, partial=base is not None, adapters=source.adapters)
         else:
@@ -327,6 +335,19 @@ def fill(model: HybridLM, dims: ParallelDims | None, source) -> dict:
                                    lora_scale=_lora_scale(ckpt))  # fmt: skip
         return {"source": "checkpoint", "path": str(ckpt), "skipped": None, "base": base and str(base.path)}
     raise TypeError(f"build_model: unknown source {source!r}")
+
+
+def _fresh_spec(model: HybridLM) -> dict:
+    """``init_spec(model)``, by one-device names; with fp8 holders (``train.frozen_dtype: fp8`` on a mesh) the held
+    weights' entries come from the same model built plain on meta (torch's generator left as it was)."""
+    from ..model.fp8 import FP8Weight
+    from ..model.init import init_spec
+
+    if not any(isinstance(m, FP8Weight) for m in model.modules()):
+        return init_spec(model)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        plain = HybridLM(model.cfg)
+    return init_spec(plain)
 
 
 def build_model(
@@ -366,7 +387,9 @@ def build_model(
             ``genoctx.parallel.offload``); needs ``activation_checkpointing``.
         frozen_fp8: these weights held as fp8 (``_hold_fp8``): filled straight from an HF base's fp8 blocks, any
             other source (a base stored in bf16, a fresh init) quantized once filled; a genoctx checkpoint or
-            ``Zeros`` fills the holders as they are. One device only.
+            ``Zeros`` fills the holders as they are. On a mesh the holders are made on meta before parallelism
+            (FSDP2 leaves them whole: buffers; expert parallelism slices the routed experts' holders on E with the
+            experts) and each rank fills or quantizes only its own (``fill``'s ``quantize``).
         lora: a ``genoctx.model.lora.LoRASpec`` (``train.trainable: lora``) or None. The adapters are added on the
             meta device, before parallelism (expert parallelism splits the experts' adapters with them, FSDP2 shards
             them as the other parameters), the source fills the base (never the adapters), then every rank draws its
@@ -380,7 +403,7 @@ def build_model(
 
     Raises:
         GenoctxError: the source is unreadable or does not fit this model (the same message on every rank).
-        GenoctxError: ``frozen_fp8`` with a mesh (``FP8_ONE_PROCESS``); an HF base whose fp8 blocks do not fit.
+        GenoctxError: an HF base whose fp8 blocks do not fit.
         GenoctxError: LoRA targets that match nothing (naming ``train.lora_targets``).
         ValueError: ``offload_activations`` without ``activation_checkpointing``.
     """
@@ -429,8 +452,11 @@ def build_model(
             for n, b in list(m._buffers.items()):
                 if b is not None:
                     m._buffers[n] = b.to(device)
-    model.build_info = agree(dims, lambda: fill(model, dims, source))
-    if quantize_after:  # (named as on the plain model: activation checkpointing has wrapped the layers since)
+    quantize = (quantize_after, frozen_fp8.block) if quantize_after and dims is not None else None
+    model.build_info = agree(dims, lambda: fill(model, dims, source, quantize))
+    if (
+        quantize_after and dims is None
+    ):  # (named as on the plain model: activation checkpointing has wrapped the layers since)
         from ..model.fp8 import freeze_to_fp8
 
         rest = set(quantize_after)
@@ -454,15 +480,12 @@ def _hold_fp8(model: HybridLM, dims, source, frozen: FrozenFP8 | None) -> list[s
     """``build_model``'s fp8 holders, on the meta device before anything is allocated: empty holders
     (``genoctx.model.fp8.freeze_to_fp8``) for the weights the source fills as fp8 (every one of ``frozen.names`` from
     a genoctx checkpoint or ``Zeros``; from an HF base, those it stores as fp8 blocks: ``fp8_weights``). Returns the
-    rest, to quantize once filled (a fresh init, a base stored in bf16).
-
-    Raises:
-        GenoctxError: a mesh (``FP8_ONE_PROCESS``).
+    rest, to quantize once filled (a fresh init, a base stored in bf16). On a mesh (``dims``) every one of
+    ``frozen.names`` gets its holder now, before parallelism (a parameter FSDP2 has sharded cannot be replaced
+    after), and the rest are quantized by ``fill`` from their filled values, slice by slice.
     """
     if frozen is None:
         return []
-    if dims is not None:
-        raise GenoctxError(FP8_ONE_PROCESS)
     from ..model.fp8 import freeze_to_fp8
 
     if isinstance(source, Fresh):
@@ -474,5 +497,44 @@ def _hold_fp8(model: HybridLM, dims, source, frozen: FrozenFP8 | None) -> list[s
         now = [n for n in frozen.names if n in stored]
     else:
         now = list(frozen.names)
-    freeze_to_fp8(model, now, frozen.block)
+    freeze_to_fp8(model, frozen.names if dims is not None else now, frozen.block)
     return [n for n in frozen.names if n not in set(now)]
+
+
+def _plain(name: str) -> str:
+    """A parameter's one-device name (without activation checkpointing's or ``torch.compile``'s infix)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _quantizing(model: nn.Module, targets: dict, names: list[str]) -> dict:
+    """``fill``'s ``quantize`` on a mesh: the holders (``<name>_fp8.weight`` / ``.scale_inv``) of ``names`` leave
+    ``targets`` and each weight ``name`` gets a temporary of this rank's box of it, in the dtype the holder
+    dequantizes to, filled as a plain weight would be. Returns ``{name: temporary}`` (``_quantize_into``)."""
+    from ..model.fp8 import SUFFIX
+
+    by_plain = {_plain(k): k for k in targets}
+    temps = {}
+    for name in names:
+        wkey = by_plain.get(f"{name}{SUFFIX}.weight")
+        if wkey is None:
+            continue
+        local, shape, box = targets.pop(wkey)
+        targets.pop(wkey[: -len("weight")] + "scale_inv")
+        holder = model.get_submodule(wkey[: -len(".weight")])
+        temps[wkey[: -len(".weight")]] = t = torch.empty(local.shape, dtype=holder.dtype, device=local.device)
+        targets[name] = (t, shape, box)
+    return temps
+
+
+@torch.no_grad()
+def _quantize_into(model: nn.Module, temps: dict, block: tuple[int, int]) -> None:
+    """Quantize each temporary of ``_quantizing`` into its holder (``quantize_fp8``; a holder is whole on its last
+    two dims and sliced only on experts, whose blocks never span two: each rank's bytes and scales equal its rows of
+    the one-process holder's), one weight at a time."""
+    from ..model.fp8 import quantize_fp8
+
+    for key in list(temps):
+        holder = model.get_submodule(key)
+        q, scale = quantize_fp8(temps.pop(key), block)
+        holder.weight.copy_(q)
+        holder.scale_inv.copy_(scale)

@@ -84,6 +84,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..model.fp8 import SUFFIX, FP8View, held
 from ..model.host import cpu_values, read, to_device
 from ..model.moe import Experts, MoE, combine_path, expert_mlp
 from . import collectives as coll
@@ -247,9 +248,34 @@ def _run_experts(
     return h
 
 
-def _out_dtype(x: Tensor, gate_up: Tensor) -> torch.dtype:
+def _out_dtype(x: Tensor, gate_up) -> torch.dtype:
     """The dtype an expert returns for x under the current autocast state (the same on every rank)."""
+    if isinstance(gate_up, FP8Stack):  # the dtype it dequantizes to, with nothing dequantized
+        return torch.nn.functional.linear(x[:0], x.new_empty(0, x.shape[1], dtype=gate_up.dtype)).dtype
     return torch.nn.functional.linear(x[:0], gate_up[0]).dtype
+
+
+class FP8Stack:
+    """The local experts of a weight held in fp8 (``train.frozen_dtype: fp8``; ``genoctx.model.fp8``): ``weight``
+    [El, out, in] float8 and ``scale_inv`` [El, ceil(out / b0), ceil(in / b1)] fp32 (the holder's buffers, no copy).
+    ``stack[e]`` is expert ``e``'s ``FP8View``, which ``expert_mlp`` dequantizes per use (``fp8_linear``, forward and
+    backward): never the local stack at once."""
+
+    def __init__(self, weight: Tensor, scale_inv: Tensor, block: tuple[int, int], dtype: torch.dtype):
+        self.weight, self.scale_inv, self.block, self.dtype = weight, scale_inv, block, dtype
+
+    def __getitem__(self, e: int) -> FP8View:
+        return FP8View(self.weight[e], self.scale_inv[e], self.block, self.dtype)
+
+
+def _stacks(ws: list, fp8: tuple | None) -> list:
+    """``ws`` (gate_up, down, four adapters, the two scales) with each fp8 base weight as its ``FP8Stack``; the six
+    tensors ``expert_mlp`` reads, in ``_EPExperts``' order."""
+    ws = list(ws)
+    for i in (0, 1):
+        if fp8 is not None and fp8[i] is not None:
+            ws[i] = FP8Stack(ws[i], ws[6 + i], *fp8[i])
+    return ws[:6]
 
 
 def _backward_experts(
@@ -276,9 +302,9 @@ def _backward_experts(
         with torch.enable_grad():
             xe = xs[off : off + n].detach().requires_grad_(True)
             ws = [
-                None if w is None else w[e].detach().requires_grad_(g is not None)
+                None if w is None else w[e] if isinstance(w, FP8Stack) else w[e].detach().requires_grad_(g is not None)
                 for w, g in zip(weights, grads, strict=True)
-            ]
+            ]  # (an fp8 expert: its FP8View, dequantized in forward and again for the input gradient, never kept)
             lora = None if scale is None else (*ws[2:], scale)
             he = expert_mlp(xe, ws[0], ws[1], limit, lora)
             wanted = [xe] + [w for w, g in zip(ws, grads, strict=True) if g is not None]
@@ -296,9 +322,13 @@ def _backward_experts(
 class _EPExperts(torch.autograd.Function):
     """``Σ_slots weight · Expert_e(x_t)`` with the experts spread over the EP ranks (module docstring, 3-4).
 
-    forward(x [N, D], weights [N, k] fp32, plan, combine, scale, gate_up [El, 2I, D], down [El, D, I], A_gu
-    [El, r, D], B_gu [El, 2I, r], A_dn [El, r, I], B_dn [El, D, r]) -> [N, D] in the experts' output dtype. The four
-    adapters (``genoctx.model.lora``; each None where there is none, ``scale`` None without any) add
+    forward(x [N, D], weights [N, k] fp32, plan, combine, scale, fp8, gate_up [El, 2I, D], down [El, D, I], A_gu
+    [El, r, D], B_gu [El, 2I, r], A_dn [El, r, I], B_dn [El, D, r], S_gu, S_dn) -> [N, D] in the experts' output
+    dtype. ``fp8`` (``train.frozen_dtype: fp8``): None, or per base weight ``(block, dtype)`` where it is held in fp8
+    (else None): that weight is then its holder's float8 [El, ...] tensor and ``S_gu`` / ``S_dn`` its ``scale_inv``
+    (None otherwise); each local expert is dequantized per use (``FP8Stack``), in forward and in the backward's
+    recomputation, as ``Experts.forward`` does in one process; it gets no gradient. The four adapters
+    (``genoctx.model.lora``; each None where there is none, ``scale`` None without any) add
     ``scale · (h A_e^T) B_e^T`` to expert ``e``'s projections inside ``expert_mlp``, as ``Experts.forward`` does in
     one process. Backward returns the gradients of x, weights and of each local tensor that requires grad; a frozen
     one (``requires_grad`` False: ``train.trainable`` without ``experts``) gets None and its weight-gradient matmuls
@@ -306,9 +336,11 @@ class _EPExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, plan: _Plan, combine: str, scale: float | None, *ws: Tensor) -> Tensor:
-        gate_up, down = ws[0], ws[1]
-        lora = None if scale is None else (*ws[2:], scale)
+    def forward(
+        ctx, x: Tensor, weights: Tensor, plan: _Plan, combine: str, scale: float | None, fp8: tuple | None, *ws: Tensor
+    ) -> Tensor:
+        gate_up, down, *adapters = _stacks(ws, fp8)
+        lora = None if scale is None else (*adapters, scale)
         N, D = x.shape
         hd = _out_dtype(x, gate_up)
         acc = torch.promote_types(hd, weights.dtype)
@@ -330,7 +362,7 @@ class _EPExperts(torch.autograd.Function):
             out = out.view(N, plan.k, D).sum(1)
         present = [t is not None for t in ws]
         ctx.save_for_backward(x, weights, *(t for t in ws if t is not None))
-        ctx.present, ctx.scale = present, scale
+        ctx.present, ctx.scale, ctx.fp8 = present, scale, fp8
         ctx.plan, ctx.hd, ctx.combine = plan, hd, combine
         dev = x.device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
@@ -341,6 +373,7 @@ class _EPExperts(torch.autograd.Function):
         x, weights, *saved = ctx.saved_tensors
         it = iter(saved)
         ws = [next(it) if p else None for p in ctx.present]
+        stacks = _stacks(ws, ctx.fp8)
         plan, hd = ctx.plan, ctx.hd
         dev, enabled, dtype = ctx.autocast
         acc = torch.promote_types(hd, weights.dtype)
@@ -349,7 +382,7 @@ class _EPExperts(torch.autograd.Function):
         slot_sum = ctx.combine == "slot_sum"
         gx = x.new_zeros(x.shape[0] * plan.k, x.shape[1], dtype=acc) if slot_sum else torch.zeros_like(x)
         gw = torch.zeros_like(w)
-        need_w = ctx.needs_input_grad[5:]
+        need_w = ctx.needs_input_grad[6:]
         # accumulators only for what trains: a frozen expert weight gets no buffer and no weight-gradient matmul
         grads = [torch.zeros_like(t) if t is not None and need else None for t, need in zip(ws, need_w, strict=True)]
         with torch.autocast(dev, dtype=dtype, enabled=enabled):
@@ -359,7 +392,7 @@ class _EPExperts(torch.autograd.Function):
                 gwt = g[tok]  # gradient of weight · output, [n_send, D] in acc
                 gh = (gwt * w[slots].unsqueeze(-1)).to(hd)
                 xr, ghr = _exchange([x[tok], gh], send, recv, plan.group)
-                gxr, hr = _backward_experts(xr, ghr, per, ws, plan.limit, ctx.scale, grads)
+                gxr, hr = _backward_experts(xr, ghr, per, stacks, plan.limit, ctx.scale, grads[:6])
                 gxs, hs = _exchange([gxr, hr], recv, send, plan.group)
                 if slot_sum:
                     gx.index_copy_(0, slots, gxs.to(acc))
@@ -370,7 +403,7 @@ class _EPExperts(torch.autograd.Function):
         if slot_sum:
             gx = gx.view(x.shape[0], plan.k, x.shape[1]).sum(1).to(x.dtype)
         need = ctx.needs_input_grad
-        return (gx if need[0] else None, gw.view_as(weights) if need[1] else None, None, None, None, *grads)
+        return (gx if need[0] else None, gw.view_as(weights) if need[1] else None, None, None, None, None, *grads)
 
 
 def _plan(experts: torch.Tensor, ex: Experts, cap: int) -> _Plan:
@@ -409,7 +442,11 @@ def _ep_experts_forward(ex: Experts, x: Tensor, experts: Tensor, weights: Tensor
     plan = _plan(experts, ex, cap)
     ex.combine = combine_path()  # as Experts.forward: index_add, or slot_sum under train.deterministic
     adapters = [getattr(ex, f"{n}_lora_{ab}", None) for n in ("gate_up_proj", "down_proj") for ab in "AB"]
-    y = _EPExperts.apply(x, weights, plan, ex.combine, ex.lora_scale, ex.gate_up_proj, ex.down_proj, *adapters)
+    hs = [held(ex, n) for n in ("gate_up_proj", "down_proj")]  # fp8 holders (train.frozen_dtype: fp8) or None
+    base = [getattr(ex, n) if h is None else h.weight for n, h in zip(("gate_up_proj", "down_proj"), hs, strict=True)]
+    scales = [None if h is None else h.scale_inv for h in hs]
+    fp8 = None if hs == [None, None] else tuple(None if h is None else (h.block, h.dtype) for h in hs)
+    y = _EPExperts.apply(x, weights, plan, ex.combine, ex.lora_scale, fp8, *base, *adapters, *scales)
     lo_hi = [round_bounds(plan.pair, plan.rounds, r) for r in range(plan.rounds)]
     rows = [cpu_values((hi[:, plan.me] - lo[:, plan.me]).sum()) for lo, hi in lo_hi]  # host plan: no device read
     ex.ep_stats = {"ep_received_rows": sum(rows), "ep_max_round_rows": max(rows, default=0), "ep_rounds": len(rows)}
@@ -522,6 +559,10 @@ def apply_ep(model: nn.Module, ep_group, ep_size: int, ep_rank: int) -> list[_EP
         El = ex.n_experts // ep_size
         off = ep_rank * El
         for name in EXPERT_TENSORS:  # the base weights and their expert-first adapters [E, ...], when present
+            h = held(ex, name)
+            if h is not None:  # held in fp8 (train.frozen_dtype): its fp8 rows and scale blocks, sliced alike
+                ex._modules[name + SUFFIX] = h.experts(off, El)
+                continue
             old = getattr(ex, name, None)
             if old is None:
                 continue

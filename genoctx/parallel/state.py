@@ -52,6 +52,18 @@ def _expert_dtensor(local: torch.Tensor, module, dims) -> torch.Tensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def _holder_dtensor(local: torch.Tensor, n_experts: int, dims) -> torch.Tensor:
+    """This rank's experts of an fp8 holder's buffer (``[El, ...]``; FSDP2 never shards a buffer: replicated over the
+    expert shard) as a DTensor of the global ``[E, ...]`` shape on ``dims.expert_dtensor_mesh``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = dims.expert_dtensor_mesh
+    shape = torch.Size([n_experts, *local.shape[1:]])
+    stride = torch.empty(0).new_empty(shape, device="meta").stride()
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def _box(shape, offset, local_shape) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offset, local_shape, strict=True))
 
@@ -90,8 +102,18 @@ def local_targets(model, dims=None, buffers: bool = True) -> dict[str, tuple[tor
         out[name] = (local, shape, _box(shape, offset, local.shape))
     if buffers:
         for name, b in model.named_buffers():
-            out[name] = (b, tuple(b.shape), _box(b.shape, (0,) * b.dim(), b.shape))
+            shape, offset = tuple(b.shape), (0,) * b.dim()
+            block = _ep_block(modules, name)
+            if block is not None:  # an fp8 holder's rows of this rank's experts (genoctx.model.fp8.FP8Weight.experts)
+                shape, offset = (block[1], *shape[1:]), (block[0], *offset[1:])
+            out[name] = (b, shape, _box(shape, offset, b.shape))
     return out
+
+
+def _ep_block(modules: dict, name: str) -> tuple[int, int] | None:
+    """``(first expert, all experts)`` when buffer ``name`` is the ``weight`` / ``scale_inv`` of an fp8 holder that
+    expert parallelism sliced (``train.frozen_dtype: fp8``), else None."""
+    return getattr(modules.get(name.rpartition(".")[0]), "ep_block", None)
 
 
 def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
@@ -116,6 +138,11 @@ def canonical_state(model, optimizer, dims) -> dict[str, torch.Tensor]:
         if tied and name == TIED_HEAD:
             continue
         p = params.get(name)
+        if (
+            p is None and dims is not None and dims.ep > 1 and _ep_block(modules, name) is not None
+        ):  # an EP-sliced fp8 holder: Shard(0) over ep
+            out[f"model.{name}"] = _holder_dtensor(t.detach(), _ep_block(modules, name)[1], dims)
+            continue
         if p is None:  # a buffer (router biases)
             value = t.detach()
         else:  # an FSDP parameter is its DTensor; a replicated one shares its memory through .data

@@ -134,8 +134,9 @@ def _train_worker(config: dict, session) -> None:
     from ..parallel.build import Fresh, Zeros, build_model
     from ..parallel.mesh import init_parallel
     from ..recipes import recipe_from_dict
-    from .checkpoint import is_partial
+    from .checkpoint import is_partial, read_state
     from .faults import DRIVER_ENV, ENV, maybe_kill
+    from .frozen import describe_fp8, frozen_fp8
     from .init import base_source
     from .loop import (
         build_optimizer,
@@ -180,12 +181,15 @@ def _train_worker(config: dict, session) -> None:
     source = (base_source(base) if held is not None else Zeros()) if picked is not None else (
         base_source(base) if base is not None else Fresh())  # fmt: skip
     bf16_params = torch.bfloat16 if cfg.dtype == "bf16" and dev.type == "cuda" else None  # FSDP MixedPrecisionPolicy
+    # train.frozen_dtype: fp8 (genoctx.train.frozen): holders made on meta, EP-sliced with the experts, filled per rank
+    fp8 = frozen_fp8(cfg, recipe.model, base, read_state(picked[2]) if picked is not None else None)
+    extra = {**extra, **describe_fp8(fp8)}
     # meta device -> EP, CP, AC, FSDP2 -> to_empty -> this rank's shards (genoctx.parallel.build)
     model = build_model(recipe.model, dims, source=source, device=dev, param_dtype=bf16_params,
                         activation_checkpointing=cfg.activation_checkpointing,
                         offload_activations=cfg.offload_activations,
                         offload_optimizer=cfg.offload_optimizer, compile=cfg.compile,
-                        lora=lora_spec(recipe))  # fmt: skip
+                        lora=lora_spec(recipe), frozen_fp8=fp8)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, cfg, cfg.steps)  # on the sharded parameters
     if rank == 0 and cfg.trainable != "all":
         log.info(describe_trainable(trainable_counts(model, cfg.trainable)))

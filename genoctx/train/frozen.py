@@ -14,8 +14,11 @@ dequantized per use inside the layer (per expert for the routed experts), never 
   every checkpoint's state.json, ``frozen_fp8``), filled from its checkpoint, which stores the fp8 bytes and scales
   (never a dequantized copy of the base).
 
-One process only for now: FSDP2 shards parameters, not the holders' buffers, and expert parallelism slices the
-``[E, ...]`` parameters only, so a mesh is refused with one line (``genoctx.parallel.build.FP8_ONE_PROCESS``).
+On a mesh (``genoctx.parallel.build``): the holders are made on meta before parallelism; expert parallelism slices
+the routed experts' holders (fp8 ``[E, out, in]`` and ``scale_inv`` ``[E, out / b0, in / b1]``) on E with the
+experts, and each rank reads only its experts' fp8 blocks from the base (or quantizes its slice of a bf16 one);
+FSDP2 shards parameters, not buffers, so the dense holders (attention, MLP and shared-expert linears) stay whole on
+every rank (``genoctx.plan`` counts them so). ``train.compile`` with fp8 is refused (``FP8_ONE_PROCESS``).
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ def check_frozen_dtype(cfg: TrainConfig, mesh: bool) -> None:
     """Refuse what ``train.frozen_dtype: fp8`` cannot run yet, before anything is built.
 
     Raises:
-        GenoctxError: ``fp8`` on a mesh (``mesh``: ``--num-workers`` or ``train.ep`` > 1; ``FP8_ONE_PROCESS``) or
-            with ``train.compile``.
+        GenoctxError: ``fp8`` with ``train.compile`` (on a mesh, ``mesh``: ``--num-workers`` or ``train.ep`` > 1,
+            ``FP8_ONE_PROCESS``; in one process the same refusal in its own words).
     """
     if cfg.frozen_dtype != "fp8":
         return
-    if mesh:
+    if mesh and cfg.compile:
         raise GenoctxError(FP8_ONE_PROCESS)
     if cfg.compile:
         raise GenoctxError("train.frozen_dtype: fp8 with train.compile is not supported yet (issue 44): set "

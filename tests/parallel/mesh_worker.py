@@ -63,7 +63,11 @@ CASES = {
     "fsdp2_fep2_lora": (2, 2, 1, True),
     "cp2_fep2_lora_ac": (2, 1, 2, True),
     "fsdp2_chunk_lora": (1, 2, 1),
+    # "_fp8": train.frozen_dtype fp8 (FP8_BLOCK blocks): the frozen matmul weights held as block-scaled e4m3
+    "fsdp2_fep2_fp8_lora": (2, 2, 1, True),
+    "cp2_fep2_fp8_lora_ac": (2, 1, 2, True),
 }
+FP8_BLOCK = (8, 8)  # scale blocks of the "_fp8" cases: several per weight and per expert of mesh_config()
 FROZEN_SPEC = "kda,dsa,indexer,router,mhc,norms"
 LORA = dict(rank=4, alpha=8.0)  # train.lora_rank / lora_alpha of the "_lora" cases (A drawn from train.seed)
 CHUNK = 64  # tokens: a window of 160 is three chunks, the last one 32 long (CP=2: two rounds, the last one 32)
@@ -71,7 +75,7 @@ STEPS = 2
 # resharding checkpoints: (save layout, load layout) pairs of four ranks with the same four data ranks; "one" is a
 # one-process safetensors checkpoint written by the test (ONE_CKPT in the windows file), loaded by the mesh
 RESHARD = [("fsdp2_ep2", "hsdp2_2"), ("hsdp2_2", "fsdp2_ep2"), ("one", "fsdp2_ep2"), ("fsdp2_ep2", "dp4"),
-           ("fsdp2_ep2", "fsdp4_fep2"), ("fsdp4_fep4", "fsdp2_ep2")]
+           ("fsdp2_ep2", "fsdp4_fep2"), ("fsdp4_fep4", "fsdp2_ep2")]  # fmt: skip
 
 
 def mesh_config() -> ModelConfig:
@@ -97,6 +101,22 @@ def lora_spec(cfg: TrainConfig):
     from genoctx.model.lora import DEFAULT_TARGETS, LoRASpec
 
     return LoRASpec(LORA["rank"], LORA["alpha"], DEFAULT_TARGETS, cfg.seed)
+
+
+def fp8_spec():
+    """The "_fp8" cases' ``FrozenFP8``: every matmul weight ``train.trainable: lora`` freezes, in ``FP8_BLOCK``."""
+    from genoctx.parallel.build import FrozenFP8
+    from genoctx.train.frozen import frozen_matmuls
+
+    return FrozenFP8(frozen_matmuls(mesh_config(), "lora"), FP8_BLOCK)
+
+
+def _holders(model) -> dict:
+    """This rank's fp8 holders by the weight they hold (one-device names): (fp8 bytes as uint8, scale_inv), copied."""
+    from genoctx.model.fp8 import holders
+
+    plain = lambda n: n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")  # noqa: E731
+    return {plain(n): (h.weight.view(torch.uint8).clone(), h.scale_inv.clone()) for n, h in holders(model).items()}
 
 
 def train_config() -> TrainConfig:
@@ -147,13 +167,14 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     # the one construction path: meta -> parallelism -> to_empty -> this rank's slices of mesh_model()'s HF export
     model = build_model(mesh_config(), dims, source=FromHF(Path(hf_dir)), activation_checkpointing=name.endswith("_ac"),
                         offload_optimizer=name.endswith("_offload"), offload_activations="_offact" in name,
-                        lora=lora)  # fmt: skip
+                        lora=lora, frozen_fp8=fp8_spec() if "_fp8" in name else None)  # fmt: skip
     calls = [0]  # forwards of layer 0's mixer: one per step, two when the layer is recomputed in backward
     model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
     adapters_start = _full_params(model, lora is not None)
     opt, sched = build_optimizer(model, cfg, cfg.steps)
     start, named = _locals(model), dict(model.named_parameters())
     frozen = {n: t for n, t in start.items() if not named[n].requires_grad}  # this rank's frozen shards
+    fp8_start = _holders(model)
     tokens = windows[dims.dp_rank][None]
     steps = []
     for _ in range(STEPS):
@@ -162,7 +183,11 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         steps.append({"metrics": m, "grads": _full_grads(model), "biases": _biases(model), "moe": _moe_stats(model)})
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     after = _locals(model)
-    evaluated = _eval_rebuild(model, opt, sched, cfg, dims, Path(hf_dir).parent / name) if "_lora" in name else None
+    lora_eval = "_lora" in name and "_fp8" not in name  # (the mesh evaluation builds no fp8 holders yet)
+    evaluated = _eval_rebuild(model, opt, sched, cfg, dims, Path(hf_dir).parent / name) if lora_eval else None
+    from genoctx.model.fp8 import fp8_bytes
+
+    fp8_after = _holders(model)
     return {
         "evaluated": evaluated,
         "mixer_forwards": calls[0],
@@ -171,6 +196,14 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         # the frozen parameters' local shards (train.trainable): their names, and those the steps changed
         "frozen": sorted(frozen),
         "frozen_changed": [n for n, t in frozen.items() if not torch.equal(after[n], t)],
+        # train.frozen_dtype fp8: this rank's holders as filled, the bytes it holds, and the holders the steps changed
+        "fp8": fp8_start,
+        "fp8_bytes": fp8_bytes(model),
+        "fp8_changed": [
+            n
+            for n, (w, sc) in fp8_start.items()
+            if not (torch.equal(fp8_after[n][0], w) and torch.equal(fp8_after[n][1], sc))
+        ],  # fmt: skip
         "optimizer_numel": sum(
             t.numel() if not hasattr(t, "to_local") else t.to_local().numel()
             for st in opt.state.values()

@@ -403,3 +403,74 @@ def test_frozen_expert_weights_get_no_gradient_matmul(ep):
     assert counts[False] >= 2 * 8 and counts[False] % 2 == 0
     for name, gr in grads[True].items():
         torch.testing.assert_close(gr, grads[False][name], atol=1e-12, rtol=1e-12, msg=name)
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape and dtype of every tensor an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((tuple(t.shape), t.dtype))
+        return out
+
+
+def test_ep_over_fp8_holders_equals_ep_over_the_dequantized_weights():
+    """``train.frozen_dtype: fp8`` under EP (ep=1: the rounds and the autograd Function without communication): the
+    routed experts' ``gate_up_proj`` / ``down_proj`` held as block-scaled e4m3 (8 x 8 blocks, several per expert),
+    with LoRA on both. Output and the gradients of x, the four expert adapters, the router and the shared expert equal
+    those of the same EP Function over plain fp64 weights holding the dequantized values (``unfreeze_fp8``) to
+    1e-12, in several rounds; the holders get no gradient and stay bit-identical; no op ever returns a dequantized
+    [E, ...] stack (the stacks are dequantized one expert per use), which the property read does (not vacuous)."""
+    from genoctx.model.fp8 import FP8Weight, freeze_to_fp8, held, unfreeze_fp8
+
+    base = _lora_moe()
+    names = ["experts.gate_up_proj", "experts.down_proj"]
+    freeze_to_fp8(base, names, (8, 8))
+    ref = copy.deepcopy(base)
+    assert unfreeze_fp8(ref) == 2  # the slow reference: plain weights equal to the holders' dequantized values
+    fp8 = copy.deepcopy(base)
+    apply_ep(ref, None, 1, 0)
+    apply_ep(fp8, None, 1, 0)
+    ex = fp8.experts
+    hs = [held(ex, n) for n in ("gate_up_proj", "down_proj")]
+    assert all(isinstance(h, FP8Weight) and h.ep_block == (0, 8) for h in hs)
+    assert len(expert_parameters(fp8)) == 4  # the adapters; the holders are buffers (no gradient, no optimizer)
+    before = [(h.weight.clone(), h.scale_inv.clone()) for h in hs]
+    x, g = (t.double() for t in ep_tokens("fp8", 0, (2, 23), 32))
+    trained = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert sum("lora" in n for n in trained) == 4 and not any(
+        n.endswith(("gate_up_proj", "down_proj")) for n in trained
+    )
+    want = _fwd_bwd_named(ref, x, g, trained)
+    stacks = {(8, 48, 32), (8, 32, 24)}
+    with _Shapes() as mode:
+        got = _fwd_bwd_named(fp8, x, g, trained)
+    assert fp8.stats["ep_rounds"] > 1
+    assert not [s for s, dt in mode.seen if s in stacks and dt == torch.float64]
+    with _Shapes() as mode:
+        _ = ex.gate_up_proj  # the whole-stack read EP avoids
+    assert ((8, 48, 32), torch.float64) in mode.seen
+    for name in ["y", "x", *trained]:
+        assert want[name].abs().max() > 0, name
+        torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=1e-12, msg=name)
+    for h, (w, s) in zip(hs, before, strict=True):
+        assert torch.equal(h.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(h.scale_inv, s)
+    # slicing on E is block-safe: experts [4, 8) of a holder equal rows [4, 8) of the whole holder, dequantized too
+    part = held(base.experts, "gate_up_proj").experts(4, 4)
+    whole = held(base.experts, "gate_up_proj")
+    assert part.ep_block == (4, 8) and part.nbytes() * 2 == whole.nbytes()
+    torch.testing.assert_close(part.dequantize(), whole.dequantize()[4:], atol=0, rtol=0)
+
+
+def _fwd_bwd_named(moe: MoE, x: torch.Tensor, g: torch.Tensor, names: list[str]) -> dict:
+    """``moe(x)`` and the gradients of ``sum(y g)`` w.r.t. x and the parameters ``names``: ``{"y", "x", *names}``."""
+    xi = x.clone().requires_grad_(True)
+    y = moe(xi)
+    grads = torch.autograd.grad((y * g).sum(), [xi, *(moe.get_parameter(n) for n in names)])
+    return {"y": y.detach(), "x": grads[0], **dict(zip(names, grads[1:], strict=True))}

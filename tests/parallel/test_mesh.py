@@ -35,9 +35,11 @@ from mesh_runner import fork_ranks  # noqa: E402
 from mesh_worker import (  # noqa: E402
     CASES,
     CHUNK,
+    FP8_BLOCK,
     FROZEN_SPEC,
     RESHARD,
     STEPS,
+    fp8_spec,
     lora_spec,
     mesh_config,
     mesh_model,
@@ -69,11 +71,25 @@ def _lora_model() -> torch.nn.Module:
     return model
 
 
-def _reference(batch: torch.Tensor, trainable: str = "all") -> list[dict]:
+def _fp8_lora_model() -> torch.nn.Module:
+    """The "_fp8_lora" cases in one process: ``mesh_model()``, the matmul weights lora freezes quantized into fp8
+    holders (``fp8_spec``: ``freeze_to_fp8``, as ``build_model(frozen_fp8=...)`` holds them), then the adapters."""
+    from genoctx.model.fp8 import freeze_to_fp8
+    from genoctx.model.lora import apply_lora
+
+    model = mesh_model()
+    spec = fp8_spec()
+    freeze_to_fp8(model, spec.names, spec.block)
+    lspec = lora_spec(train_config())
+    apply_lora(model, lspec.rank, lspec.alpha, lspec.targets, seed=lspec.seed)
+    return model
+
+
+def _reference(batch: torch.Tensor, trainable: str = "all", fp8: bool = False) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _lora_model() if trainable == "lora" else mesh_model()
+        model = _fp8_lora_model() if fp8 else _lora_model() if trainable == "lora" else mesh_model()
         cfg = train_config()
         cfg.trainable = trainable
         opt, sched = build_optimizer(model, cfg, cfg.steps)
@@ -132,7 +148,7 @@ def _expert_rows(name: str, grad: torch.Tensor, offsets: dict, ref: torch.Tensor
 
 
 def _assert_layout_equals_one_process(ranks: list[dict], case: str, ref: list[dict]) -> None:
-    model = _lora_model() if "_lora" in case else mesh_model()
+    model = _fp8_lora_model() if "_fp8" in case else _lora_model() if "_lora" in case else mesh_model()
     sizes = {n: p.numel() for n, p in model.named_parameters()}  # every parameter, frozen ones included
     full = sum(sizes.values())
     for r, res in enumerate(ranks):
@@ -383,3 +399,52 @@ def test_foreach_adamw_over_the_dense_and_expert_meshes_equals_single_tensor(two
         assert len(got["meshes"]) == 2, got["meshes"]
         assert got["max_abs_diff"] == 0.0
         assert any(".experts." in n for n in got["moved"]) and len(got["moved"]) > 20  # both meshes stepped
+
+
+FP8_TWO = ["fsdp2_fep2_fp8_lora", "cp2_fep2_fp8_lora_ac"]
+
+
+@pytest.fixture(scope="module")
+def fp8_two(windows, tmp_path_factory):
+    return _spawn(windows, tmp_path_factory.mktemp("mesh2_fp8"), 2, FP8_TWO)
+
+
+@pytest.mark.parametrize("case", FP8_TWO)
+def test_fp8_lora_on_a_mesh_equals_one_process(fp8_two, windows, case):
+    """``train.frozen_dtype: fp8`` with ``train.trainable: lora`` (issue 44) on two ranks, folded EP=2 under FSDP=2 and
+    under CP=2 (with activation checkpointing): built on meta, the holders EP-sliced with their experts, each rank
+    quantizing its slice of the fp32 HF base. Each rank's holders are bit for bit the one-process holders (its
+    experts' rows of the routed ones, the dense ones whole) and stay so over the steps; it holds only its experts'
+    bytes (dense + routed / ep, counted); only the adapters train and have optimizer state; loss, norm, every adapter
+    gradient and the adapters after the steps equal the one-process fp8 run's (the mesh tolerances)."""
+    from genoctx.model.fp8 import holders
+    from genoctx.model.lora import is_lora_name
+
+    lay = Layout(**fp8_two[0][case]["layout"])
+    ref = _reference(windows[: lay.dp], "lora", fp8=True)
+    one = _fp8_lora_model()
+    want_h = {n: (h.weight.view(torch.uint8), h.scale_inv) for n, h in holders(one).items()}
+    assert any(".mlp.experts." in n for n in want_h) and any(".self_attn." in n for n in want_h)
+    assert all(h.block == FP8_BLOCK for h in holders(one).values())
+    dense = sum(w.numel() + 4 * s.numel() for n, (w, s) in want_h.items() if ".mlp.experts." not in n)
+    routed = sum(w.numel() + 4 * s.numel() for n, (w, s) in want_h.items() if ".mlp.experts." in n)
+    start = {n: p for n, p in one.named_parameters() if is_lora_name(n)}
+    for r, res in enumerate(fp8_two):
+        got = res[case]
+        assert set(got["fp8"]) == set(want_h), (case, r)
+        assert got["fp8_changed"] == [], (case, r)
+        assert got["fp8_bytes"] == dense + routed // lay.ep, (case, r, got["fp8_bytes"])
+        for name, (w, s) in got["fp8"].items():
+            ww, ws = want_h[name]
+            if ".mlp.experts." in name:  # this rank's experts only
+                off = got["offsets"][name.rpartition(".")[0]]
+                assert w.shape[0] == ww.shape[0] // lay.ep, name
+                ww, ws = ww[off : off + w.shape[0]], ws[off : off + w.shape[0]]
+            assert torch.equal(w, ww) and torch.equal(s, ws), (case, r, name)
+        assert set(got["trainable"]) == set(start) and all(is_lora_name(n) for n in got["trainable"])
+        assert got["frozen_changed"] == [] and set(got["steps"][-1]["grads"]) == set(start)
+        for name, a in got["adapters"].items():
+            want = _expert_rows(name, a, got["offsets"], ref[-1]["params"][name])
+            torch.testing.assert_close(a, want, rtol=1e-4, atol=1e-3 * train_config().lr,
+                                       msg=lambda m, n=name, r=r: f"{case} rank {r} {n}: {m}")  # fmt: skip
+    _assert_layout_equals_one_process(fp8_two, case, ref)

@@ -213,7 +213,7 @@ def test_fp8_checkpoints_hold_the_fp8_bytes_and_resume_exactly(prepared, fp8_bas
     pb = dict(b.named_parameters())
     for name, p in a.named_parameters():
         assert torch.equal(p, pb[name]), name
-    r = run_genoctx("export", str(tmp_path / "full"), "--out", str(tmp_path / "exp"), "--no-base")
+    r = run_genoctx("export", str(tmp_path / "full"), "--out", str(tmp_path / "exp"), "--no-base", "--merge")
     assert r.returncode == 0, r.stderr
     merged = load_hf(tmp_path / "exp", dtype=torch.float32)
     assert not holders(merged)
@@ -231,7 +231,6 @@ def test_fp8_checkpoints_hold_the_fp8_bytes_and_resume_exactly(prepared, fp8_bas
     [
         (["train.frozen_dtype=fp16"], "train.frozen_dtype must be 'bf16' or 'fp8', got 'fp16'"),
         (["train.frozen_dtype=fp8"], "train.frozen_dtype: fp8 holds frozen weights, but train.trainable is all"),
-        (["train.frozen_dtype=fp8", "train.trainable=kda,norms", "train.ep=2"], "fp8 runs in one process for now"),
     ],
 )
 def test_bad_frozen_dtype_is_one_line_exit_2(prepared, tmp_path, over, message):
@@ -240,3 +239,17 @@ def test_bad_frozen_dtype_is_one_line_exit_2(prepared, tmp_path, over, message):
     r = run_genoctx("train", "--data", str(prepared), "--recipe", "recipes/tiny.yaml", "--out", str(out), *sets)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_fp8_on_a_mesh_is_refused_only_with_compile():
+    """``train.frozen_dtype: fp8`` runs on a mesh (tests/parallel/test_mesh.py's "_fp8" cases); only with
+    ``train.compile`` is it refused, as one line naming both keys."""
+    from genoctx.errors import GenoctxError
+    from genoctx.recipes import TrainConfig
+    from genoctx.train.frozen import check_frozen_dtype
+
+    cfg = TrainConfig(frozen_dtype="fp8", trainable="lora")
+    check_frozen_dtype(cfg, mesh=True)
+    cfg.compile = True
+    with pytest.raises(GenoctxError, match="fp8 with train.compile runs in one process only"):
+        check_frozen_dtype(cfg, mesh=True)
