@@ -25,6 +25,11 @@ The published GLM-5.3-Flash checkpoint stores its projection weights as ``float8
   ``unfreeze_fp8`` turns holders back into plain (dequantized) parameters, for an export.
 - ``genoctx.model.hf.load_hf(..., keep_fp8=True)`` fills holders straight from a checkpoint's fp8 tensors and
   scales (``fp8_targets``), never dequantizing the whole model.
+- ``hold_on_host(model, device)``: every holder's bytes and scales move to host memory (pinned where CUDA is), and
+  each use copies the fp8 tensor it reads to the compute ``device`` (``fetch``: one linear's weight, one routed
+  expert's slice) right before dequantizing it, in forward, in the recompute and again in backward; nothing of it
+  stays on the device. ``train.offload_optimizer`` holds frozen fp8 weights so (``genoctx.parallel.build``), as
+  FSDP2's ``CPUOffloadPolicy`` holds the parameters: what keeps a 313B base off 8 H100s' memory.
 
 Exactness: the forward equals the forward with ``dequantize()``'s weights bit for bit (the same values feed the
 same ops), and so do the input gradients (``fp8_linear``'s backward is ``grad @ W``, as autograd's for
@@ -43,6 +48,15 @@ from torch import nn
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 SUFFIX = "_fp8"  # the holder of <owner>.<name> is <owner>.<name>_fp8
+
+
+def fetch(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``t`` on the compute ``device``: itself when it is there (or ``device`` is None), else a copy made now
+    (``non_blocking`` from pinned host memory: ordered before the kernels that read it on the current stream). The
+    one place a host-held fp8 tensor (``hold_on_host``) reaches the device; the copy lives as long as its use."""
+    if device is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=t.is_pinned())
 
 
 def dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], origin=(0, 0)) -> torch.Tensor:
@@ -128,6 +142,7 @@ class FP8Weight(nn.Module):
         self.block = (int(block[0]), int(block[1]))
         self.dtype = dtype
         self.ep_block: tuple[int, int] | None = None  # (first expert, all experts) once EP sliced it (experts)
+        self.compute_device: torch.device | None = None  # set by hold_on_host: the buffers stay in host memory
 
     @classmethod
     def quantize(cls, w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> FP8Weight:
@@ -139,8 +154,10 @@ class FP8Weight(nn.Module):
         return self.weight.shape
 
     def dequantize(self) -> torch.Tensor:
-        """``dequant_fp8(weight, scale_inv, block)`` in ``dtype``: ``[*lead, out, in]``, no grad."""
-        return dequant_fp8(self.weight, self.scale_inv, self.block).to(self.dtype)
+        """``dequant_fp8(weight, scale_inv, block)`` in ``dtype``: ``[*lead, out, in]``, no grad; on the compute
+        device (``hold_on_host``: the fp8 bytes copied there first)."""
+        w, s = fetch(self.weight, self.compute_device), fetch(self.scale_inv, self.compute_device)
+        return dequant_fp8(w, s, self.block).to(self.dtype)
 
     def __getitem__(self, e: int) -> FP8View:
         """Expert ``e`` of a stacked ``[E, out, in]`` holder: views of its fp8 rows and its scale blocks (no copy,
@@ -161,7 +178,15 @@ class FP8Weight(nn.Module):
         return self.weight.numel() * self.weight.element_size() + self.scale_inv.numel() * 4
 
     def _apply(self, fn, recurse=True):
-        # Module casts move the buffers but keep them fp8 / fp32: a float cast changes only the compute dtype.
+        # Module casts move the buffers but keep them fp8 / fp32: a float cast changes only the compute dtype. A
+        # host-held holder (hold_on_host) stays in host memory: a move changes only its compute device.
+        if self.compute_device is not None:
+            t = self._buffers["weight"]
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))  # where and in what a move would put it
+            self.compute_device = probe.device
+            if probe.dtype != t.dtype:
+                self.dtype = probe.dtype
+            return self
         for name in ("weight", "scale_inv"):
             t = self._buffers[name]
             moved = fn(t)
@@ -207,7 +232,8 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, holder_weight, scale_inv, block, dtype, bias):
-        w = dequant_fp8(holder_weight, scale_inv, block).to(dtype)
+        # a host-held holder (hold_on_host): its bytes copied to x's device for this use; the host tensors are saved
+        w = dequant_fp8(fetch(holder_weight, x.device), fetch(scale_inv, x.device), block).to(dtype)
         ctx.save_for_backward(holder_weight, scale_inv)
         ctx.block, ctx.dtype, ctx.x_dtype, ctx.has_bias = block, dtype, x.dtype, bias is not None
         return F.linear(x, w, bias)
@@ -217,7 +243,7 @@ class _FP8Linear(torch.autograd.Function):
         w8, s = ctx.saved_tensors
         gx = gb = None
         if ctx.needs_input_grad[0]:
-            w = dequant_fp8(w8, s, ctx.block).to(ctx.dtype)
+            w = dequant_fp8(fetch(w8, g.device), fetch(s, g.device), ctx.block).to(ctx.dtype)
             gx = g.matmul(w.to(g.dtype)).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[5]:
             gb = g.reshape(-1, g.shape[-1]).sum(0)
@@ -390,3 +416,21 @@ def unfreeze_fp8(model: nn.Module) -> int:
             owner.register_parameter(name, nn.Parameter(h.dequantize(), requires_grad=False))
             n += 1
     return n
+
+
+def hold_on_host(model: nn.Module, device: torch.device | str) -> int:
+    """Move every ``FP8Weight`` of ``model`` to host memory (pinned when CUDA is available, for asynchronous copies)
+    and make ``device`` its compute device: each use then copies the fp8 tensor it reads to ``device`` first
+    (``fetch``), and module moves leave it on the host. On a CPU ``device`` nothing moves. Returns the host bytes
+    held (``FP8Weight.nbytes``). Used by ``genoctx.parallel.build`` for ``train.offload_optimizer`` with
+    ``train.frozen_dtype: fp8``."""
+    device = torch.device(device)
+    pin = torch.cuda.is_available() and device.type == "cuda"
+    total = 0
+    for h in holders(model).values():
+        for name in ("weight", "scale_inv"):
+            t = h._buffers[name].to("cpu")
+            h._buffers[name] = t.pin_memory() if pin else t
+        h.compute_device = device
+        total += h.nbytes()
+    return total

@@ -387,9 +387,11 @@ def build_model(
             ``genoctx.parallel.offload``); needs ``activation_checkpointing``.
         frozen_fp8: these weights held as fp8 (``_hold_fp8``): filled straight from an HF base's fp8 blocks, any
             other source (a base stored in bf16, a fresh init) quantized once filled; a genoctx checkpoint or
-            ``Zeros`` fills the holders as they are. On a mesh the holders are made on meta before parallelism
-            (FSDP2 leaves them whole: buffers; expert parallelism slices the routed experts' holders on E with the
-            experts) and each rank fills or quantizes only its own (``fill``'s ``quantize``).
+            ``Zeros`` fills the holders as they are. With ``offload_optimizer`` the holders then live in host
+            memory and each use copies its fp8 tensor to ``device`` (``genoctx.model.fp8.hold_on_host``). On a
+            mesh the holders are made on meta before parallelism (FSDP2 leaves them whole: buffers; expert
+            parallelism slices the routed experts' holders on E with the experts) and each rank fills or quantizes
+            only its own (``fill``'s ``quantize``).
         lora: a ``genoctx.model.lora.LoRASpec`` (``train.trainable: lora``) or None. The adapters are added on the
             meta device, before parallelism (expert parallelism splits the experts' adapters with them, FSDP2 shards
             them as the other parameters), the source fills the base (never the adapters), then every rank draws its
@@ -465,6 +467,10 @@ def build_model(
     if frozen_fp8 is not None:
         model.build_info["fp8"] = {"held": len(frozen_fp8.names), "quantized": len(quantize_after),
                                    "block": list(frozen_fp8.block)}  # fmt: skip
+        if offload_optimizer:  # the frozen fp8 weights in host memory too, copied per use (genoctx.model.fp8)
+            from ..model.fp8 import hold_on_host
+
+            model.build_info["fp8"]["host_bytes"] = hold_on_host(model, device)
     if lora is not None and not isinstance(source, Zeros) and not getattr(source, "adapters", False):
         from ..model.lora import reset_lora
 

@@ -220,3 +220,50 @@ def test_cast_model_keeps_the_fp8_holders_as_they_are():
     for n, t in before.items():
         assert after[n].dtype == t.dtype and torch.equal(after[n], t)
     assert model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_host_held_holders_are_fetched_per_use_and_stay_on_the_host(monkeypatch):
+    """``hold_on_host`` (``train.offload_optimizer`` with fp8 frozen weights): every use reads the fp8 bytes and
+    scales through ``fetch`` to the compute device: a linear's weight in forward and again in backward, each routed
+    expert's slice per use, a property read (``held`` weight) too; module moves change only the compute device (and
+    dtype), never where the bytes are; outputs and input gradients equal the device-held model's bit for bit."""
+    import genoctx.model.fp8 as fp8
+
+    model = HybridLM(preset("tiny"), seed=0)
+    freeze_to_fp8(model, _frozen, (8, 7))
+    ref = copy.deepcopy(model)
+    assert fp8.hold_on_host(model, "cpu") == fp8_bytes(model) > 0
+    hs = holders(model)
+    assert {str(h.compute_device) for h in hs.values()} == {"cpu"}
+    assert all(h.compute_device is None for h in holders(ref).values())
+    fetched = []
+    real = fp8.fetch
+    monkeypatch.setattr(fp8, "fetch", lambda t, d: fetched.append((tuple(t.shape), t.dtype, str(d))) or real(t, d))
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    out = model(ids)[0]
+    forward = list(fetched)
+    E, D, I = model.cfg.n_routed_experts, model.cfg.hidden_size, model.cfg.moe_intermediate_size
+    q = tuple(hs["layers.0.self_attn.q_proj.weight"].weight.shape)
+    assert (q, torch.float8_e4m3fn, "cpu") in forward  # a linear's bytes fetched for its forward
+    assert ((2 * I, D), torch.float8_e4m3fn, "cpu") in forward and ((D, I), torch.float8_e4m3fn, "cpu") in forward
+    assert not any(s[0] == E for s, _, _ in forward if len(s) == 3)  # never an expert stack
+    assert all(d == "cpu" for _, _, d in forward) and len(forward) % 2 == 0  # the bytes and their scales, in pairs
+    monkeypatch.setattr(fp8, "fetch", real)
+    out_ref = ref(ids)[0]
+    assert torch.equal(out, out_ref)
+    monkeypatch.setattr(fp8, "fetch", lambda t, d: fetched.append((tuple(t.shape), t.dtype, str(d))) or real(t, d))
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert (q, torch.float8_e4m3fn, "cpu") in fetched[len(forward) :]  # fetched again for grad_x = grad @ W
+    monkeypatch.setattr(fp8, "fetch", real)
+    out_ref.backward(g)
+    got = dict(model.named_parameters())
+    for n, p in ref.named_parameters():
+        assert (p.grad is None) == (got[n].grad is None) and (p.grad is None or torch.equal(p.grad, got[n].grad)), n
+    # a module move leaves the bytes where they are: only the compute device and dtype follow
+    w = hs["layers.0.self_attn.q_proj.weight"]
+    before = w.weight.data_ptr()
+    w.to("meta")
+    assert w.compute_device == torch.device("meta") and w.weight.device.type == "cpu" and w.weight.data_ptr() == before
+    w.to("cpu").to(torch.bfloat16)
+    assert w.weight.dtype == torch.float8_e4m3fn and w.dtype == torch.bfloat16 and w.compute_device.type == "cpu"

@@ -66,6 +66,8 @@ CASES = {
     # "_fp8": train.frozen_dtype fp8 (FP8_BLOCK blocks): the frozen matmul weights held as block-scaled e4m3
     "fsdp2_fep2_fp8_lora": (2, 2, 1, True),
     "cp2_fep2_fp8_lora_ac": (2, 1, 2, True),
+    # ... with train.offload_optimizer: the holders in host memory too, fetched to the compute device per use
+    "fsdp2_fep2_fp8_lora_offload": (2, 2, 1, True),
 }
 FP8_BLOCK = (8, 8)  # scale blocks of the "_fp8" cases: several per weight and per expert of mesh_config()
 FROZEN_SPEC = "kda,dsa,indexer,router,mhc,norms"
@@ -185,7 +187,7 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
     after = _locals(model)
     lora_eval = "_lora" in name and "_fp8" not in name  # (the mesh evaluation builds no fp8 holders yet)
     evaluated = _eval_rebuild(model, opt, sched, cfg, dims, Path(hf_dir).parent / name) if lora_eval else None
-    from genoctx.model.fp8 import fp8_bytes
+    from genoctx.model.fp8 import fp8_bytes, holders
 
     fp8_after = _holders(model)
     return {
@@ -199,6 +201,8 @@ def run_case(name: str, windows: torch.Tensor, hf_dir: str) -> dict:
         # train.frozen_dtype fp8: this rank's holders as filled, the bytes it holds, and the holders the steps changed
         "fp8": fp8_start,
         "fp8_bytes": fp8_bytes(model),
+        "fp8_host_bytes": (getattr(model, "build_info", {}).get("fp8") or {}).get("host_bytes"),
+        "fp8_compute": sorted({str(h.compute_device) for h in holders(model).values()}),
         "fp8_changed": [
             n
             for n, (w, sc) in fp8_start.items()

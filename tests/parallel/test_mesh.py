@@ -401,7 +401,7 @@ def test_foreach_adamw_over_the_dense_and_expert_meshes_equals_single_tensor(two
         assert any(".experts." in n for n in got["moved"]) and len(got["moved"]) > 20  # both meshes stepped
 
 
-FP8_TWO = ["fsdp2_fep2_fp8_lora", "cp2_fep2_fp8_lora_ac"]
+FP8_TWO = ["fsdp2_fep2_fp8_lora", "cp2_fep2_fp8_lora_ac", "fsdp2_fep2_fp8_lora_offload"]
 
 
 @pytest.fixture(scope="module")
@@ -412,8 +412,9 @@ def fp8_two(windows, tmp_path_factory):
 @pytest.mark.parametrize("case", FP8_TWO)
 def test_fp8_lora_on_a_mesh_equals_one_process(fp8_two, windows, case):
     """``train.frozen_dtype: fp8`` with ``train.trainable: lora`` (issue 44) on two ranks, folded EP=2 under FSDP=2 and
-    under CP=2 (with activation checkpointing): built on meta, the holders EP-sliced with their experts, each rank
-    quantizing its slice of the fp32 HF base. Each rank's holders are bit for bit the one-process holders (its
+    under CP=2 (with activation checkpointing), and with ``train.offload_optimizer`` (the holders host-held and
+    fetched per use: ``genoctx.model.fp8.hold_on_host``): built on meta, the holders EP-sliced with their experts,
+    each rank quantizing its slice of the fp32 HF base. Each rank's holders are bit for bit the one-process holders (its
     experts' rows of the routed ones, the dense ones whole) and stay so over the steps; it holds only its experts'
     bytes (dense + routed / ep, counted); only the adapters train and have optimizer state; loss, norm, every adapter
     gradient and the adapters after the steps equal the one-process fp8 run's (the mesh tolerances)."""
@@ -434,6 +435,10 @@ def test_fp8_lora_on_a_mesh_equals_one_process(fp8_two, windows, case):
         assert set(got["fp8"]) == set(want_h), (case, r)
         assert got["fp8_changed"] == [], (case, r)
         assert got["fp8_bytes"] == dense + routed // lay.ep, (case, r, got["fp8_bytes"])
+        if case.endswith("_offload"):  # train.offload_optimizer: every holder host-held, fetched per use
+            assert got["fp8_host_bytes"] == got["fp8_bytes"] and got["fp8_compute"] == ["cpu"], (case, r)
+        else:
+            assert got["fp8_host_bytes"] is None and got["fp8_compute"] == ["None"], (case, r)
         for name, (w, s) in got["fp8"].items():
             ww, ws = want_h[name]
             if ".mlp.experts." in name:  # this rank's experts only
