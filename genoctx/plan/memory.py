@@ -831,7 +831,9 @@ def plan_memory(
         "weights"), "host_device_bytes" ({"to_host",
         "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
         ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
-        written back; "activations": the layer inputs' part, each way)}``. GiB are rounded to 6 decimals (1 KiB);
+        written back, and the frozen fp8 holders at each use; "activations": the layer inputs' part, each way;
+        "frozen_fp8": the fp8 holders' part of "to_device", ``fp8_fetches`` copies of each)}``. GiB are rounded
+        to 6 decimals (1 KiB);
         the components add up to the total.
 
     Components (bytes) and phases: the module docstring.
