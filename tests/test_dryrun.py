@@ -219,10 +219,44 @@ def test_trainable_dry_run_equals_the_plan(spec, r, frozen, layout):
     assert r0["params_local"] >= full["params_local"]  # the frozen base is all still held (plus the adapters)
 
 
+def test_dry_run_holds_fp8_frozen_whole_per_rank_under_fsdp_and_cp():
+    """``train.frozen_dtype: fp8`` on a mesh with ``dp_shard`` and ``cp`` > 1 and folded EP (issue 44): the dry run
+    builds the ``FP8Weight`` holders as training does, and every rank holds each dense matmul weight whole and its
+    ``E / ep`` experts (never cut by FSDP2 or the expert shard) in fp8 plus 128 x 128 fp32 scale blocks, beside
+    the bf16 frozen rest at FSDP2's padded shard; none of it is in an FSDP group (nothing all-gathered), and it all
+    equals the plan's. Counted here from the one-device model's shapes."""
+    from genoctx.model.fp8 import is_matmul_weight
+
+    layout = Layout(ep=2, dp_shard=2, cp=2, ep_folded=True)  # 4 ranks: EP 2 folded in dp_shard x cp
+    d = dry_run(SMALL, layout, ranks=[0, 3], trainable="lora", lora_rank=4, frozen_dtype="fp8")
+    plan = P.plan_memory(SMALL, 1 << 14, layout, gpu_memory_gib=80.0, trainable="lora", lora_rank=4,
+                         frozen_dtype="fp8")  # fmt: skip
+    with torch.device("meta"):
+        model = HybridLM(SMALL)
+    mods = dict(model.named_modules())
+    fp8 = bf16 = dense = 0
+    for name, p in model.named_parameters():
+        if is_matmul_weight(name, mods[name.rpartition(".")[0]]):
+            lead = p.shape[0] // layout.ep if p.dim() == 3 else 1
+            fp8 += lead * (p.shape[-2] * p.shape[-1] + 4 * math.ceil(p.shape[-2] / 128) * math.ceil(p.shape[-1] / 128))
+            dense += p.numel() if p.dim() == 2 else 0
+        else:  # frozen bf16, FSDP2's padded dim-0 shard over dp_shard x cp (4); experts' over the expert shard (2)
+            shards = 2 if ".mlp.experts." in name else 4
+            rows = p.shape[0] if p.dim() else 1
+            per = p.shape[0] // layout.ep if ".mlp.experts." in name else rows
+            bf16 += 2 * -(-per // shards) * (p.numel() // max(1, rows))
+    assert fp8 > dense > 0
+    for x in d["ranks"]:
+        assert x["frozen"] == fp8 + bf16, x["rank"]
+        assert x["frozen"] / GIB == pytest.approx(plan["persistent_gib"]["frozen"], abs=1e-6)
+        assert x["largest_unsharded_layer"]["bytes"] < dense  # an FSDP group holds no fp8 matmul weight
+
+
 def test_cli_plan_dry_run_one_node_lora_fp8_at_the_real_size():
     """The published run on one node (issue 44): GLM-5.3-Flash, 512k tokens on 8 H100s, LoRA on a frozen fp8 base,
     the plan's fitting layout (folded EP 8 over CP 8, optimizer offload) dry-run at 8 ranks: each static term of rank 0
-    and rank 7 equals the plan's (~36.6 GiB of frozen fp8 weights and scales, ~1.3 GiB of adapter masters)."""
+    and rank 7 equals the plan's (~42.8 GiB of frozen fp8 weights and scales: every dense matrix whole, 36 of the 288
+    experts per layer; ~1.3 GiB of adapter masters)."""
     r = genoctx("plan", "--dry-run", "--preset", "glm-5.3-flash", "--seq-len", "512k", "--gpus", 8, "--hardware",
                 "h100", "--trainable", "lora", "--frozen-dtype", "fp8", "--ep", 8, "--ep-folded", "--cp", 8,
                 "--offload-optimizer", "--offload-activations", "--seq-chunk", "16k", "--format", "json")  # fmt: skip
@@ -233,4 +267,4 @@ def test_cli_plan_dry_run_one_node_lora_fp8_at_the_real_size():
     for x in dr["ranks"]:
         for key in ("frozen", "weights", "gradients", "optimizer_state"):
             assert x[key] / GIB == pytest.approx(per[key], abs=1e-6), (x["rank"], key)
-    assert 30 < per["frozen"] < 40 and per["gradients"] < 2
+    assert 40 < per["frozen"] < 45 and per["gradients"] < 2

@@ -157,9 +157,11 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16",
     """FSDP2's parameter groups as ``apply_fsdp`` makes them, innermost first, with what their collectives carry.
 
     ``entries``: ``genoctx.plan.trainable.param_entries`` when not every parameter trains (issue 44): a frozen
-    tensor is all-gathered at its frozen dtype (fp8: with its scales) and has no gradient (``grad_shard_bytes``
-    counts the trainable tensors only: a group with none is not reduce-scattered); LoRA adapters join their target's
-    group. None: every parameter trains (as before).
+    tensor is all-gathered at its frozen dtype (bf16) and has no gradient (``grad_shard_bytes`` counts the trainable
+    tensors only: a group with none is not reduce-scattered); a frozen fp8 matmul weight is no FSDP parameter at all
+    (``genoctx.model.fp8.FP8Weight`` buffers, held whole or EP-sliced on every rank: never all-gathered), and a
+    module left with no parameter (the routed experts when all are fp8) forms no group; LoRA adapters join their
+    target's group. None: every parameter trains (as before).
 
     Returns:
         ``[{"name", "mesh" ("dense" | "expert"), "shards" (ranks of the shard group), "nested" (called inside a
@@ -181,6 +183,8 @@ def fsdp_groups(cfg: ModelConfig, layout: Layout, dtype: str = "bf16",
     groups: dict[str, dict] = {}
     order = []
     for name, rows, rest, dim1, entry in shapes:
+        if entry is not None and entry["fp8"]:  # an FP8Weight's buffers: not FSDP's (never gathered nor reduced)
+            continue
         if name.startswith("layers."):
             i = int(name.split(".")[1])
             expert = ".mlp.experts." in f".{name}"
@@ -423,7 +427,8 @@ def step_comms(cfg: ModelConfig, seq_len: int, layout: Layout, *, batch_size: in
             under ``torch.no_grad``: no gradients, no loss reductions; ``genoctx.eval.distributed``).
         cp_layout: ``"contiguous"`` or ``"zigzag"`` (the KDA pieces per rank: 1 or 2).
         trainable: what trains (``genoctx.plan.trainable.Trainable``; None or its default: every parameter): frozen
-            tensors are all-gathered at their frozen dtype and neither reduce-scattered nor all-reduced; LoRA adapters
+            bf16 tensors are all-gathered at their dtype, frozen fp8 holders not at all (``fsdp_groups``), and neither
+            is reduce-scattered nor all-reduced; LoRA adapters
             are gathered and reduced with their layer (``fsdp_groups``).
 
     Returns:

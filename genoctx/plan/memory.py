@@ -290,6 +290,7 @@ class _Held:
     rs_root: float
     compute_copy: float
     frozen: float = 0.0  # bytes of the frozen weights (and fp8 scales) on this rank (``trainable``)
+    fp8_held: float = 0.0  # of ``frozen``: the fp8 holders' bytes and scales (whole / EP slice, never sharded)
 
 
 def _numel(sh: tuple, lay: Layout, gathered: bool) -> float:
@@ -302,11 +303,15 @@ def _numel(sh: tuple, lay: Layout, gathered: bool) -> float:
 
 def _split(st: _Step, entries) -> dict:
     """What tensors ``entries`` (``trainable.param_entries``) hold on this rank: ``local`` (trainable parameters,
-    sharded), ``frozen`` (frozen bytes, sharded), ``gathered`` (trainable parameters all-gathered), ``gathered_frozen``
-    (frozen bytes all-gathered, at their dtype), ``island`` (trainable fp32-island parameters all-gathered), ``fp8``
-    (frozen fp8 elements all-gathered: dequantized per layer)."""
+    sharded), ``frozen`` (frozen bytes: bf16 sharded, fp8 held), ``gathered`` (trainable parameters all-gathered),
+    ``gathered_frozen`` (frozen bf16 bytes all-gathered), ``island`` (trainable fp32-island parameters all-gathered),
+    ``fp8_held`` (frozen fp8 bytes and scales: ``genoctx.model.fp8.FP8Weight`` buffers, never FSDP-sharded nor
+    all-gathered: a dense matrix whole, the routed experts their ``E / ep`` EP slice), ``fp8_use`` and
+    ``fp8_use_bytes`` (elements, and fp8 bytes with scales, of the largest matrix one use dequantizes: a dense
+    linear's weight or one expert's ``[out, in]``)."""
     lay, cfg = st.layout, st.cfg
-    out = dict.fromkeys(("local", "frozen", "gathered", "gathered_frozen", "island", "fp8"), 0.0)
+    keys = ("local", "frozen", "gathered", "gathered_frozen", "island", "fp8_held", "fp8_use", "fp8_use_bytes")
+    out = dict.fromkeys(keys, 0.0)
     for e in entries:
         if e["train"]:
             out["local"] += _numel(e["shape"], lay, False)
@@ -314,10 +319,17 @@ def _split(st: _Step, entries) -> dict:
             out["gathered"] += g
             if e["layer"] is not None and _is_island(cfg, e["layer"], e["name"]):  # adapters of a KDA mixer too
                 out["island"] += g
+        elif e["fp8"]:  # a buffer: whole (dense) or its E / ep experts (EP slices dim 0), on every rank
+            held = sum(_numel(sh, lay, True) * b for sh, b in e["store"])
+            out["fp8_held"] += held
+            out["frozen"] += held
+            one = [sh[2] if sh[0] == "expert" else sh[1] * sh[2] for sh, _ in e["store"]]  # one use's elements
+            if one[0] > out["fp8_use"]:
+                out["fp8_use"] = one[0]
+                out["fp8_use_bytes"] = sum(n * b for n, (_, b) in zip(one, e["store"], strict=True))
         else:
             out["frozen"] += sum(_numel(sh, lay, False) * b for sh, b in e["store"])
             out["gathered_frozen"] += sum(_numel(sh, lay, True) * b for sh, b in e["store"])
-            out["fp8"] += _numel(e["shape"], lay, True) if e["fp8"] else 0.0
     return out
 
 
@@ -344,6 +356,7 @@ def _held_split(st: _Step) -> _Held:
         rs_root=f * root["gathered"] if fsdp else 0.0,
         compute_copy=a * P if (not fsdp and a != f) else 0.0,
         frozen=whole["frozen"],
+        fp8_held=whole["fp8_held"],
     )
 
 
@@ -495,7 +508,7 @@ def _layer(st: _Step, i: int, mixer: str, ffn: str, indexer: str) -> dict:
             "w_fwd": w_fwd, "w_bwd_ffn": w_bwd_ffn, "w_bwd_mix": w_bwd_mix, "w_bwd_hc": N * _hc_bwd(cfg, s),
             "block": sp["gathered"], "local": sp["local"],
             "block_bytes": s.a * sp["gathered"] + (s.f - s.a) * sp["island"] + sp["gathered_frozen"],
-            "dequant": s.a * sp["fp8"],
+            "dequant": s.a * sp["fp8_use"] + (sp["fp8_use_bytes"] if st.offload else 0.0),
         }  # fmt: skip
     return {
         "index": i, "kind": ("kda" if mixer == KDA else "dsa") + "+" + ("moe" if ffn == "sparse" else "mlp"),
@@ -782,13 +795,17 @@ def plan_memory(
         host_memory_gib: host memory per GPU (the node's, divided by its GPUs); with it, ``fits`` also needs
             ``host_gib`` to fit there. None: the host is not checked.
         trainable: ``train.trainable``: ``"all"``, or a comma list of ``genoctx.model.groups.GROUPS`` and ``lora``
-            (``genoctx.plan.trainable``: frozen tensors hold only their weight in ``frozen_dtype``, sharded and
-            all-gathered at that dtype; no gradient, optimizer state, master or reduce-scatter).
+            (``genoctx.plan.trainable``: frozen tensors hold only their weight in ``frozen_dtype``: bf16 sharded and
+            all-gathered as FSDP2 parameters, fp8 holders whole or EP-sliced and never gathered; no gradient,
+            optimizer state, master or reduce-scatter).
         lora_rank: ``train.lora_rank`` (> 0 exactly when ``lora`` is in ``trainable``): adapters of ``r (in + out)``
             trainable parameters per target, their ``x A^T`` activations (``r`` per token per target).
         frozen_dtype: ``train.frozen_dtype``: ``"bf16"`` or ``"fp8"`` (block-scaled e4m3 matmul weights with fp32
-            scales per 128 x 128 block; each layer's dequantized bf16 weights a working set while it runs, counted
-            in ``unsharded_params``).
+            scales per 128 x 128 block, ``FP8Weight`` buffers: a dense matrix whole on every rank, the routed
+            experts their ``E / ep`` EP slice; the largest matrix one use dequantizes, in bf16, a working set counted
+            in ``unsharded_params``). With ``optimizer_offload`` the holders sit in pinned host memory (``host_gib``)
+            and each use fetches its matrix (fp8 and scales, added to that working set): ``fp8_fetches`` copies of
+            every holder per step (``host_device_bytes["frozen_fp8"]``).
         lora_targets: ``train.lora_targets``: name suffixes of the target modules / expert parameters; None for
             the targets training adapts by default (``genoctx.model.lora.DEFAULT_TARGETS``).
 
@@ -814,7 +831,9 @@ def plan_memory(
         "weights"), "host_device_bytes" ({"to_host",
         "to_device"}: bytes one step copies between host and device: the layer inputs once each way, and with
         ``optimizer_offload`` the fp32 shards read at each all-gather (forward, backward) and the gradients
-        written back; "activations": the layer inputs' part, each way)}``. GiB are rounded to 6 decimals (1 KiB);
+        written back, and the frozen fp8 holders at each use; "activations": the layer inputs' part, each way;
+        "frozen_fp8": the fp8 holders' part of "to_device", ``fp8_fetches`` copies of each)}``. GiB are rounded
+        to 6 decimals (1 KiB);
         the components add up to the total.
 
     Components (bytes) and phases: the module docstring.
@@ -847,7 +866,7 @@ def _result(st: _Step, p: _Held, layers: list, out: dict, gpu_memory_gib: float,
     # chunked: every chunk's MoE layers also run in the forward sweep (2 more exchanges), over the whole window
     a2a = all_to_all_bytes(st.cfg, st.windows * st.seq_len // lay.cp if st.chunked else st.N, lay, st.s.a,
                            passes=(8 if st.recompute else 6) + 2 * st.chunked)  # fmt: skip
-    host, moved = _host(st, layers, P_local, p.frozen)
+    host, moved = _host(st, layers, P_local, p.frozen, p.fp8_held)
     host_fits = None if host_memory_gib is None else _gib(host) <= host_memory_gib
     split = {} if st.tr is None else {
         "trainable": {**st.tr.to_dict(), **counts(st.cfg, st.tr)}, "trainable_params_per_rank": P_local}
@@ -899,24 +918,38 @@ def _pinned_optimizer_offload(st: _Step) -> float:
     CUDA): every parameter's padded local shard (fp32, ``shard_numel`` of that parameter) is one pinned block as the
     master (``FSDPParam``: ``.pin_memory()``) and one as its gradient (the reduce-scatter output copied
     ``non_blocking`` to the host: a pinned tensor), each rounded by ``pinned_block_bytes``. The AdamW moments are
-    plain (pageable) host tensors: not rounded."""
+    plain (pageable) host tensors: not rounded. A frozen bf16 weight: its shard, one block; a frozen fp8 holder
+    (``genoctx.model.fp8.hold_on_host``): its ``weight`` and its ``scale_inv`` one block each, at the size this rank
+    holds (whole, or the experts' ``[E / ep, out, in]`` stack)."""
     f, lay = st.s.f, st.layout
     if st.tr is not None:  # trainable tensors: master and gradient; frozen ones: their weight (and scales)
         return sum(2 * pinned_block_bytes(f * _numel(e["shape"], lay, False)) if e["train"] else
-                   sum(pinned_block_bytes(b * _numel(sh, lay, False)) for sh, b in e["store"])
+                   sum(pinned_block_bytes(b * _numel(sh, lay, e["fp8"])) for sh, b in e["store"])
                    for e in st.entries)  # fmt: skip
     return sum(2 * pinned_block_bytes(f * sum(shard_numel([sh], lay).values())) for sh in st.pc["shapes"])
 
 
-def _host(st: _Step, layers: list, P_local: float, frozen: float = 0.0) -> tuple[float, dict]:
+def fp8_fetches(st: _Step) -> int:
+    """How many times one step copies each host-held fp8 holder to the device (``optimizer_offload`` with
+    ``frozen_dtype="fp8"``: ``genoctx.model.fp8.fetch`` per use, never kept): per model call once in forward, once
+    in the recompute (``recompute``) and once in backward (the input gradient needs ``W``); chunked
+    (``seq_chunk_tokens``), every chunk's call, plus its forward without graph (the forward sweep). An upper bound
+    for layers before the first trainable tensor (no backward there)."""
+    calls = -(-(st.seq_len // st.layout.cp) // st.T) if st.chunked else 1
+    return calls * (2 + int(st.recompute) + int(st.chunked))
+
+
+def _host(st: _Step, layers: list, P_local: float, frozen: float = 0.0, fp8_held: float = 0.0) -> tuple[float, dict]:
     """Host bytes per GPU the step holds and the bytes it copies each way (``plan_memory``'s Returns).
 
     Held: the offloaded layer inputs (``offload_activations``: each layer's input one pinned block on CUDA,
     ``genoctx.parallel.offload.to_host``) and, with ``optimizer_offload``, the masters and gradients (pinned, per
-    parameter: ``_pinned_optimizer_offload``) and the AdamW moments (pageable). On CUDA every pinned block counts at
-    its power-of-two rounded size (``pinned_block_bytes``: what the pinned allocator takes; up to 2x the tensor);
-    on a CPU nothing is pinned (exact sizes). The bytes copied are the tensors' own. ``frozen``: the frozen weights'
-    bytes on this rank (``trainable``), on the host with ``optimizer_offload`` and read at each all-gather."""
+    parameter: ``_pinned_optimizer_offload``), the AdamW moments (pageable) and the frozen weights (bf16 shards and
+    fp8 holders, pinned). On CUDA every pinned block counts at its power-of-two rounded size (``pinned_block_bytes``:
+    what the pinned allocator takes; up to 2x the tensor); on a CPU nothing is pinned (exact sizes). The bytes copied
+    are the tensors' own: the layer inputs once each way; with ``optimizer_offload`` the fp32 shards and frozen bf16
+    shards read at each all-gather (forward, backward), the gradients written back, and the fp8 holders
+    (``fp8_held`` bytes) ``fp8_fetches`` times (``"frozen_fp8"``: their part of ``to_device``)."""
     f, acts = st.s.f, [x["input"] for x in layers] if (st.offload_act and st.recompute) else []
     pinned = pinned_block_bytes if st.device == "cuda" else float
     held = sum(pinned(b) for b in acts)
@@ -924,9 +957,11 @@ def _host(st: _Step, layers: list, P_local: float, frozen: float = 0.0) -> tuple
         params = _pinned_optimizer_offload(st) if st.device == "cuda" else 2 * f * P_local + frozen
         held += params + 2 * st.moment_bytes * P_local
     acts = sum(acts)
-    to_device = acts + (2 * (f * P_local + frozen) if st.offload else 0.0)  # shards read at each all-gather (fwd, bwd)
+    fp8 = fp8_held * fp8_fetches(st) if st.offload else 0.0
+    # shards read at each all-gather (fwd, bwd); the fp8 holders at each use
+    to_device = acts + fp8 + (2 * (f * P_local + frozen - fp8_held) if st.offload else 0.0)
     to_host = acts + (f * P_local if st.offload else 0.0)  # the reduced gradients
-    return held, {"to_host": to_host, "to_device": to_device, "activations": acts}
+    return held, {"to_host": to_host, "to_device": to_device, "activations": acts, "frozen_fp8": fp8}
 
 
 def _check_knobs(optimizer_state_dtype, offload_activations, recompute, host_memory_gib) -> None:

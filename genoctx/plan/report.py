@@ -171,6 +171,8 @@ def _host_line(p: dict) -> str:
     fit = {True: "fits", False: "does not fit", None: "not checked"}[p.get("host_fits")]
     line = (f"host of #1: {p['host_gib']:.1f} GiB per GPU held ({fit}), {moved['to_host'] / 2**30:.1f} GiB to host "
             f"and {moved['to_device'] / 2**30:.1f} GiB to the device per step")  # fmt: skip
+    if moved.get("frozen_fp8"):
+        line += f" ({moved['frozen_fp8'] / 2**30:.1f} GiB of it fp8 frozen weights fetched per use)"
     t = p.get("time", {}).get("host_s")
     if t:
         cost = ", ".join(f"{k} {v:.2f} s" if v is not None else f"{k} (no host rates)" for k, v in t.items()

@@ -292,7 +292,9 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
       forward (its share of the busy time, by FLOPs) and the optimizer offload's copies to the device on FSDP2's
       all-gather path beside the recompute and backward: only what exceeds that compute is exposed. A layer input's
       copy back runs on the compute stream right before its recompute (``genoctx.parallel.offload``: not
-      prefetched): all exposed.
+      prefetched): all exposed. So is a host-held fp8 holder's copy (``frozen_dtype="fp8"`` under ``optimizer_offload``,
+      ``host_device_bytes["frozen_fp8"]``: ``genoctx.model.fp8.fetch`` copies each use's bytes on the compute stream
+      right before the matmul that reads them).
     - ``optimizer_offload``: AdamW runs on the host over the rank's shard, streaming the fp32 master and gradient and
       both moments in and the master and moments out (``12 + 4 m`` bytes per local parameter, ``m`` a moment's
       element size) at ``host_memory_bytes_per_s x efficiency["memory"]``, after the backward: all exposed.
@@ -301,14 +303,16 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
     Returns:
         ``{"copies": s, "cpu_optimizer": s, "link_needed": bytes/s}`` (0 without the knobs; None where the profile
         has no host rates); ``link_needed`` is the host-device bandwidth, each way, at which the copies would hide
-        behind the compute they overlap (the copies back of layer inputs, which overlap nothing, left out).
+        behind the compute they overlap (the copies back of layer inputs and the fp8 fetches, which overlap nothing,
+        left out).
     """
     moved = plan.get("host_device_bytes") or {"to_host": 0.0, "to_device": 0.0}
     out = {"copies": 0.0, "cpu_optimizer": 0.0, "link_needed": 0.0}
     if moved["to_host"] or moved["to_device"]:
         busy = t["compute_s"] + t["memory_bound_s"]
         fwd = busy * t.get("forward_share", 1.0)
-        hid = [(moved["to_host"], fwd), (moved["to_device"] - moved.get("activations", 0.0), busy - fwd)]
+        exposed = moved.get("activations", 0.0) + moved.get("frozen_fp8", 0.0)  # on the compute stream
+        hid = [(moved["to_host"], fwd), (moved["to_device"] - exposed, busy - fwd)]
         out["link_needed"] = max((b / s if s > 0 else float("inf")) if b else 0.0 for b, s in hid)
         if hw.host_device_bytes_per_s is None:
             out["copies"] = None
@@ -316,8 +320,7 @@ def host_seconds(plan: dict, t: dict, hw: Hardware) -> dict:
             bw = hw.host_device_bytes_per_s * hw.efficiency["host_copy"]
             busy = t["compute_s"] + t["memory_bound_s"]
             fwd = busy * t.get("forward_share", 1.0)
-            acts = moved.get("activations", 0.0)
-            back = max(0.0, (moved["to_device"] - acts) / bw - (busy - fwd)) + acts / bw
+            back = max(0.0, (moved["to_device"] - exposed) / bw - (busy - fwd)) + exposed / bw
             out["copies"] = max(0.0, moved["to_host"] / bw - fwd) + back
     if plan.get("optimizer_offload"):
         if hw.host_memory_bytes_per_s is None:

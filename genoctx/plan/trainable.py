@@ -2,18 +2,26 @@
 parameter by parameter from the model's shapes (``HybridLM(cfg)`` on the meta device) and ``genoctx.model.groups``.
 
 A parameter of a group ``train.trainable`` names trains as today: an fp32 master, an fp32 gradient, AdamW state,
-reduce-scattered in fp32. Every other parameter is frozen: only its weight is held, in ``frozen_dtype``, sharded as
-the trainable ones (FSDP2 cuts dim 0), and all-gathered at that dtype; no gradient, no optimizer state, no master,
-no reduce-scatter. A frozen parameter of an fp32 island module (``sizes._is_island``) is gathered at its frozen dtype
-too (no fp32 master to gather).
+reduce-scattered in fp32. Every other parameter is frozen: only its weight is held, in ``frozen_dtype``; no
+gradient, no optimizer state, no master, no reduce-scatter. A frozen bf16 weight is still an FSDP2 parameter:
+sharded as the trainable ones (dim 0), all-gathered at bf16, offloaded to the host by ``CPUOffloadPolicy`` under
+``optimizer_offload``. A frozen parameter of an fp32 island module (``sizes._is_island``) is gathered at its frozen
+dtype too (no fp32 master to gather).
 
 ``frozen_dtype``:
 
 - ``"bf16"``: 2 bytes per element.
 - ``"fp8"``: the published checkpoint's block-scaled e4m3 matmul weights as loaded: 1 byte per element plus one fp32
   ``scale_inv`` (4 bytes) per ``FP8_BLOCK x FP8_BLOCK`` block of each ``[out, in]`` matrix (per expert for the routed
-  experts), all-gathered as fp8 and scales and dequantized per layer inside it (a working set of one layer's
-  dequantized bf16 weights: ``dequant_bytes``). The fp8 tensors (``fp8``): every ``nn.Linear`` weight of a decoder
+  experts). These are ``genoctx.model.fp8.FP8Weight`` buffers, not parameters, so FSDP2 neither shards nor
+  all-gathers them (``genoctx.parallel.build._hold_fp8``): a dense matrix is held whole on every rank, the routed
+  experts' ``[E, out, in]`` holders sliced by EP on dim 0 only (``E / ep`` experts per rank, never cut further by the
+  expert shard; ``genoctx.parallel.experts.apply_ep``). Each use dequantizes one matrix (a linear's weight, one
+  expert's ``[out, in]``) to bf16 and drops it: that is the working set (``memory._split``'s ``fp8_use``). Under
+  ``optimizer_offload`` the holders live in pinned host memory and each use copies its fp8 bytes and scales to the
+  device first (``genoctx.model.fp8.hold_on_host`` / ``fetch``): in forward, in the recompute and in backward,
+  never kept (``memory.fp8_fetches``); without it they are resident on the device. The fp8 tensors (``fp8``): every
+  ``nn.Linear`` weight of a decoder
   layer's mixer (``self_attn``, its indexer too) and feed-forward (``mlp``: dense MLP, shared experts), and the routed
   experts' ``gate_up_proj`` / ``down_proj``; the router, norms, mHC, convolutions, gates' vectors, the embedding
   and ``lm_head`` stay bf16 (2 bytes) when frozen.
@@ -150,7 +158,8 @@ def param_entries(cfg: ModelConfig, tr: Trainable) -> list[dict]:
     Returns:
         ``[{"name", "layer" (decoder layer index, None for the root), "shape" (``shard_numel``'s tuple),
         "train" (bool: fp32 master, gradient, AdamW state), "store" ([(shape tuple, bytes per element)]: the frozen
-        weight and, fp8, its scales; empty when trained), "fp8" (a frozen fp8 matmul weight: dequantized per layer),
+        weight and, fp8, its scales; empty when trained), "fp8" (a frozen fp8 matmul weight: an ``FP8Weight`` holder,
+        whole or EP-sliced, dequantized per use),
         "lora" (``"mixer"``, ``"mlp"``, ``"experts"`` for an adapter, else None), "in", "out" (an adapter's target
         widths; per expert for experts)}]``, in ``named_parameters`` order with each layer's adapters after its
         parameters.

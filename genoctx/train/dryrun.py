@@ -142,94 +142,66 @@ def _fsdp_groups(model) -> list[dict]:
     return groups
 
 
-def _fp8_weight(name: str, p: torch.Tensor, modules: dict) -> bool:
-    """Whether frozen parameter ``name`` is held as the published checkpoint's block-scaled fp8 under
-    ``train.frozen_dtype: fp8``: an ``nn.Linear`` weight of a decoder layer's ``self_attn`` or ``mlp`` (not the router
-    ``mlp.gate``) or a routed expert's ``gate_up_proj`` / ``down_proj`` (``genoctx.plan.trainable``'s ``fp8``)."""
-    from torch import nn
-
-    parts = name.split(".")
-    if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("self_attn", "mlp") or p.dim() < 2:
-        return False
-    mod, leaf = name.rsplit(".", 1)
-    if ".mlp.experts." in f".{name}":
-        return leaf in ("gate_up_proj", "down_proj")
-    return isinstance(modules.get(mod), nn.Linear) and leaf == "weight" and not mod.endswith("mlp.gate")
-
-
-def _shard(p: torch.Tensor, shape: tuple) -> tuple[int, int]:
-    """``(local, padded)`` elements of a tensor of global ``shape`` placed as parameter ``p`` is (its DTensor mesh and
-    placements: FSDP2's dim-0 shard, every rank's piece padded to the first ``torch.chunk`` piece; a plain tensor:
-    whole): how FSDP2 would shard a tensor held beside ``p`` (an adapter, an fp8 scale)."""
-    import math
-
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    n = math.prod(shape)
-    if not isinstance(p, DTensor):
-        return n, n
-    local = math.prod(compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)[0])
-    shards = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
-    return local, -(-shape[0] // shards) * (n // max(1, shape[0]))
-
-
-def _count_trainable(cfg: ModelConfig, model, dims, trainable: dict, moment_bytes: int) -> dict:
+def _count_trainable(cfg: ModelConfig, model, dims, trainable: dict) -> dict:
     """What ``train.trainable`` / ``train.lora_rank`` / ``train.frozen_dtype`` change on this rank (issue 44): every
     parameter of a group that does not train is frozen (``requires_grad_(False)``, so that the optimizer built next
-    holds none of it) and counted in the frozen dtype (fp8: 1 byte per element plus fp32 ``scale_inv`` blocks of 128 x
-    128, ``genoctx.model.fp8.scale_shape``, sharded as the weight); the LoRA adapters ``apply_lora`` makes (on a
-    one-device meta model: their names and shapes) are counted placed as their target weight is (``_shard``: experts'
-    ``[E, r, in]`` / ``[E, out, r]`` over EP and the expert shard on dim 0, dense ones FSDP-sharded on dim 0): fp32
-    master and gradient at the padded size, AdamW moments of the local piece.
+    holds none of it) and counted in bf16 at its FSDP2 shard; under fp8 the frozen matmul weights are no parameters
+    but the ``FP8Weight`` holders the build made (``build_model``'s ``frozen_fp8``, as training builds them: 1 byte
+    per element plus fp32 ``scale_inv`` blocks of 128 x 128), counted as this rank holds them (their buffers' local
+    bytes: FSDP2 leaves them whole, expert parallelism slices the routed experts' on dim 0). The LoRA adapters are the
+    build's own parameters (``build_model``'s ``lora``: placed by EP and FSDP2 as training places them) and train:
+    ``_count_rank`` counts their masters, gradients and moments with the other trainable parameters; here only their
+    padded local elements (``adapter_params_local``).
 
     Returns:
-        ``{"frozen", "frozen_params_local", "adapter_weights", "adapter_gradients", "adapter_optimizer_state",
-        "adapter_params_local"}`` (bytes, or elements for ``*_params_local``)."""
-    from ..model.fp8 import scale_shape
+        ``{"frozen", "frozen_params_local", "adapter_params_local"}`` (bytes, or elements for ``*_params_local``)."""
+    from ..model.fp8 import holders
     from ..model.groups import group_of, parse_trainable
-    from ..model.lora import apply_lora
-    from ..model.model import HybridLM
+    from ..model.lora import is_lora_name
     from ..parallel.state import local_targets
 
     groups = set(parse_trainable(trainable["trainable"]))
-    fp8 = trainable["frozen_dtype"] == "fp8"
-    modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     padded = _padded_numel(model) if dims.fsdp else {}
-    out = dict.fromkeys(("frozen", "frozen_params_local", "adapter_weights", "adapter_gradients",
-                         "adapter_optimizer_state", "adapter_params_local"), 0)  # fmt: skip
+    out = dict.fromkeys(("frozen", "frozen_params_local", "adapter_params_local"), 0)
     for name, (local, _, _) in local_targets(model, dims, buffers=False).items():
+        p = params[name]
+        held = padded.get(id(p), local.numel())
+        if is_lora_name(name):
+            out["adapter_params_local"] += held
+            continue
         if group_of(name, cfg.layer_types) in groups:
             continue
-        p = params[name]
         p.requires_grad_(False)
-        held = padded.get(id(p), local.numel())
         out["frozen_params_local"] += local.numel()
-        if fp8 and _fp8_weight(name, p, modules):
-            out["frozen"] += held + 4 * _shard(p, scale_shape(tuple(p.shape), (128, 128)))[1]
-        else:
-            out["frozen"] += 2 * held
-    if trainable["lora_rank"]:
-        with torch.device("meta"):
-            plain = HybridLM(cfg)
-        targets = trainable.get("lora_targets")
-        kw = {"targets": list(targets)} if targets else {}
-        apply_lora(plain, trainable["lora_rank"], 2.0 * trainable["lora_rank"], **kw)
-        for name, a in plain.named_parameters():
-            if not name.endswith(("lora_A", "lora_B")):
-                continue
-            base = name[: -len(".lora_A")]  # q_proj.lora_A (an nn.Linear's weight), experts' gate_up_proj_lora_A
-            target = params.get(base + ".weight", params.get(base))
-            shape = tuple(a.shape)
-            if a.dim() == 3:  # one adapter per expert: this rank's EP block of experts, as the target holds them
-                shape = (target.shape[0], *shape[1:])
-            n_local, n_padded = _shard(target, shape)
-            out["adapter_params_local"] += n_padded
-            out["adapter_weights"] += 4 * n_padded
-            out["adapter_gradients"] += 4 * n_padded
-            out["adapter_optimizer_state"] += 2 * moment_bytes * n_local
+        out["frozen"] += 2 * held
+    for h in holders(model).values():  # frozen fp8 (buffers, not FSDP's): what this rank holds of each
+        out["frozen_params_local"] += _local(h.weight).numel()
+        out["frozen"] += _nbytes(h.weight) + _nbytes(h.scale_inv)
     return out
+
+
+def _frozen_fp8(cfg: ModelConfig, trainable: dict | None):
+    """``build_model``'s ``frozen_fp8`` for ``train.frozen_dtype: fp8`` (``genoctx.train.frozen.frozen_matmuls``, 128 x
+    128 blocks: the published checkpoint's), or None (bf16, or nothing frozen to hold)."""
+    if trainable is None or trainable["frozen_dtype"] != "fp8":
+        return None
+    from ..parallel.build import FrozenFP8
+    from .frozen import DEFAULT_BLOCK, frozen_matmuls
+
+    names = frozen_matmuls(cfg, trainable["trainable"])
+    return FrozenFP8(names, tuple(DEFAULT_BLOCK)) if names else None
+
+
+def _lora(trainable: dict | None):
+    """``build_model``'s ``lora`` (``genoctx.model.lora.LoRASpec``; alpha ``2 r``, any: sizes do not depend on it), or
+    None without adapters."""
+    if trainable is None or not trainable["lora_rank"]:
+        return None
+    from ..model.lora import DEFAULT_TARGETS, LoRASpec
+
+    r = trainable["lora_rank"]
+    return LoRASpec(r, 2.0 * r, tuple(trainable.get("lora_targets") or ()) or DEFAULT_TARGETS)
 
 
 def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpointing: bool, dtype: str,
@@ -240,6 +212,7 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
     (everything trains)."""
     import torch.distributed as dist
 
+    from ..model.fp8 import SUFFIX
     from ..parallel.build import build_model
     from ..parallel.mesh import init_parallel
     from ..parallel.state import canonical_state, local_targets
@@ -254,9 +227,9 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
         assert dims.layout == layout, (dims.layout, layout)
         model = build_model(cfg, dims, activation_checkpointing=activation_checkpointing,
                             param_dtype=DTYPES[dtype], offload_optimizer=optimizer_offload,
-                            materialize=False)  # fmt: skip
-        split = _count_trainable(cfg, model, dims, trainable, 2 if optimizer_state_dtype == "bf16" else 4) \
-            if trainable is not None else None  # fmt: skip
+                            materialize=False, frozen_fp8=_frozen_fp8(cfg, trainable),
+                            lora=_lora(trainable))  # fmt: skip
+        split = _count_trainable(cfg, model, dims, trainable) if trainable is not None else None
         by_class = {c: dict.fromkeys(NAME_CLASSES, 0) for c in (*COMPONENTS, "params")}
         params = dict(model.named_parameters())
         padded = _padded_numel(model) if dims.fsdp else {}
@@ -273,9 +246,10 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
                 by_class["gradients"][cls] += held * _local(p.grad).element_size()
                 p.grad = None
         for name, b in model.named_buffers():
-            by_class["buffers"][name_class(name, cfg)] += _nbytes(b)
+            if SUFFIX + "." not in name:  # an fp8 holder's: frozen weights (_count_trainable)
+                by_class["buffers"][name_class(name, cfg)] += _nbytes(b)
         state: dict = {}
-        if any(p.requires_grad for p in params.values()):  # (LoRA alone: only adapters train, counted apart)
+        if any(p.requires_grad for p in params.values()):  # (the adapters too: build_model made them)
             optimizer, _ = build_optimizer(model, TrainConfig(optimizer_state_dtype=optimizer_state_dtype), 1)
             canonical_state(model, optimizer, dims)  # zero exp_avg / exp_avg_sq (zeros_like, on meta)
             state = optimizer.state
@@ -305,14 +279,13 @@ def _count_rank(cfg: ModelConfig, layout: Layout, rank: int, activation_checkpoi
             "fsdp_groups": len(groups),
             "by_class": {c: {k: v for k, v in d.items() if v} for c, d in by_class.items()},
         }
-        if split is not None:  # frozen weights in their dtype; the adapters' masters, gradients and moments
-            out["trainable_params_local"] = out["params_local"] + split["adapter_params_local"]
+        if split is not None:  # frozen weights in their dtype (the adapters train: counted above)
+            out["trainable_params_local"] = sum(padded.get(id(p), _local(p).numel()) for p in params.values()
+                                                if p.requires_grad)  # fmt: skip
             out["frozen"] = split["frozen"]
-            out["weights"] += split["frozen"] + split["adapter_weights"]
-            out["gradients"] += split["adapter_gradients"]
-            out["optimizer_state"] += split["adapter_optimizer_state"]
+            out["weights"] += split["frozen"]
             out["params_local"] += split["frozen_params_local"]
-            out["adapters"] = {k: split[k] for k in split if k.startswith("adapter_")}
+            out["adapters"] = {"adapter_params_local": split["adapter_params_local"]}
         out["total_persistent"] = out["weights"] + out["buffers"] + out["gradients"] + out["optimizer_state"]
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out

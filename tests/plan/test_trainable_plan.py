@@ -260,3 +260,99 @@ def test_a_plan_that_does_not_fit_says_what_it_is_short_of():
     )  # fmt: skip
     assert f"needs {host['host_gib']:.1f} GiB per GPU, 1e-09 GiB available" in short_of(host)
     assert f"({short_of(host)})" in format_table([host]) and "does not fit" not in format_table([ok])
+
+
+FP8_LAYOUTS = [Layout(dp_shard=4), Layout(dp_shard=2, cp=2), Layout(ep=2, dp_shard=2, cp=2, ep_folded=True)]
+
+
+@pytest.mark.parametrize("layout", FP8_LAYOUTS, ids=["fsdp4", "fsdp2-cp2", "fep2-cp2"])
+def test_fp8_frozen_held_whole_per_rank_and_never_gathered(layout):
+    """Frozen fp8 matmul weights are ``FP8Weight`` buffers (issue 44): with ``dp_shard``/``cp`` > 1 a dense one is held
+    whole on every rank and the routed experts' stack by EP alone (``E / ep``, not cut by the expert shard), and
+    FSDP2 all-gathers none of it: the layer's gathered block and comms' gather bytes lose exactly the bf16 bytes of
+    the matmul weights, the dequantized working set is one matrix (one expert's), and the frozen bf16 rest stays
+    FSDP-sharded. Counted here from the model's parameters, not from the planner's tables."""
+    from genoctx.plan.comms import fsdp_groups
+    from genoctx.plan.trainable import param_entries
+
+    ep = layout.ep
+    want_fp8 = want_bf16 = 0  # bytes per rank
+    gathered_mm = {}  # layer -> bf16 elements of its matmul weights once all-gathered (experts: E / ep)
+    largest = {}  # layer -> elements of the largest matrix one use dequantizes
+    for name, p in PARAMS.items():
+        if _matmul(name):
+            expert = p.dim() == 3
+            lead = p.shape[0] // ep if expert else 1
+            blocks = math.ceil(p.shape[-2] / 128) * math.ceil(p.shape[-1] / 128)
+            want_fp8 += lead * (p.shape[-2] * p.shape[-1] + 4 * blocks)
+            i = int(name.split(".")[1])
+            gathered_mm[i] = gathered_mm.get(i, 0) + p.numel() // (ep if expert else 1)
+            largest[i] = max(largest.get(i, 0), p.shape[-2] * p.shape[-1])
+        else:  # LoRA alone: every other tensor frozen in bf16, FSDP2's padded dim-0 shard
+            rows = p.shape[0] if p.dim() else 1
+            kind = "expert" if ".mlp.experts." in name else "dense"
+            want_bf16 += 2 * sum(shard_numel([(kind, rows, p.numel() // max(1, rows), 1)], layout).values())
+    held = _held("lora", 4, "fp8", layout)
+    assert held.fp8_held == want_fp8 and held.frozen == want_fp8 + want_bf16
+    whole_dense = sum(p.numel() for n, p in PARAMS.items() if _matmul(n) and p.dim() == 2)
+    assert want_fp8 > whole_dense  # a dense matrix is whole on this rank: not 1 / dp_shard of it
+    plan = plan_memory(TINY, L, layout, gpu_memory_gib=80, trainable="lora", lora_rank=4, frozen_dtype="fp8")
+    assert plan["persistent_gib"]["frozen"] == round((want_fp8 + want_bf16) / 2**30, 6)
+
+    st = memory._step(TINY, L, layout, True, False, 1, "bf16", "cuda", None)
+    lay = {}
+    for dtype in ("bf16", "fp8"):
+        tr = check_trainable("lora", 4, dtype)
+        entries = tuple(param_entries(TINY, tr))
+        lay[dtype] = memory._layers(memory.dataclasses.replace(st, tr=tr, entries=entries))
+        lay[dtype + "_groups"] = fsdp_groups(TINY, layout, "bf16", entries)
+    shards = {g["name"]: g["shards"] for g in lay["bf16_groups"]}
+    for i, (b, f) in enumerate(zip(lay["bf16"], lay["fp8"], strict=True)):
+        assert b["block_bytes"] - f["block_bytes"] == pytest.approx(2 * gathered_mm[i], rel=0.01)  # bf16 padding
+        assert f["dequant"] == 2 * largest[i] and b["dequant"] == 0  # one matrix (one expert's) in bf16
+        gb = sum(g["gather_bytes"] * g["shards"] for g in lay["bf16_groups"] if g["layer"] == i)
+        gf = sum(g["gather_bytes"] * shards[g["name"]] for g in lay["fp8_groups"] if g["layer"] == i)
+        assert gb - gf == pytest.approx(2 * gathered_mm[i], rel=0.01)  # the gathers carry no fp8 byte
+
+
+def test_fp8_offloaded_holders_pinned_on_host_and_fetched_per_use():
+    """``optimizer_offload`` with fp8 frozen weights (issue 44): the holders live in pinned host memory (each weight
+    and each scale one pinned block, rounded to a power of two as ``pinned_block_bytes`` does) instead of the GPU,
+    and every use copies them to the device: once in forward, once in the recompute, once in backward per model call
+    (chunked: each chunk's call, plus its forward without graph), the copies the time model exposes in full."""
+    from genoctx.plan.hardware import load_hardware
+    from genoctx.plan.time import host_seconds, plan_time
+
+    lay = Layout(dp_shard=2, cp=2)
+    kw = dict(gpu_memory_gib=80, trainable="lora", lora_rank=4, frozen_dtype="fp8")
+    on, off = plan_memory(TINY, L, lay, optimizer_offload=True, **kw), plan_memory(TINY, L, lay, **kw)
+    held = _held("lora", 4, "fp8", lay)
+    gpu = {"on": on["components_gib"]["weights"], "off": off["components_gib"]["weights"]}  # GPU, at the peak
+    assert gpu["off"] > held.fp8_held / 2**30 and gpu["on"] == 0.0  # resident on the GPU, or not at all
+    assert on["host_gib"] > off["host_gib"] == 0.0
+    pinned = 0.0
+    for name, p in PARAMS.items():
+        if _matmul(name):
+            lead = p.shape[:1] if p.dim() == 3 else ()
+            blocks = math.ceil(p.shape[-2] / 128) * math.ceil(p.shape[-1] / 128)
+            pinned += memory.pinned_block_bytes(math.prod(p.shape))  # whole: ep = 1
+            pinned += memory.pinned_block_bytes(4 * (lead[0] if lead else 1) * blocks)
+    st = memory.dataclasses.replace(memory._step(TINY, L, lay, True, True, 1, "bf16", "cuda", None),
+                                    tr=check_trainable("lora", 4, "fp8"))  # fmt: skip
+    st = memory.dataclasses.replace(st, entries=tuple(memory.param_entries(TINY, st.tr)))
+    fp8_pinned = memory._pinned_optimizer_offload(st) - memory._pinned_optimizer_offload(
+        memory.dataclasses.replace(st, entries=tuple(e for e in st.entries if not e["fp8"])))  # fmt: skip
+    assert fp8_pinned == pinned
+    moved = on["host_device_bytes"]
+    assert moved["frozen_fp8"] == 3 * held.fp8_held and off["host_device_bytes"]["frozen_fp8"] == 0.0
+    chunked = plan_memory(TINY, L, lay, optimizer_offload=True, seq_chunk_tokens=128, **kw)  # 512 / 128: 4 calls
+    assert chunked["host_device_bytes"]["frozen_fp8"] == 4 * 4 * held.fp8_held
+    norec = plan_memory(TINY, L, lay, optimizer_offload=True, recompute=False, **kw)
+    assert norec["host_device_bytes"]["frozen_fp8"] == 2 * held.fp8_held
+    hw = load_hardware("h100")
+    t = plan_time(TINY, L, lay, hw, recompute=True, trainable=check_trainable("lora", 4, "fp8"))
+    bw = hw.host_device_bytes_per_s * hw.efficiency["host_copy"]
+    without = {**on, "host_device_bytes": {**moved, "frozen_fp8": 0.0, "to_device": moved["to_device"]
+                                           - moved["frozen_fp8"]}}  # fmt: skip
+    extra = host_seconds(on, t, hw)["copies"] - host_seconds(without, t, hw)["copies"]
+    assert extra == pytest.approx(moved["frozen_fp8"] / bw, rel=1e-9)
