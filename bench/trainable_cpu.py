@@ -243,18 +243,19 @@ def bench(work: Path, base_steps: int, steps: int, quick: bool) -> dict:
             cmd += ["--checkpoint", str(out)]
         run(cmd, work / "eval.log", doc_path)
     doc = json.loads(doc_path.read_text())
-    by_path = {str(resolve_checkpoint(m["path"])): m for m in doc["models"] if m["kind"] == "checkpoint"}
+    scored = [m for m in doc["models"] if m["kind"] == "checkpoint"]  # in --checkpoint order: base first
+    assert [Path(m["path"]).parent.parent.name for m in scored] == list(runs), "eval.json is not of these runs"
     base_model, _, _ = load_model(work / "base")
     result = {"bench": "trainable_cpu", "quick": quick, "base_steps": base_steps, "steps": steps,
               "base_seq_len": seq // 4, "base_batch": 4, "seq_len": seq, "window": doc["window"],
               "eval_windows": doc["windows"], "edges": doc["edges"], "confidence": doc["confidence"],
               "base": None, "variants": {}}  # fmt: skip
-    for name, (out, summary, spec) in runs.items():
+    for (name, (out, summary, spec)), scored_model in zip(runs.items(), scored, strict=True):
         ckpt = resolve_checkpoint(out)
         r = {"trainable": spec, "trainable_parameters": optimizer_elements(ckpt), **train_metrics(out, summary)}
         if name != "base":
             r["changed_groups"], r["unchanged_groups"] = changed_groups(base_model, ckpt)
-        r["heldout"] = heldout(by_path[str(ckpt)])
+        r["heldout"] = heldout(scored_model)
         if name == "base":
             result["base"] = r
         else:
