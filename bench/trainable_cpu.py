@@ -26,8 +26,11 @@ set size (bytes, ``getrusage`` as ``genoctx train`` reports it) and CPU time (se
 average before and after is printed too: step times on a shared machine are not the code's. ``--plot`` draws
 held-out loss by position and the change vs the base (with intervals) beside the training curves.
 
-    .venv/bin/python bench/trainable_cpu.py                 # ~15 min on 2 idle cores; docs/img/trainable_cpu.png
-    .venv/bin/python bench/trainable_cpu.py --quick --plot /tmp/t.png   # a smoke run, about a minute
+    .venv/bin/python bench/trainable_cpu.py  # 19 min on 2 shared cores (OMP_NUM_THREADS=1); docs/img/trainable_cpu.png
+    .venv/bin/python bench/trainable_cpu.py --quick --plot /tmp/t.png   # a smoke run, 1-4 min
+
+On a machine shared with other jobs, ``OMP_NUM_THREADS=1`` keeps torch's threads from spinning against them (steps
+of 30-80 s instead of ~3.5 s were seen here without it).
 """
 
 from __future__ import annotations
