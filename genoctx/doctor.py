@@ -39,6 +39,7 @@ CHECKED_TARGETS = ("sm_90", "sm_100")  # the targets kernels.aot knows the limit
 KERNEL_TOKENS = 4096  # tokens of the meta tensors the kernels are compiled for (shapes only, no memory)
 COMPILE_TIMEOUT_S = 900  # seconds one target's compile may take (about 25 CPU-seconds; minutes on a loaded machine)
 NO_GPU = "no CUDA GPU"
+WORKER = [sys.executable, "-m", "genoctx.doctor"]  # + target: _compile_worker in a process of its own
 
 
 def _dist_version(name: str) -> str | None:
@@ -147,7 +148,7 @@ def compile_kernels(targets: list[str], timeout: float = COMPILE_TIMEOUT_S) -> d
             why = f"genoctx's kernels are checked for {' and '.join(CHECKED_TARGETS)} only (kernels/aot.py's limits)"
             out[t] = {"target": t, "checked": False, "why": why}
             continue
-        cmd = [sys.executable, "-m", "genoctx.doctor", t]
+        cmd = [*WORKER, t]
         procs[t] = (time.monotonic(), subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                       text=True))  # fmt: skip
     for t, (t0, p) in procs.items():
