@@ -147,3 +147,24 @@ def test_address_reports_the_clusters_resources(monkeypatch, gpus):
         assert res.exit_code == 0 and doc["ok"], res.output
     else:
         assert res.exit_code == 1 and doc["missing"][-1] == "the Ray cluster at auto has no GPU"
+
+
+def test_a_gpu_machine_as_torch_would_describe_it(monkeypatch):
+    """What the doctor reads from torch on an H100 machine (torch's answers stood in): GPUs, their target, NCCL's
+    version, and nothing missing."""
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85_045_100_544, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 7))
+    devices = doctor.gpus()
+    assert devices == [
+        {"index": i, "name": props.name, "memory_gib": 79.2, "capability": "9.0", "target": "sm_90"} for i in (0, 1)
+    ]
+    assert doctor._targets(None, devices) == ["sm_90"]
+    v = doctor.versions()
+    assert (v["cuda"], v["nccl"]) == ("13.0", "2.27.7")
+    ok = {"sm_90": {"checked": True, "ok": True, "failures": []}}
+    assert doctor._missing(v, devices, ok, None) == ([], [])
