@@ -396,6 +396,47 @@ def _reachable(address: str, timeout: float = 10.0) -> None:
         raise GenoctxError(f"--address {address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
+def _resource_view(resources: dict[str, float]) -> dict[str, float]:
+    """Ray's resources without its per-node markers (``node:IP``), memory in GiB (``memory_gib``,
+    ``object_store_memory_gib``), counts rounded to 0.1."""
+    out = {}
+    for key, value in sorted(resources.items()):
+        if key.startswith("node:"):
+            continue
+        if key in ("memory", "object_store_memory"):
+            key, value = f"{key}_gib", value / 2**30
+        out[key] = round(float(value), 1)
+    return out
+
+
+def cluster_resources(address: str) -> dict:
+    """Attach to the Ray cluster at ``address`` (``auto``, ``HOST:PORT`` or ``ray://HOST:PORT``), read what it has
+    and disconnect: ``{"address", "nodes" (live), "total", "free"}``, resources as in ``_resource_view`` (``GPU``,
+    ``CPU``, ``memory_gib``, accelerator types, ...). For ``genoctx doctor --address``; Ray's own lines go to stderr.
+
+    Raises:
+        GenoctxError: nothing answers at ``address``, or Ray cannot connect (one line naming --address).
+    """
+    import ray
+
+    _reachable(address)
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            ray.init(address=address, log_to_driver=False, logging_config=ray.LoggingConfig(log_level="ERROR"))
+        except Exception as e:  # as _connect: one line
+            why = "; ".join(str(x).strip().splitlines()[0] for x in (e, e.__cause__) if x and str(x).strip())
+            raise GenoctxError(f"--address {address}: cannot connect to Ray: {why or type(e).__name__}") from None
+        try:
+            return {
+                "address": address,
+                "nodes": sum(1 for n in ray.nodes() if n.get("Alive")),
+                "total": _resource_view(ray.cluster_resources()),
+                "free": _resource_view(ray.available_resources()),
+            }
+        finally:
+            ray.shutdown()
+
+
 def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_worker: float) -> str | None:
     """``ray.init``: attach to ``address``, or start a local Ray with the CPUs asked (at least) and the GPUs torch
     sees, after ``check_local``. Returns the local Ray's temporary directory (None when attached)."""
