@@ -37,7 +37,7 @@ KEYS = {
     "tokens_per_s",
     "peak_memory_bytes",
     "seq_chunks",
-}  # fmt: skip (as tests/train/test_loggers.py)
+}  # as tests/train/test_loggers.py
 BLOCK = 32768  # the log's block size; the file opens with a 7-byte header (":W&B", magic 0xBEE1, version 0)
 
 
