@@ -47,6 +47,7 @@ log = logging.getLogger("genoctx.train")
 MODULES = {"tensorboard": ("tensorboardX",), "mlflow": ("mlflow", "sqlalchemy", "alembic"), "wandb": ("wandb",)}
 EXTRA = "pip install 'genoctx[loggers]'"
 MLFLOW_EXPERIMENT = "genoctx"
+WANDB_PROJECT = "genoctx"  # unless $WANDB_PROJECT names one
 WANDB_OFFLINE = "or WANDB_MODE=offline to keep the run's W&B files under RUN/wandb (wandb sync later)"
 
 
@@ -79,7 +80,6 @@ def _check_wandb() -> None:
     """
     import wandb
 
-    way_out = WANDB_OFFLINE
     try:
         mode = wandb.setup(wandb.Settings(silent=True)).settings.mode
         if mode in ("offline", "dryrun", "disabled") or wandb.login(verify=False, prompt=False):
@@ -88,10 +88,10 @@ def _check_wandb() -> None:
         errors = e.errors() if callable(getattr(e, "errors", None)) else []
         msg = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors) or str(e).strip()
         raise GenoctxError(
-            f"--logger wandb (train.loggers): W&B's settings: {msg.splitlines()[0]}; {way_out}"
+            f"--logger wandb (train.loggers): W&B's settings: {msg.splitlines()[0]}; {WANDB_OFFLINE}"
         ) from None
     raise GenoctxError(f"--logger wandb (train.loggers): W&B is online and has no API key here: run wandb login or "
-                       f"set WANDB_API_KEY, {way_out}")  # fmt: skip
+                       f"set WANDB_API_KEY, {WANDB_OFFLINE}")  # fmt: skip
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -235,7 +235,7 @@ class _WandB:
         try:
             self.run = wandb.init(
                 dir=str(out.resolve()), id=self.id, resume="allow", name=out.name, job_type="train",
-                project=None if os.environ.get("WANDB_PROJECT") else MLFLOW_EXPERIMENT,
+                project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
                 config=_config(recipe), settings=wandb.Settings(console="off", silent=True),
             )  # fmt: skip
         except wandb.errors.Error as e:  # credentials refused, ... (check_loggers found none missing): W&B's line
