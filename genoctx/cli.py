@@ -617,8 +617,9 @@ def train(
         typer.Option(
             "--logger",
             metavar="NAME",
-            help="Also send metrics.jsonl's rows to tensorboard (RUN/tensorboard) or mlflow (RUN/mlruns/mlflow.db), "
-            "local files only; repeatable or a comma list; = train.loggers. Needs pip install 'genoctx[loggers]'.",
+            help="Also send metrics.jsonl's rows to tensorboard (RUN/tensorboard), mlflow (RUN/mlruns/mlflow.db) or "
+            "wandb (W&B; WANDB_MODE=offline keeps it to RUN/wandb); repeatable or a comma list; = train.loggers. "
+            "Needs pip install 'genoctx[loggers]'.",
         ),
     ] = None,
     no_verify: Annotated[

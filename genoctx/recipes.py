@@ -35,7 +35,7 @@ from .model.groups import parse_trainable
 from .model.lora import DEFAULT_TARGETS
 
 SECTIONS = ("model", "train", "data", "loss")
-LOGGERS = ("tensorboard", "mlflow")  # train.loggers: where metrics go besides RUN/metrics.jsonl
+LOGGERS = ("tensorboard", "mlflow", "wandb")  # train.loggers: where metrics go besides RUN/metrics.jsonl
 
 
 class RecipeValueError(GenoctxError):
@@ -120,7 +120,7 @@ class TrainConfig:
     # backward without atomics (dQ, then dKV by an inverse index), the MoE combine as a fixed-order sum over slots;
     # the same run then gives the same bits on a GPU (slower; off by default)
     deterministic: bool = False
-    # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns (genoctx.train.metrics)
+    # metrics.jsonl's rows also to these (LOGGERS; --logger): RUN/tensorboard, RUN/mlruns, W&B (genoctx.train.metrics)
     loggers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -131,7 +131,7 @@ class TrainConfig:
             setattr(self, f.name, _check_value(f"train.{f.name}", getattr(self, f.name), _HINTS[TrainConfig][f.name]))
         bad = [name for name in self.loggers if name not in LOGGERS]
         if bad:
-            _bad("train.loggers", f"must list {' and/or '.join(map(repr, LOGGERS))}", bad[0])
+            _bad("train.loggers", f"must list some of {', '.join(map(repr, LOGGERS))}", bad[0])
         self.loggers = list(dict.fromkeys(self.loggers))  # each once, in order
         choices = {"dtype": ("fp32", "bf16"), "cp_layout": ("contiguous", "zigzag"),
                    "optimizer_state_dtype": ("fp32", "bf16"), "frozen_dtype": ("bf16", "fp8")}  # fmt: skip

@@ -37,7 +37,7 @@ layer above it); the worker reaches Ray Train only through the session object th
   mesh coordinates, tokens, tokens/s, peak memory, MoE max/mean expert load, DSA indexer (query, pool) pairs scored
   (``dsa_keys_scored``) and, under EP, the (token, slot) rows its experts received (``ep_received_rows``,
   ``ep_max_round_rows``). The summary prints the busiest rank's load over the mean (``rank_imbalance``). Rank 0 also
-  sends each row's scalars to ``train.loggers`` (TensorBoard, MLflow: ``genoctx.train.metrics``).
+  sends each row's scalars to ``train.loggers`` (TensorBoard, MLflow, W&B: ``genoctx.train.metrics``).
 """
 
 from __future__ import annotations

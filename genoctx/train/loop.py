@@ -728,7 +728,7 @@ def train_unlocked(
     allow_batch_change: bool = False,
 ) -> dict:
     """Post-train ``recipe.model`` on the train split of ``data_dir``; write checkpoints and metrics to ``out``
-    (metrics.jsonl, and ``recipe.train.loggers``' TensorBoard/MLflow files: ``genoctx.train.metrics``). On a terminal
+    (metrics.jsonl, and ``recipe.train.loggers``' TensorBoard/MLflow/W&B: ``genoctx.train.metrics``). On a terminal
     (``genoctx.progress``) a bar shows the steps and tokens/s.
 
     ``recipe.train.steps == 0`` writes the untrained (initialised) model as checkpoint ``step_000000``.

@@ -1,7 +1,7 @@
-"""Where training's per-step metrics go: ``RUN/metrics.jsonl``, and the same rows to TensorBoard or MLflow.
+"""Where training's per-step metrics go: ``RUN/metrics.jsonl``, and the same rows to TensorBoard, MLflow or W&B.
 
-``train.loggers`` (``genoctx train --logger tensorboard|mlflow``, repeatable or a comma list; none by default) adds,
-next to metrics.jsonl and from the same rows, local files only (no server is contacted):
+``train.loggers`` (``genoctx train --logger tensorboard|mlflow|wandb``, repeatable or a comma list; none by default)
+adds, next to metrics.jsonl and from the same rows (TensorBoard and MLflow: local files only, no server is contacted):
 
 - ``tensorboard``: event files under ``RUN/tensorboard`` (tensorboardX's ``SummaryWriter``: ``tensorboard --logdir
   RUN/tensorboard``). A resumed attempt writes a purge marker at its first step, so TensorBoard drops the points an
@@ -12,11 +12,19 @@ next to metrics.jsonl and from the same rows, local files only (no server is con
   ``data`` keys and ``model.preset``/``model.init`` as parameters; a resumed attempt continues the same MLflow run,
   and steps it redoes are logged again (``attempt`` says which attempt computed a point). MLflow's telemetry is
   turned off (``MLFLOW_DISABLE_TELEMETRY``, unless set).
+- ``wandb``: one W&B run per run directory, its files under ``RUN/wandb``; online or offline as W&B's own settings
+  say (``WANDB_MODE=offline``: nothing is sent, ``wandb sync RUN/wandb/offline-run-*`` later; online needs ``wandb
+  login`` or ``WANDB_API_KEY``), project ``$WANDB_PROJECT`` or ``genoctx``, run name the run folder's, the recipe's
+  keys as config (as MLflow's parameters). The run id is kept in ``RUN/wandb/genoctx.json`` with the last step sent:
+  a resumed attempt continues the same W&B run (``resume="allow"``) and sends only the steps after it, because a
+  W&B run's steps only increase: a step that a resumed attempt redoes keeps the first attempt's point in W&B
+  (metrics.jsonl and TensorBoard hold the redone one, MLflow both). W&B's console capture is off and it prints
+  nothing (``silent``): stdout stays genoctx's JSON.
 
 Every numeric top-level field of a metrics row but ``step`` (loss, aux_loss, grad_norm, lr, tokens_per_s,
 peak_memory_bytes, ...) is one scalar at that step; lists (``layers``, ``ranks``) and null values are not logged.
-The packages are the ``genoctx[loggers]`` extra (tensorboardX; mlflow-skinny with SQLAlchemy and Alembic), imported
-only when asked for.
+The packages are the ``genoctx[loggers]`` extra (tensorboardX; mlflow-skinny with SQLAlchemy and Alembic; wandb),
+imported only when asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import logging
 import os
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -35,17 +44,20 @@ from ..recipes import LOGGERS
 log = logging.getLogger("genoctx.train")
 
 # logger (genoctx.recipes.LOGGERS) -> the modules it imports, each from the genoctx[loggers] extra
-MODULES = {"tensorboard": ("tensorboardX",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
+MODULES = {"tensorboard": ("tensorboardX",), "mlflow": ("mlflow", "sqlalchemy", "alembic"), "wandb": ("wandb",)}
 EXTRA = "pip install 'genoctx[loggers]'"
 MLFLOW_EXPERIMENT = "genoctx"
+WANDB_PROJECT = "genoctx"  # unless $WANDB_PROJECT names one
+WANDB_OFFLINE = "or WANDB_MODE=offline to keep the run's W&B files under RUN/wandb (wandb sync later)"
 
 
 def check_loggers(names: list[str]) -> None:
-    """Check that every logger in ``names`` is known and its packages are installed (no import, nothing written).
+    """Check that every logger in ``names`` is known and its packages are installed (no import, nothing written;
+    but ``wandb`` is imported to ask W&B's settings whether it runs online and, if so, has an API key: no network).
 
     Raises:
         GenoctxError: an unknown name, or a missing package (one line naming the logger, the package and the
-            ``genoctx[loggers]`` extra to install).
+            ``genoctx[loggers]`` extra to install), or W&B online without credentials or with bad settings.
     """
     for name in names:
         if name not in LOGGERS:
@@ -56,6 +68,30 @@ def check_loggers(names: list[str]) -> None:
                 f"--logger {name} (train.loggers) needs the {', '.join(missing)} package"
                 f"{'s' if len(missing) > 1 else ''}, not installed here: {EXTRA}"
             )
+        if name == "wandb":
+            _check_wandb()
+
+
+def _check_wandb() -> None:
+    """W&B's mode (``WANDB_MODE``, ``wandb offline``) and, online, its credentials, asked without network or prompt.
+
+    Raises:
+        GenoctxError: online with no API key (``wandb login``, ``WANDB_API_KEY``), or a bad W&B setting.
+    """
+    import wandb
+
+    try:
+        mode = wandb.setup(wandb.Settings(silent=True)).settings.mode
+        if mode in ("offline", "dryrun", "disabled") or wandb.login(verify=False, prompt=False):
+            return
+    except (wandb.errors.Error, ValueError) as e:  # ValueError: pydantic's, of a bad WANDB_* value
+        errors = e.errors() if callable(getattr(e, "errors", None)) else []
+        msg = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors) or str(e).strip()
+        raise GenoctxError(
+            f"--logger wandb (train.loggers): W&B's settings: {msg.splitlines()[0]}; {WANDB_OFFLINE}"
+        ) from None
+    raise GenoctxError(f"--logger wandb (train.loggers): W&B is online and has no API key here: run wandb login or "
+                       f"set WANDB_API_KEY, {WANDB_OFFLINE}")  # fmt: skip
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -68,13 +104,14 @@ class MetricsLog:
     has cut it back to ``start``) and the same row to each logger of ``loggers``.
 
     Use as a context manager (``with MetricsLog(out, ...) as metrics: metrics.write(row)``); the loggers are opened
-    on entry and closed on exit (an MLflow run is marked FINISHED, KILLED on Ctrl-C or FAILED).
+    on entry and closed on exit (an MLflow run is marked FINISHED, KILLED on Ctrl-C or FAILED; a W&B run finishes
+    with exit code 0, 130 or 1).
 
     Args:
         out: the run directory.
         loggers: names from ``genoctx.recipes.LOGGERS`` (``recipe.train.loggers``), checked by :func:`check_loggers`.
         start: the step this attempt starts from (the rows it writes are steps ``start + 1, ...``).
-        recipe: the run's ``genoctx.recipes.Recipe`` (MLflow's parameters), or None.
+        recipe: the run's ``genoctx.recipes.Recipe`` (MLflow's parameters, W&B's config), or None.
         attempt: the attempt's number (``genoctx.train.loop.begin_attempt``): TensorBoard's file name ends with it,
             so an attempt's file sorts after its predecessors' (TensorBoard reads them in name order).
     """
@@ -90,8 +127,12 @@ class MetricsLog:
         self._file = open(self.out / "metrics.jsonl", "a")  # noqa: SIM115 - closed in __exit__
         try:
             for name in self.names:
-                self._sinks.append(_TensorBoard(self.out, self.start, self.attempt) if name == "tensorboard" else
-                                   _MLflow(self.out, self.recipe))  # fmt: skip
+                if name == "tensorboard":
+                    self._sinks.append(_TensorBoard(self.out, self.start, self.attempt))
+                elif name == "mlflow":
+                    self._sinks.append(_MLflow(self.out, self.recipe))
+                else:
+                    self._sinks.append(_WandB(self.out, self.recipe))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -178,12 +219,57 @@ class _MLflow:
         self.client.set_terminated(self.run_id, status=status)
 
 
-def _params(recipe) -> dict[str, str]:
-    """The recipe's ``train``, ``loss`` and ``data`` keys and ``model.preset``/``model.init`` as MLflow parameters."""
+class _WandB:
+    """Metrics to one W&B run per run directory (files under ``RUN/wandb``; its id in ``RUN/wandb/genoctx.json``)."""
+
+    STATUS_EXIT = {"FINISHED": 0, "KILLED": 130, "FAILED": 1}  # MetricsLog's status -> the W&B run's exit code
+
+    def __init__(self, out: Path, recipe):
+        import wandb
+
+        root = out.resolve() / "wandb"
+        root.mkdir(parents=True, exist_ok=True)
+        self.state = root / "genoctx.json"
+        saved = json.loads(self.state.read_text()) if self.state.exists() else {}
+        self.id, self.step = saved.get("id") or uuid.uuid4().hex[:12], int(saved.get("step", 0))
+        try:
+            self.run = wandb.init(
+                dir=str(out.resolve()), id=self.id, resume="allow", name=out.name, job_type="train",
+                project=None if os.environ.get("WANDB_PROJECT") else WANDB_PROJECT,
+                config=_config(recipe), settings=wandb.Settings(console="off", silent=True),
+            )  # fmt: skip
+        except wandb.errors.Error as e:  # credentials refused, ... (check_loggers found none missing): W&B's line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise GenoctxError(f"--logger wandb (train.loggers): {msg}; {WANDB_OFFLINE}") from None
+        self._save()
+
+    def _save(self) -> None:
+        tmp = self.state.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"id": self.id, "step": self.step}) + "\n")
+        os.replace(tmp, self.state)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if step <= self.step:  # redone after a resume: W&B holds this step already (its steps only increase)
+            return
+        self.run.log(values, step=step)
+        self.step = step
+        self._save()
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=self.STATUS_EXIT[status])
+
+
+def _config(recipe) -> dict:
+    """The recipe's ``train``, ``loss`` and ``data`` keys and ``model.preset``/``model.init``, flat (``train.lr``)."""
     if recipe is None:
         return {}
     d = recipe.to_dict()
     flat = {f"model.{k}": d["model"].get(k) for k in ("preset", "init")}
     for section in ("train", "loss", "data"):
         flat.update({f"{section}.{k}": v for k, v in d[section].items()})
-    return {k: str(v)[:500] for k, v in flat.items()}
+    return flat
+
+
+def _params(recipe) -> dict[str, str]:
+    """:func:`_config` as MLflow parameters (strings of at most 500 characters)."""
+    return {k: str(v)[:500] for k, v in _config(recipe).items()}

@@ -106,14 +106,16 @@ def test_unknown_logger_and_missing_package_are_one_line_exit_2(prepared, tmp_pa
         assert len(lines) == 1 and lines[0].startswith("genoctx: error: "), res.stderr
         return lines[0]
 
-    assert "--logger 'wandb'" in error_line("--logger", "tensorboard,wandb")
-    assert "train.loggers must list 'tensorboard' and/or 'mlflow', got 'foo'" in error_line(
+    assert "--logger 'neptune'" in error_line("--logger", "tensorboard,neptune")
+    assert "train.loggers must list some of 'tensorboard', 'mlflow', 'wandb', got 'foo'" in error_line(
         "--set", "train.loggers=foo"
     )
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if mlflow-skinny were not installed
     line = error_line("--logger", "tensorboard", "--logger", "mlflow")
     assert "--logger mlflow (train.loggers) needs the mlflow package" in line
     assert line.endswith("not installed here: pip install 'genoctx[loggers]'"), line
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert "--logger wandb (train.loggers) needs the wandb package" in error_line("--logger", "wandb")
     assert not (tmp_path / "run").exists()  # refused before the run folder is touched
     with pytest.raises(GenoctxError, match=r"genoctx\[loggers\]"):
         train(prepared, load_recipe(TINY, ["train.loggers=[mlflow]"]), tmp_path / "lib")
