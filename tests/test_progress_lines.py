@@ -94,7 +94,10 @@ def test_bars_nest_and_rank_zero_speaks(clock, monkeypatch, caplog):
     lines = _lines(caplog)
     # each window's chunks: a line at 2 s and 4 s of its 4 s; the windows: at 4, 8, 12 s (at most one per 2 s each)
     chunk_lines = [ln for ln in lines if ln.startswith("window chunks")]
-    assert [ln.split(", ")[0] for ln in chunk_lines] == ["window chunks: 2/4 chunks (50%)", "window chunks: 4/4 chunks (100%)"] * 3
+    assert [ln.split(", ")[0] for ln in chunk_lines] == [
+        "window chunks: 2/4 chunks (50%)",
+        "window chunks: 4/4 chunks (100%)",
+    ] * 3
     assert [ln.split(", ")[0] for ln in lines if ln.startswith("eval")] == [
         "eval: 1/3 windows (33%)", "eval: 2/3 windows (67%)", "eval: 3/3 windows (100%)"]  # fmt: skip
     assert all(PLAIN.match(ln) for ln in lines), lines
@@ -161,7 +164,7 @@ def test_chunked_train_step_in_a_pipe(prepared, tmp_path):
     r = subprocess.run([sys.executable, "-m", "genoctx", "train", "--recipe", REPO / "recipes" / "tiny.yaml",
                         "--data", prepared, "--out", tmp_path / "run", "--steps", "1", "--seq-chunk", "128",
                         "--set", "train.seq_len=2048"],
-                       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)  # fmt: skip
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip # stderr: a pipe
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stderr.splitlines()
     assert lines and all(LOG_LINE.match(ln) for ln in lines) and "\x1b[" not in r.stderr, r.stderr
@@ -244,7 +247,10 @@ def test_compile_says_it_is_compiling(caplog):
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "genoctx.parallel"]
     assert [m.split(" (")[0] for _, m in said] == ["compiling decoder layer 0", "decoder layer 0",
         "compiling decoder layer 1", "decoder layer 1", "compiling decoder layer 2", "decoder layer 2"]  # fmt: skip
-    assert said[0] == (logging.INFO, "compiling decoder layer 0 (kda+mlp; torch.compile, inductor) at its first call ...")
+    assert said[0] == (
+        logging.INFO,
+        "compiling decoder layer 0 (kda+mlp; torch.compile, inductor) at its first call ...",
+    )
     assert re.fullmatch(r"decoder layer 1 \(dsa-full\+moe\) compiled and ran its first forward in [\d.]+ s", said[3][1])
     assert [level for level, _ in said] == [logging.INFO] * 4 + [logging.DEBUG] * 2  # layer 2: a kind seen before
     assert kinds == {"kda+mlp", "dsa-full+moe"}
