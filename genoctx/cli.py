@@ -219,6 +219,10 @@ def _setup_logging(verbose: bool) -> None:
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
         progress.use_console(None)
+    try:
+        progress.interval()  # a bad GENOCTX_PROGRESS_SECONDS: one line before any work
+    except ValueError as e:
+        raise GenoctxError(str(e)) from None
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", handlers=[handler], force=True)
 
 

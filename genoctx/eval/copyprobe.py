@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..progress import bar
 from .bootstrap import percentile_interval, resample_weights
 
 SEGMENT = 200  # bases copied
@@ -138,18 +139,20 @@ def probe_windows(
     n, k = len(windows), len(distances)
     out = {key: np.zeros((n, k)) for key in ("copied_sum", "in_place_sum")}
     out.update({key: np.zeros((n, k), dtype=np.int64) for key in ("copied_count", "in_place_count")})
-    for i, tokens in enumerate(windows):
-        tokens = np.asarray(tokens, dtype=np.int64)
-        scored = (tokens >= 0) & (tokens <= 3)
-        edits = [copied_window(tokens, d, segment) for d in distances]
-        dst = edits[0][2]
-        base, tail_losses = score_tails(tokens, dst, [edited[dst:] for edited, _, _ in edits])
-        for j, ((_, sources, _), losses) in enumerate(zip(edits, tail_losses, strict=True)):
-            ok = scored[sources]  # the copied bases that are scored (the same ones in both places)
-            out["copied_sum"][i, j] = np.asarray(losses)[ok].sum()
-            out["copied_count"][i, j] = int(ok.sum())
-            out["in_place_sum"][i, j] = base[sources][ok].sum()
-            out["in_place_count"][i, j] = int(ok.sum())
+    with bar("copy probe", n, "windows") as progress:  # genoctx.progress
+        for i, tokens in enumerate(windows):
+            tokens = np.asarray(tokens, dtype=np.int64)
+            scored = (tokens >= 0) & (tokens <= 3)
+            edits = [copied_window(tokens, d, segment) for d in distances]
+            dst = edits[0][2]
+            base, tail_losses = score_tails(tokens, dst, [edited[dst:] for edited, _, _ in edits])
+            for j, ((_, sources, _), losses) in enumerate(zip(edits, tail_losses, strict=True)):
+                ok = scored[sources]  # the copied bases that are scored (the same ones in both places)
+                out["copied_sum"][i, j] = np.asarray(losses)[ok].sum()
+                out["copied_count"][i, j] = int(ok.sum())
+                out["in_place_sum"][i, j] = base[sources][ok].sum()
+                out["in_place_count"][i, j] = int(ok.sum())
+            progress.advance()
     return out
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..data.dataset import WindowDataset
 from ..errors import GenoctxError
+from ..progress import bar
 
 MAX_ORDER = 16  # codes of K + 1 bases fit in int64 up to K = 30; 16 keeps the count tables reasonable
 FIT_BLOCK = 1 << 22  # bases counted at a time when fitting (memory: about 30 x 8 bytes x (K + 1) per base of a block)
@@ -98,22 +99,25 @@ class MarkovModel:
                  for k in range(order + 1)]  # fmt: skip
         parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(order + 1)]
         seen = 0
-        for seg in segments:
-            for b0 in range(0, len(seg), FIT_BLOCK):
-                lo = max(0, b0 - order)  # the block's first bases take their context from the bases before it
-                piece = np.asarray(seg[lo : b0 + FIT_BLOCK]).astype(np.int64)
-                own = np.arange(piece.shape[0]) >= b0 - lo
-                ok = (piece >= 0) & (piece <= 3) & own
-                seen += int(ok.sum())
-                run = clean_run(piece)
-                codes = context_codes(piece, order)
-                for k in range(order + 1):
-                    sel = ok & (run >= k)
-                    key = codes[k][sel] * 4 + piece[sel]
-                    if dense[k] is not None:
-                        dense[k] += np.bincount(key, minlength=dense[k].shape[0])
-                    else:
-                        parts[k].append(np.unique(key, return_counts=True))
+        # progress (genoctx.progress): bases counted; lines only when the fit takes longer than the interval
+        with bar(f"markov-{order} fit", total, "bases") as progress:
+            for seg in segments:
+                for b0 in range(0, len(seg), FIT_BLOCK):
+                    lo = max(0, b0 - order)  # the block's first bases take their context from the bases before it
+                    piece = np.asarray(seg[lo : b0 + FIT_BLOCK]).astype(np.int64)
+                    own = np.arange(piece.shape[0]) >= b0 - lo
+                    ok = (piece >= 0) & (piece <= 3) & own
+                    seen += int(ok.sum())
+                    run = clean_run(piece)
+                    codes = context_codes(piece, order)
+                    for k in range(order + 1):
+                        sel = ok & (run >= k)
+                        key = codes[k][sel] * 4 + piece[sel]
+                        if dense[k] is not None:
+                            dense[k] += np.bincount(key, minlength=dense[k].shape[0])
+                        else:
+                            parts[k].append(np.unique(key, return_counts=True))
+                    progress.advance(int(own.sum()))
         if seen == 0:
             raise GenoctxError("the training split has no A/C/G/T base to fit the Markov model on")
         model = cls(order=order, alpha=float(alpha), tokens_seen=seen)

@@ -34,6 +34,7 @@ log = logging.getLogger("genoctx.eval")
 STRANDS = ("forward", "reverse", "both")
 MASKS = ("all", "softmasked", "unmasked")
 MAIN_VIEW = "forward/all"
+CHUNK_PROGRESS_TOKENS = 65536  # a window (or tail) longer than this reports its chunks' progress (genoctx.progress)
 
 
 # The precision of evaluation on a device type: the autocast dtype of every forward (None: fp32, no autocast). On a
@@ -107,14 +108,19 @@ def _chunk_losses(forward, tokens: torch.Tensor, start: int, end: int, chunk_tok
     scored = scored_mask(tokens)
     step = chunk_tokens or (end - start)
     out = []
-    for s in range(start, end, step):
-        e = min(s + step, end)
-        logits, cache = forward(inputs[:, s:e], cache)
-        out.append(
-            token_losses(
-                logits.float() if logits.dtype == torch.float16 else logits, tokens[:, s:e], scored[:, s:e]
-            ).double()
-        )
+    # progress (genoctx.progress) of the chunks of a long window; lines only when it takes longer than the interval
+    label = f"window chunks ({end - start:,} tokens)"
+    with bar(label, -(-(end - start) // step), "chunks") if end - start > CHUNK_PROGRESS_TOKENS else nullcontext() as p:
+        for s in range(start, end, step):
+            e = min(s + step, end)
+            logits, cache = forward(inputs[:, s:e], cache)
+            out.append(
+                token_losses(
+                    logits.float() if logits.dtype == torch.float16 else logits, tokens[:, s:e], scored[:, s:e]
+                ).double()
+            )
+            if p is not None:
+                p.advance(tokens=(e - s) * tokens.shape[0])
     return torch.cat(out, dim=1), cache
 
 

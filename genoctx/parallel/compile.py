@@ -40,9 +40,12 @@ a compiled model's first forward; ``tests/parallel/test_compile.py`` holds them 
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..model.moe import MoE
@@ -50,6 +53,8 @@ from ..model.moe import MoE
 _MOE_EAGER = ("MoE: its checkpointed token chunks hold the expert dispatch, whose per-expert row counts are data "
               "(a host list for torch.split); a checkpoint in a compiled region cannot hold a graph break")  # fmt: skip
 _MOE_SITE = "model.py forward -> MoE.forward (compiler-disabled)"
+
+log = logging.getLogger("genoctx.parallel")
 
 # The graph breaks of one decoder layer compiled by ``apply_compile``, by ``layer_kind``: {site: why it stays}.
 # Measured on CPU, fp32, training forward (grad on), the PyTorch DSA path (``BreakLog``; the test holds them).
@@ -99,10 +104,38 @@ def apply_compile(model: nn.Module, backend="inductor") -> int:
     Returns:
         The number of layers compiled.
     """
-    for layer in model.layers:
+    kinds: set[str] = set()
+    for i, layer in enumerate(model.layers):
         prepare_layer(layer)
         layer.forward = torch.compile(layer.forward, backend=backend)
+        announce_first_call(layer, i, backend, kinds)
     return len(model.layers)
+
+
+def announce_first_call(layer: nn.Module, index: int, backend, kinds: set[str]) -> list:
+    """One-shot hooks on a compiled decoder layer that say when it compiles (compilation is lazy: at its first call):
+    a log line before its first forward and one with the seconds it took after, then the hooks remove themselves.
+    The first layer of each kind (``layer_kind``, recorded in ``kinds``) logs at INFO on rank 0 (the others reuse
+    its graphs, and other ranks compile the same); the rest at DEBUG. Its backward compiles in the first backward,
+    inside the first step's time. Returns the hook handles."""
+    kind, t0, level, handles = layer_kind(layer), [0.0], [logging.DEBUG], []
+    name = backend if isinstance(backend, str) else type(backend).__name__
+
+    def before(_m, _args):
+        rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        level[0] = logging.INFO if rank0 and kind not in kinds else logging.DEBUG
+        kinds.add(kind)
+        log.log(level[0], "compiling decoder layer %d (%s; torch.compile, %s) at its first call ...", index, kind, name)
+        t0[0] = time.perf_counter()
+
+    def after(_m, _args, _out):
+        log.log(level[0], "decoder layer %d (%s) compiled and ran its first forward in %.1f s", index, kind,
+                time.perf_counter() - t0[0])  # fmt: skip
+        for h in handles:
+            h.remove()
+
+    handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+    return handles
 
 
 def break_site(reason) -> str:

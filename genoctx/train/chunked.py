@@ -55,6 +55,7 @@ from ..model.dsa import DSACache
 from ..model.model import HybridLM, ModelCache
 from ..model.moe import MoE
 from ..model.precision import island
+from ..progress import bar
 
 
 def chunk_bounds(length: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -260,7 +261,8 @@ def chunked_forward_backward(
     boundaries = _Boundaries()
     selections: list[Tensor | None] = [None] * len(moes)
     cache = None
-    with torch.no_grad():
+    # progress (genoctx.progress): one task per sweep, its chunks; lines only in a sweep longer than the interval
+    with torch.no_grad(), bar("train step (forward sweep)", len(bounds), "chunks") as progress:
         for c in range(len(bounds)):
             boundaries.add(cache)
             _, cache = run(c, cache)
@@ -268,6 +270,7 @@ def chunked_forward_backward(
                 sel = m.last_selection
                 if sel is not None:
                     selections[i] = sel if selections[i] is None else selections[i] + sel
+            progress.advance(tokens=(bounds[c][1] - bounds[c][0]) * inputs.shape[0])
     boundaries.final = cache
     del cache
     for m, sel in zip(moes, selections, strict=True):
@@ -280,7 +283,9 @@ def chunked_forward_backward(
     grads_out: list[Tensor | None] | None = None
     stats: dict[str, list] = {}
     weights = [(e - s) / L for s, e in reversed(bounds)]
+    sweep = contextlib.ExitStack()
     try:
+        progress = sweep.enter_context(bar("train step (backward sweep)", len(bounds), "chunks"))
         for c in reversed(range(len(bounds))):
             s, e = bounds[c]
             cache_in, leaves = _leaves(boundaries.cache_in(c))
@@ -312,7 +317,9 @@ def chunked_forward_backward(
                 if isinstance(st, dict):
                     stats.setdefault(name, []).append(st)
             del cache_in, leaves, cache_out, outs, grads, losses, part, objective, aux
+            progress.advance(tokens=(e - s) * inputs.shape[0])
     finally:
+        sweep.close()
         for m, counts in zip(moes, saved_counts, strict=True):
             m.window_selection = None
             m.load_counts.copy_(counts)

@@ -87,7 +87,14 @@ def _rank_line(dims, ranks: list[dict]) -> str:
 
 
 def worker_logging() -> None:
-    """In a Ray worker: genoctx's progress lines (INFO, plain) on stderr, whatever level Ray's own logging is at."""
+    """In a Ray worker: genoctx's progress lines (INFO, plain) on stderr, whatever level Ray's own logging is at; Ray
+    forwards them to the driver's stderr. ``genoctx.progress``'s plain lines on rank 0 only (it speaks for the
+    group: its chunks, windows and compile lines); call after the process group exists (Ray Train's)."""
+    import torch.distributed as dist
+
+    from ..progress import plain_lines
+
+    plain_lines(not dist.is_initialized() or dist.get_rank() == 0)
     glog = logging.getLogger("genoctx")
     if not glog.handlers:
         handler = logging.StreamHandler()
