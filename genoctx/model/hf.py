@@ -186,16 +186,37 @@ def is_hf_dir(path: str | Path) -> bool:
     )
 
 
+class _DuplicateKey(ValueError):
+    """A key written twice in one JSON object (``_unique_keys``)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``' ``object_pairs_hook``: the object as a dict; raises ``_DuplicateKey(key)`` on a repeated key."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _index_map(p: Path) -> tuple[Path, dict[str, str]]:
     """``(index path, weight_map)`` of the ``model.safetensors.index.json`` of directory ``p``, checked to be a map of
     tensor names to file names.
 
+    A key written twice in one JSON object (``json`` would keep the last silently: two shards claiming one tensor)
+    is refused.
+
     Raises:
-        GenoctxError: an unreadable index, or a ``weight_map`` that is not ``{name: file name}`` (the index named).
+        GenoctxError: an unreadable index, a duplicate key (the index and the key named), or a ``weight_map`` that is
+            not ``{name: file name}`` (the index named).
     """
     index = p / "model.safetensors.index.json"
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(), object_pairs_hook=_unique_keys)["weight_map"]
+    except _DuplicateKey as e:
+        key = e.args[0]
+        raise GenoctxError(f"{index}: key {key!r} appears twice (which one holds the tensor?); keep one") from None
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise GenoctxError(f"{index}: not a safetensors index ({e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

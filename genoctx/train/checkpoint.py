@@ -418,9 +418,11 @@ def read_state(ckpt: Path) -> dict:
     """``ckpt/state.json`` as a dict with an integer ``step``.
 
     Raises:
-        GenoctxError: missing, not JSON, or without a whole ``step`` >= 0 (the file is named).
+        GenoctxError: missing (``no_state_line``), not JSON, or without a whole ``step`` >= 0 (the file is named).
     """
     path = Path(ckpt) / "state.json"
+    if Path(ckpt).is_dir() and not path.exists():
+        raise GenoctxError(no_state_line(Path(ckpt)))
     try:
         state = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -633,6 +635,21 @@ def incomplete_line(path: Path) -> str:
     return f"{path} is incomplete (no state.json, which a save writes last: an interrupted copy?)"
 
 
+def no_state_line(ckpt: Path) -> str:
+    """The one-line description of a checkpoint folder without state.json, as every reader names it."""
+    return f"{ckpt} has no state.json: not a genoctx checkpoint (an incomplete save?)"
+
+
+def looks_like_checkpoint(p: Path) -> bool:
+    """Whether directory ``p`` without a state.json is a checkpoint folder that lacks it: named ``step_N``, or holding
+    what a save writes (``model.safetensors``, ``optimizer.pt``, ``recipe.yaml``, ``dcp/``), and not a run (no
+    ``checkpoints/``) nor an HF model directory."""
+    if not p.is_dir() or (p / "state.json").is_file() or (p / CKPT_DIR).is_dir() or is_hf_dir(p):
+        return False
+    return step_of(p) is not None or any((p / n).exists() for n in ("model.safetensors", "optimizer.pt",
+                                                                    "recipe.yaml", "dcp"))  # fmt: skip
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The most recent complete checkpoint of a run, or None."""
     ckpts = list_checkpoints(run_dir)
@@ -649,14 +666,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     one that does not verify).
 
     Raises:
-        GenoctxError: the path is none of these, the run has no complete checkpoint, or a newer incomplete one (named
-            with the newest complete one, to pass explicitly).
+        GenoctxError: the path is none of these, a checkpoint folder without state.json or without weights (named as
+            such), the run has no complete checkpoint, or a newer incomplete one (named with the newest complete one,
+            to pass explicitly).
     """
     p = Path(path)
-    if (p / "state.json").is_file() and ((p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()):
+    weights = (p / "model.safetensors").is_file() or (p / "dcp" / ".metadata").is_file()
+    if (p / "state.json").is_file() and weights:
         return p
     if is_hf_dir(p):
         return p
+    if (p / "state.json").is_file():
+        raise GenoctxError(f"{p} has state.json but no model.safetensors or dcp/.metadata: an incomplete checkpoint")
+    if looks_like_checkpoint(p):
+        raise GenoctxError(no_state_line(p))
     if p.is_dir():
         latest = latest_checkpoint(p)
         newer = newer_incomplete(p, latest)
@@ -670,8 +693,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 log.warning("%s: reading %s; not read: %s", p, latest.name, "; ".join(map(incomplete_line, older)))
             return latest
         raise GenoctxError(
-            f"no checkpoint in {p} (expected {p}/{CKPT_DIR}/step_*/, a checkpoint directory or an HF model "
-            "directory with config.json and model.safetensors)"
+            f"no checkpoint in {p} (expected {p}/{CKPT_DIR}/step_*/, a checkpoint directory with state.json or an HF "
+            "model directory with config.json and model.safetensors)"
         )
     raise GenoctxError(f"checkpoint not found: {p}")
 

@@ -60,6 +60,10 @@ def resolve_base(src: str) -> tuple[Path, dict]:
                 "hf_base": parent.get("hf_base") or parent.get("path")}  # fmt: skip
         return ck, info
     if p.exists():
+        from .checkpoint import looks_like_checkpoint, no_state_line
+
+        if looks_like_checkpoint(p):
+            raise GenoctxError(f"--init {src}: {no_state_line(p)}")
         if not is_hf_dir(p):
             raise GenoctxError(f"--init {src}: not an HF model directory (config.json and safetensors weights)")
         return p.resolve(), {"source": src, "path": str(p.resolve()), "revision": None, "kind": "hf",

@@ -149,11 +149,12 @@ def test_the_index_says_where_each_tensor_is_read_from(base, tmp_path):
     assert [r for r in records if r.levelname == "WARNING"] == []
 
 
-@pytest.mark.parametrize("case", ["wrong shard", "in two shards"])
+@pytest.mark.parametrize("case", ["wrong shard", "in two shards", "key twice"])
 def test_an_index_that_misplaces_a_tensor_is_one_line(base, tmp_path, case):
-    """The index names a shard that lacks the tensor (it is in the other one), or two listed shards both hold it:
-    one line naming the tensor and the files, from ``load_hf`` and from ``genoctx export`` (exit 2), before any
-    tensor data is read (``check_hf``, what the driver runs before workers start)."""
+    """The index names a shard that lacks the tensor (it is in the other one), two listed shards both hold it, or its
+    weight_map names the tensor twice (``json`` alone keeps the last, here the right shard, silently): one line naming
+    the tensor and the files, from ``load_hf`` and from ``genoctx export`` (exit 2), before any tensor data is read
+    (``check_hf``, what the driver runs before workers start)."""
     from typer.testing import CliRunner
 
     from genoctx.cli import app
@@ -165,6 +166,13 @@ def test_an_index_that_misplaces_a_tensor_is_one_line(base, tmp_path, case):
         index["weight_map"][WK] = SHARDS[0]
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
         want = f"tensor {WK} is not in {SHARDS[0]}, the shard the index names for it (it is in {SHARDS[1]})"
+    elif case == "key twice":
+        text = json.dumps(index)
+        assert text.count('"weight_map": {') == 1 and index["weight_map"][WK] == SHARDS[1]
+        text = text.replace('"weight_map": {', f'"weight_map": {{"{WK}": "{SHARDS[0]}", ')
+        (path / "model.safetensors.index.json").write_text(text)
+        want = (f"{path / 'model.safetensors.index.json'}: key '{WK}' appears twice (which one holds the tensor?); "
+                "keep one")  # fmt: skip
     else:
         save_file({**load_file(path / SHARDS[0]), WK: torch.zeros_like(base.tensors[WK])}, str(path / SHARDS[0]))
         want = f"tensor {WK} is in two shards, {SHARDS[0]} and {SHARDS[1]} (the index names {SHARDS[1]})"

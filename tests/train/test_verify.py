@@ -243,6 +243,30 @@ def test_a_checkpoint_folder_without_state_json_is_named(prepared, run4, tmp_pat
                                                        "interrupted copy?)"), warned  # fmt: skip
 
 
+def test_a_checkpoint_folder_passed_without_its_state_json_is_named_by_every_reader(prepared, run4, tmp_path):
+    """A checkpoint folder given directly whose state.json is gone (an incomplete save): eval, export and ``--init``
+    each say so in one line naming the folder and state.json (not "no checkpoint"), exit 2, nothing written; a folder
+    with state.json but no weights is named as such."""
+    run = _copy(run4, tmp_path)
+    ck = run / "checkpoints" / "step_000004"
+    (ck / "state.json").unlink()
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml"
+    init = ("train", "--data", prepared, "--recipe", tiny, "--set", "model.preset=null", "--out", tmp_path / "init",
+            "--steps", 0, "--init")  # fmt: skip
+    want = f"{ck} has no state.json: not a genoctx checkpoint (an incomplete save?)"
+    for res, head in ((_eval(prepared, ck), ""), (_cli("export", ck, "--out", tmp_path / "hf"), ""),
+                      (_cli(*init, ck), f"--init {ck}: ")):  # fmt: skip
+        assert res.exit_code == 2 and res.stdout == ""
+        assert _error_line(res) == f"genoctx: error: {head}{want}"
+    shutil.copy(run4 / "checkpoints" / "step_000004" / "state.json", ck / "state.json")
+    (ck / "model.safetensors").unlink()
+    for res in (_eval(prepared, ck), _cli("export", ck, "--out", tmp_path / "hf")):
+        assert res.exit_code == 2 and res.stdout == ""
+        assert _error_line(res) == (f"genoctx: error: {ck} has state.json but no model.safetensors or dcp/.metadata: "
+                                    "an incomplete checkpoint")  # fmt: skip
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "init").exists()
+
+
 def test_pruning_counts_only_the_checkpoints_up_to_the_one_written(tmp_path):
     """A newer checkpoint left by an earlier attempt (a resume fell back past it) is never one of the kept N, and
     a checkpoint set aside as broken is no checkpoint at all."""
