@@ -499,7 +499,8 @@ _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
     """Refuse a ``--resume`` whose recipe changes what the run is: the model architecture (any ``ModelConfig`` field
     but the compute knobs), the seed, batch, crop length, loss vocabulary or window-start token. A changed step
-    budget or learning rate is allowed and logged (the schedule then differs from an uninterrupted run's).
+    budget or schedule key (``train.steps``, ``lr``, ``warmup_steps``, ``min_lr_ratio``) is allowed: the resumed
+    steps follow the new recipe's schedule (``restore_schedule``), stated in one warning (``describe_resumed_schedule``).
 
     Raises:
         GenoctxError: one line naming the key, both values, the run's recipe.yaml and, for a run that started from
@@ -530,11 +531,30 @@ def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = No
     if recipe.train.optimizer_state_dtype != saved.train.optimizer_state_dtype:
         log.warning("--resume: train.optimizer_state_dtype changed from %s to %s: the AdamW moments are cast",
                     saved.train.optimizer_state_dtype, recipe.train.optimizer_state_dtype)  # fmt: skip
-    for key in ("steps", "lr", "min_lr_ratio", "warmup_steps"):
-        new, old = getattr(recipe.train, key), getattr(saved.train, key)
-        if new != old:
-            log.warning("--resume: train.%s changed from %s to %s: the schedule differs from an uninterrupted run",
-                        key, old, new)  # fmt: skip
+    changed = [f"train.{k} {getattr(saved.train, k)} -> {getattr(recipe.train, k)}" for k in _SCHEDULE_KEYS
+               if getattr(recipe.train, k) != getattr(saved.train, k)]  # fmt: skip
+    if changed:
+        log.warning(describe_resumed_schedule(recipe.train, int(state.get("step", 0)), changed))
+
+
+_SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+
+
+def describe_resumed_schedule(cfg: TrainConfig, step: int, changed: list[str]) -> str:
+    """The one line a ``--resume`` with other schedule keys logs: the rule (the resumed run follows the schedule of
+    an uninterrupted run of the new recipe, ``lr_lambda(cfg, cfg.steps)``: the lr is a function of the step and the
+    new keys, ``genoctx.train.checkpoint.restore_schedule``) and the rate of the first resumed step ``step + 1``.
+
+    Args:
+        cfg: the resumed recipe's train section; step: the checkpoint's step; changed: ``"train.steps 4 -> 6"`` items.
+    """
+    first = step + 1
+    if first > cfg.steps:
+        return (f"--resume: {', '.join(changed)}: the run already has {step} steps; nothing is trained")
+    lr = cfg.lr * lr_lambda(cfg, cfg.steps)(step)
+    return (f"--resume: {', '.join(changed)}: steps {first}..{cfg.steps} follow the schedule of an uninterrupted "
+            f"{cfg.steps}-step run (warm-up {cfg.warmup_steps}, cosine from lr {cfg.lr:.3g} to "
+            f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.steps}); step {first} trains at lr {lr:.3e}")
 
 
 def check_run_to_resume(out: Path) -> None:
