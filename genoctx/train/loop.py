@@ -500,7 +500,8 @@ def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = No
     """Refuse a ``--resume`` whose recipe changes what the run is: the model architecture (any ``ModelConfig`` field
     but the compute knobs), the seed, batch, crop length, loss vocabulary or window-start token. A changed step
     budget or schedule key (``train.steps``, ``lr``, ``warmup_steps``, ``min_lr_ratio``) is allowed: the resumed
-    steps follow the new recipe's schedule (``restore_schedule``), stated in one warning (``describe_resumed_schedule``).
+    steps follow the new recipe's schedule (``restore_schedule``), stated in one warning
+    (``describe_resumed_schedule``).
 
     Raises:
         GenoctxError: one line naming the key, both values, the run's recipe.yaml and, for a run that started from
