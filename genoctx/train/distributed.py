@@ -485,7 +485,7 @@ def train_distributed(
     from ..lock import output_lock
     from ..parallel.layout import Layout, cp_pieces, uneven_seq_chunk_round
     from .init import resolve_init, vocab_head
-    from .loop import _check_manifest, check_run_to_resume, check_seq_len
+    from .loop import _check_manifest, check_run_to_resume, check_seq_len, describe_window, unused_seq_chunk
     from .metrics import check_loggers
 
     check_loggers(recipe.train.loggers)  # a logger's missing package: before Ray starts (rank 0 imports it)
@@ -508,6 +508,9 @@ def train_distributed(
         )
     window = WindowDataset(data_dir, "train").window
     check_seq_len(recipe.train, window, data_dir)
+    if (unused := unused_seq_chunk(recipe.train, window, cp)) is not None:
+        log.warning(unused[0])
+    log.info("train %s", describe_window(recipe.train, window, cp))
     L = recipe.train.seq_len or window
     layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
     pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.linear_conv_kernel_dim - 1

@@ -634,6 +634,46 @@ def check_seq_len(cfg: TrainConfig, window: int, data_dir: Path) -> None:
         )
 
 
+def unused_seq_chunk(cfg: TrainConfig, window: int, cp: int | None = None) -> tuple[str, bool] | None:
+    """Whether ``train.seq_chunk_tokens`` has no effect: each window (the crop ``train.seq_len`` when set; under
+    ``train.cp`` C, each worker's 1/C of it) is at or below the chunk, so the step runs in one pass
+    (``_forward_backward`` chunks only when ``chunk x cp < tokens``).
+
+    Args:
+        cfg: the train section; window: the data's window in tokens; cp: the context-parallel size (default
+            ``cfg.cp``).
+
+    Returns:
+        None when the chunk is unset or chunks the step; else ``(line, by_crop)``: one line saying why, and whether
+        it is the crop that stops it (the whole windows would be chunked: ``--set train.seq_len=null`` does that).
+    """
+    chunk, cp = cfg.seq_chunk_tokens, cp or cfg.cp
+    length = cfg.seq_len or window
+    if chunk is None or chunk * cp < length:
+        return None
+    cropped = cfg.seq_len is not None and cfg.seq_len < window
+    what = f"the {length}-token crops (train.seq_len) of the {window}-token windows" if cropped else \
+        f"the {window}-token windows"  # fmt: skip
+    per = f", {length // cp} tokens per worker under --cp {cp}," if cp > 1 else ""
+    line = f"train.seq_chunk_tokens {chunk} has no effect: {what}{per} are at or below it and train in one pass"
+    by_crop = cropped and chunk * cp < window
+    if by_crop:
+        line += f"; --set train.seq_len=null trains the whole windows in chunks of {chunk}"
+    return line, by_crop
+
+
+def describe_window(cfg: TrainConfig, window: int, cp: int | None = None) -> str:
+    """What one window of a step is, for the run's log: ``"windows of 1048576 tokens, random 256-token crops
+    (train.seq_len), one pass"`` or ``"... in chunks of 65536 tokens (train.seq_chunk_tokens)"``."""
+    length = cfg.seq_len or window
+    text = f"windows of {window} tokens"
+    if length < window:
+        text += f", random {length}-token crops (train.seq_len)"
+    if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens * (cp or cfg.cp) < length:
+        return text + f", in chunks of {cfg.seq_chunk_tokens} tokens (train.seq_chunk_tokens)"
+    return text + ", one pass"
+
+
 def _short(v) -> str:
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
@@ -726,6 +766,8 @@ def train(
 
     manifest = _check_manifest(Path(data_dir))
     check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
+    if (unused := unused_seq_chunk(recipe.train, int(manifest["window"]))) is not None:
+        log.warning(unused[0])
     if resume:
         check_run_to_resume(Path(out))
     check_loggers(recipe.train.loggers)  # a logger's missing package: an error before --out is touched
@@ -854,11 +896,11 @@ def train_unlocked(
     autocast = train_autocast(cfg.dtype, dev)
     params = model.num_parameters()
     log.info(
-        "model: %d parameters (%d active per token); %d train windows of %d tokens; steps %d..%d",
+        "model: %d parameters (%d active per token); %d train %s; steps %d..%d",
         params["total"],
         params["active"],
         len(ds),
-        ds.window,
+        describe_window(cfg, ds.window),
         start,
         cfg.steps,
     )
