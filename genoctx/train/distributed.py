@@ -508,9 +508,6 @@ def train_distributed(
         )
     window = WindowDataset(data_dir, "train").window
     check_seq_len(recipe.train, window, data_dir)
-    if (unused := unused_seq_chunk(recipe.train, window, cp)) is not None:
-        log.warning(unused[0])
-    log.info("train %s", describe_window(recipe.train, window, cp))
     L = recipe.train.seq_len or window
     layout = recipe.train.cp_layout if cp > 1 else "contiguous"  # one process never cuts the window
     pieces, tail = sum(len(p) for p in cp_pieces(cp, layout)), recipe.model.linear_conv_kernel_dim - 1
@@ -529,6 +526,9 @@ def train_distributed(
                 f"{L}-token window do not split into {pieces} equal pieces of at least {max(tail, 1)} tokens "
                 f"({layout} layout)"
             )
+    if (unused := unused_seq_chunk(recipe.train, window, cp)) is not None:
+        log.warning(unused[0])
+    log.info("train %s", describe_window(recipe.train, window, cp))
     planned = _check_memory(recipe, L, mesh_layout, gpus_per_worker, force, gpu_memory_gib)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,

@@ -766,8 +766,6 @@ def train(
 
     manifest = _check_manifest(Path(data_dir))
     check_seq_len(recipe.train, int(manifest["window"]), Path(data_dir))
-    if (unused := unused_seq_chunk(recipe.train, int(manifest["window"]))) is not None:
-        log.warning(unused[0])
     if resume:
         check_run_to_resume(Path(out))
     check_loggers(recipe.train.loggers)  # a logger's missing package: an error before --out is touched
@@ -895,6 +893,8 @@ def train_unlocked(
 
     autocast = train_autocast(cfg.dtype, dev)
     params = model.num_parameters()
+    if (unused := unused_seq_chunk(cfg, ds.window)) is not None:
+        log.warning(unused[0])
     log.info(
         "model: %d parameters (%d active per token); %d train %s; steps %d..%d",
         params["total"],
