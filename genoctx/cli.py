@@ -609,13 +609,14 @@ def train(
         ),
     ] = False,
     hardware: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--hardware",
             metavar="NAME|FILE",
-            help="With --dry-run: the GPU profile of the predicted step time (h100, h200, b200 or a YAML file).",
+            help="With --dry-run: the GPU profile of the predicted step time (h100, h200, b200 or a YAML file; "
+            "default b200).",
         ),
-    ] = "b200",
+    ] = None,
     logger: Annotated[
         list[str] | None,
         typer.Option(
@@ -693,10 +694,15 @@ def train(
     # lora: one line before anything is built (not compiled yet; every mesh layout runs it)
     check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
     check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: not with compile
+    _train_flags_without_effect(data, rec, seq_chunk=seq_chunk is not None, hardware=hardware, dry_run=dry_run,
+                                num_workers=num_workers, gpus_per_worker=gpus_per_worker, device=device,
+                                gpu_memory_gib=gpu_memory_gib, force=force, cp_layout=cp_layout,
+                                allow_batch_change=allow_batch_change, resume=resume,
+                                stop_after=stop_after)  # fmt: skip
     if dry_run:
         if resume or stop_after is not None or address is not None:
             raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
-        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers, hardware)})
+        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers, hardware or "b200")})
         return
     dev = _device(device)
     if num_workers is None:
@@ -736,6 +742,52 @@ def train(
             gpu_memory_gib=gpu_memory_gib,
         )
     )
+
+
+def _train_flags_without_effect(data: Path, rec, *, seq_chunk: bool, hardware: str | None, dry_run: bool,
+                                num_workers: int | None, gpus_per_worker: float, device: str,
+                                gpu_memory_gib: float | None, force: bool, cp_layout: str | None,
+                                allow_batch_change: bool, resume: bool, stop_after: int | None) -> None:  # fmt: skip
+    """``genoctx train``'s flags that another setting makes inert: one warning line each on stderr, or a
+    ``GenoctxError`` (exit 2) where the run would not be what was asked:
+
+    - ``--seq-chunk`` with a crop (``train.seq_len``, e.g. a recipe's) at or below the chunk while the whole windows
+      are longer: the step would train one short crop in one pass, not the windows in chunks (refused; naming
+      ``--set train.seq_len=null``). A chunk at or above the whole window (a one-pass run) warns, in the loop.
+    - ``--device cuda`` with ``--num-workers`` and ``--gpus-per-worker 0``: the workers would train on CPUs
+      (refused).
+    - warnings: ``--hardware`` without ``--dry-run``; ``--gpu-memory-gib`` / ``--force`` where nothing is planned
+      (one process, CPU workers); ``--cp-layout`` with ``--cp 1``; ``--allow-batch-change`` without ``--resume``;
+      ``--stop-after`` at or past ``train.steps``.
+
+    Raises:
+        GenoctxError: the two refusals above, one line naming the flags and what to pass.
+    """
+    from .data.dataset import WindowDataset
+    from .train.loop import unused_seq_chunk
+
+    warn = logging.getLogger("genoctx.train").warning
+    if seq_chunk:
+        unused = unused_seq_chunk(rec.train, WindowDataset(data, "train").window)
+        if unused is not None and unused[1]:
+            raise GenoctxError(f"--seq-chunk: {unused[0]}; or drop --seq-chunk")
+    if num_workers is not None and not gpus_per_worker and device not in ("cpu", "auto") and not dry_run:
+        raise GenoctxError(f"--device {device} with --num-workers: the Ray workers' device is set by "
+                           "--gpus-per-worker (0: CPUs); pass --gpus-per-worker 1 to train on GPUs")  # fmt: skip
+    if hardware is not None and not dry_run:
+        warn("--hardware %s has no effect without --dry-run (the predicted step time)", hardware)
+    planned = num_workers is not None and gpus_per_worker > 0 and not dry_run  # genoctx.train.distributed
+    if not planned and (force or (gpu_memory_gib is not None and num_workers is not None)):
+        flags = " and ".join(f for f, on in (("--force", force), ("--gpu-memory-gib", gpu_memory_gib is not None))
+                             if on)  # fmt: skip
+        warn("%s: no effect: the memory plan before launch runs for GPU workers only (--num-workers with "
+             "--gpus-per-worker 1)", flags)  # fmt: skip
+    if cp_layout is not None and rec.train.cp == 1:
+        warn("--cp-layout %s has no effect with --cp 1 (one worker per window: nothing is cut)", cp_layout)
+    if allow_batch_change and not resume:
+        warn("--allow-batch-change has no effect without --resume")
+    if stop_after is not None and stop_after >= rec.train.steps and not dry_run:
+        warn("--stop-after %d has no effect: the run ends at train.steps %d", stop_after, rec.train.steps)
 
 
 def _loggers(values: list[str]) -> list[str]:

@@ -11,6 +11,10 @@ A recipe has two sections::
 The resolved recipe (preset expanded, overrides applied) is saved beside every checkpoint, so a checkpoint
 alone says what produced it.
 
+``model.init`` (a pretrained base) given on the command line (``--init``, ``--set model.init``) over a recipe file that
+names a preset: the base's config.json fixes the architecture, so the file's preset and architecture keys are ignored
+(one log line) and its compute knobs kept; a preset or architecture key given with ``--set`` besides is refused.
+
 Every error names where the bad key or value came from: the recipe file, or the ``--set key=value`` that gave it
 (with the closest real key when a key is unknown), and the offending value.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import types
@@ -33,6 +38,8 @@ from .errors import GenoctxError
 from .model.config import PRESETS, ModelConfig, preset
 from .model.groups import parse_trainable
 from .model.lora import DEFAULT_TARGETS
+
+log = logging.getLogger("genoctx.recipes")
 
 SECTIONS = ("model", "train", "data", "loss")
 LOGGERS = ("tensorboard", "mlflow", "wandb")  # train.loggers: where metrics go besides RUN/metrics.jsonl
@@ -427,6 +434,9 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
                            f"{_short(init)}")  # fmt: skip
     knobs: dict = {}
     if init is not None:
+        ignored = None
+        if "model.init" in origins:  # --init (or --set model.init) over a file's architecture: the base's wins
+            preset_name, ignored = _ignore_file_architecture(preset_name, model_raw, origins)
         if preset_name is not None:
             raise GenoctxError(
                 f"{where('model.preset')}: model.preset {preset_name!r} with model.init {init!r}: the base's "
@@ -439,6 +449,8 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
                 f"{where(key)}: {key} cannot change the architecture of the initialised model (model.init {init!r});"
                 f" only compute knobs may be set: {', '.join(ModelConfig._runtime)}"
             )
+        if ignored:
+            log.info("model.init %s: its config.json fixes the architecture; %s's %s ignored", init, source, ignored)
     try:
         _check_model_values(model_raw)
     except RecipeValueError as e:
@@ -458,6 +470,30 @@ def _build(raw: dict, source: str, origins: dict[str, str], file_raw: dict | Non
         except RecipeValueError as e:
             raise GenoctxError(f"{where(e.key)}: {e}") from None
     return Recipe(model=model, preset=preset_name, init=init, model_knobs=knobs, **built)
+
+
+def _ignore_file_architecture(preset_name: str | None, model_raw: dict,
+                              origins: dict[str, str]) -> tuple[str | None, str | None]:  # fmt: skip
+    """``--init`` given on the command line over a recipe file that names a preset (and perhaps architecture keys):
+    the user means the base (its config.json fixes the architecture), so the file's ``model.preset`` and its
+    architecture keys are dropped from ``model_raw`` (in place); its compute knobs stay. A preset or an architecture
+    key given by ``--set`` is the user's own clash and is left for the caller to refuse.
+
+    Returns:
+        the preset still to check (None, or the one a ``--set model.preset`` gave) and what was dropped, for the
+        caller's one log line (``"model.preset tiny"``, ``"model.preset X and 13 architecture keys (a, b, c, ...)"``),
+        or None.
+    """
+    if "model.preset" in origins:
+        return preset_name, None
+    arch = sorted(k for k in model_raw if k not in ModelConfig._runtime and f"model.{k}" not in origins)
+    for k in arch:
+        del model_raw[k]
+    what = [f"model.preset {preset_name}"] if preset_name is not None else []
+    if arch:
+        names = ", ".join(arch[:3]) + (", ..." if len(arch) > 3 else "")
+        what.append(f"{len(arch)} architecture key{'s' * (len(arch) > 1)} ({names})")
+    return None, " and ".join(what) or None
 
 
 def _check_model_values(model_raw: dict) -> None:

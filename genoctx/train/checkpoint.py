@@ -495,25 +495,41 @@ def validate_checkpoint(ckpt: Path) -> dict:
 
 
 def restore_schedule(scheduler, state: dict | None) -> None:
-    """Restore the learning-rate schedule of a resumed run: ``scheduler.load_state_dict(state)`` (its step count
-    ``last_epoch`` and its ``_last_lr``), then every optimizer param group's ``lr`` set to the rate the schedule gives
-    at that step (``scheduler.get_last_lr()``, per group), as the uninterrupted run's optimizer holds it.
+    """Restore the learning-rate schedule of a resumed run: the step count (``last_epoch``) from ``state``, and every
+    optimizer param group's ``lr`` set to the rate of THIS invocation's schedule at that step.
 
-    ``LambdaLR.load_state_dict`` alone restores the schedule's counters, not the optimizer's current ``lr``: a
-    one-process checkpoint brought it back through ``optimizer.load_state_dict`` (param groups), but a DCP checkpoint
-    holds only the optimizer's tensors, so a resumed distributed run trained its first step at the rate the fresh
-    scheduler had set. Every load path calls this (``load_training_state``, ``load_full_optimizer``,
-    ``genoctx.train.sharded.load_sharded`` and ``load_any``).
+    The schedule is a function of (step, this recipe's ``train.steps``, ``lr``, ``warmup_steps``, ``min_lr_ratio``):
+    ``scheduler``'s own ``base_lrs`` and ``lr_lambdas`` (``build_optimizer``'s, from the resumed recipe) are kept and
+    only the step is taken from the checkpoint, so the first resumed step lies on the schedule the run now follows.
+    With an unchanged recipe that is the uninterrupted run's rate; with another ``--steps`` (or lr) it is the rate an
+    uninterrupted run of the new recipe has at that step (``genoctx.train.loop.check_resume`` logs it). Loading
+    ``state`` whole would keep the old ``base_lrs`` and ``_last_lr`` (the old schedule's rate for the first resumed
+    step, the new one's after: a rate on neither). A DCP checkpoint holds only the optimizer's tensors, so the
+    optimizer's ``lr`` must be set here in any case. Every load path calls this (``load_training_state``,
+    ``load_full_optimizer``, ``genoctx.train.sharded.load_sharded`` and ``load_any``).
 
     Args:
-        scheduler: a ``torch.optim.lr_scheduler`` (``build_optimizer``'s ``LambdaLR``), or None (nothing done).
+        scheduler: ``build_optimizer``'s ``LambdaLR`` (another ``torch.optim.lr_scheduler``: its state loaded whole
+            and ``get_last_lr()`` set), or None (nothing done).
         state: its ``state_dict()`` as saved, or None (a checkpoint saved without one: nothing done).
     """
     if scheduler is None or state is None:
         return
-    scheduler.load_state_dict(state)
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        scheduler.load_state_dict(state)
+        lrs = scheduler.get_last_lr()
+    else:
+        base = list(scheduler.base_lrs)  # this recipe's train.lr (load_state_dict would put the saved ones back)
+        scheduler.load_state_dict(state)
+        scheduler.base_lrs = base
+        lrs = [b * f(scheduler.last_epoch) for b, f in zip(base, lambdas, strict=True)]
+        scheduler._last_lr = list(lrs)
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
+    if lambdas is not None:
+        for group, b in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["initial_lr"] = b
 
 
 # DCP checkpoints of a distributed run (written by genoctx.train.sharded), read here in one process

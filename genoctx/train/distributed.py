@@ -492,7 +492,7 @@ def train_distributed(
     from ..lock import output_lock
     from ..parallel.layout import Layout, cp_pieces, uneven_seq_chunk_round
     from .init import resolve_init, vocab_head
-    from .loop import _check_manifest, check_run_to_resume, check_seq_len
+    from .loop import _check_manifest, check_run_to_resume, check_seq_len, describe_window, unused_seq_chunk
     from .metrics import check_loggers
 
     check_loggers(recipe.train.loggers)  # a logger's missing package: before Ray starts (rank 0 imports it)
@@ -533,6 +533,9 @@ def train_distributed(
                 f"{L}-token window do not split into {pieces} equal pieces of at least {max(tail, 1)} tokens "
                 f"({layout} layout)"
             )
+    if (unused := unused_seq_chunk(recipe.train, window, cp)) is not None:
+        log.warning(unused[0])
+    log.info("train %s", describe_window(recipe.train, window, cp))
     planned = _check_memory(recipe, L, mesh_layout, gpus_per_worker, force, gpu_memory_gib)
     with output_lock(out, wait=wait, what="train"):  # the driver is the run folder's one writer (rank 0 writes for it)
         return _launch(run_workers, data_dir, recipe, base, out, mesh_layout, address, gpus_per_worker, resume,

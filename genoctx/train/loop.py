@@ -499,7 +499,9 @@ _RESUME_KEEPS = (("train", "seed"), ("train", "batch_size"), ("train", "seq_len"
 def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = None) -> None:
     """Refuse a ``--resume`` whose recipe changes what the run is: the model architecture (any ``ModelConfig`` field
     but the compute knobs), the seed, batch, crop length, loss vocabulary or window-start token. A changed step
-    budget or learning rate is allowed and logged (the schedule then differs from an uninterrupted run's).
+    budget or schedule key (``train.steps``, ``lr``, ``warmup_steps``, ``min_lr_ratio``) is allowed: the resumed
+    steps follow the new recipe's schedule (``restore_schedule``), stated in one warning
+    (``describe_resumed_schedule``).
 
     Raises:
         GenoctxError: one line naming the key, both values, the run's recipe.yaml and, for a run that started from
@@ -530,11 +532,30 @@ def check_resume(recipe: Recipe, ckpt: Path, state: dict, base: dict | None = No
     if recipe.train.optimizer_state_dtype != saved.train.optimizer_state_dtype:
         log.warning("--resume: train.optimizer_state_dtype changed from %s to %s: the AdamW moments are cast",
                     saved.train.optimizer_state_dtype, recipe.train.optimizer_state_dtype)  # fmt: skip
-    for key in ("steps", "lr", "min_lr_ratio", "warmup_steps"):
-        new, old = getattr(recipe.train, key), getattr(saved.train, key)
-        if new != old:
-            log.warning("--resume: train.%s changed from %s to %s: the schedule differs from an uninterrupted run",
-                        key, old, new)  # fmt: skip
+    changed = [f"train.{k} {getattr(saved.train, k)} -> {getattr(recipe.train, k)}" for k in _SCHEDULE_KEYS
+               if getattr(recipe.train, k) != getattr(saved.train, k)]  # fmt: skip
+    if changed:
+        log.warning(describe_resumed_schedule(recipe.train, int(state.get("step", 0)), changed))
+
+
+_SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+
+
+def describe_resumed_schedule(cfg: TrainConfig, step: int, changed: list[str]) -> str:
+    """The one line a ``--resume`` with other schedule keys logs: the rule (the resumed run follows the schedule of
+    an uninterrupted run of the new recipe, ``lr_lambda(cfg, cfg.steps)``: the lr is a function of the step and the
+    new keys, ``genoctx.train.checkpoint.restore_schedule``) and the rate of the first resumed step ``step + 1``.
+
+    Args:
+        cfg: the resumed recipe's train section; step: the checkpoint's step; changed: ``"train.steps 4 -> 6"`` items.
+    """
+    first = step + 1
+    if first > cfg.steps:
+        return (f"--resume: {', '.join(changed)}: the run already has {step} steps; nothing is trained")
+    lr = cfg.lr * lr_lambda(cfg, cfg.steps)(step)
+    return (f"--resume: {', '.join(changed)}: steps {first}..{cfg.steps} follow the schedule of an uninterrupted "
+            f"{cfg.steps}-step run (warm-up {cfg.warmup_steps}, cosine from lr {cfg.lr:.3g} to "
+            f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.steps}); step {first} trains at lr {lr:.3e}")
 
 
 def check_run_to_resume(out: Path) -> None:
@@ -611,6 +632,46 @@ def check_seq_len(cfg: TrainConfig, window: int, data_dir: Path) -> None:
             f"train.seq_len {cfg.seq_len} is longer than the {window}-token windows of {data_dir}; use at most "
             f"{window} (or null: whole windows)"
         )
+
+
+def unused_seq_chunk(cfg: TrainConfig, window: int, cp: int | None = None) -> tuple[str, bool] | None:
+    """Whether ``train.seq_chunk_tokens`` has no effect: each window (the crop ``train.seq_len`` when set; under
+    ``train.cp`` C, each worker's 1/C of it) is at or below the chunk, so the step runs in one pass
+    (``_forward_backward`` chunks only when ``chunk x cp < tokens``).
+
+    Args:
+        cfg: the train section; window: the data's window in tokens; cp: the context-parallel size (default
+            ``cfg.cp``).
+
+    Returns:
+        None when the chunk is unset or chunks the step; else ``(line, by_crop)``: one line saying why, and whether
+        it is the crop that stops it (the whole windows would be chunked: ``--set train.seq_len=null`` does that).
+    """
+    chunk, cp = cfg.seq_chunk_tokens, cp or cfg.cp
+    length = cfg.seq_len or window
+    if chunk is None or chunk * cp < length:
+        return None
+    cropped = cfg.seq_len is not None and cfg.seq_len < window
+    what = f"the {length}-token crops (train.seq_len) of the {window}-token windows" if cropped else \
+        f"the {window}-token windows"  # fmt: skip
+    per = f", {length // cp} tokens per worker under --cp {cp}," if cp > 1 else ""
+    line = f"train.seq_chunk_tokens {chunk} has no effect: {what}{per} are at or below it and train in one pass"
+    by_crop = cropped and chunk * cp < window
+    if by_crop:
+        line += f"; --set train.seq_len=null trains the whole windows in chunks of {chunk}"
+    return line, by_crop
+
+
+def describe_window(cfg: TrainConfig, window: int, cp: int | None = None) -> str:
+    """What one window of a step is, for the run's log: ``"windows of 1048576 tokens, random 256-token crops
+    (train.seq_len), one pass"`` or ``"... in chunks of 65536 tokens (train.seq_chunk_tokens)"``."""
+    length = cfg.seq_len or window
+    text = f"windows of {window} tokens"
+    if length < window:
+        text += f", random {length}-token crops (train.seq_len)"
+    if cfg.seq_chunk_tokens is not None and cfg.seq_chunk_tokens * (cp or cfg.cp) < length:
+        return text + f", in chunks of {cfg.seq_chunk_tokens} tokens (train.seq_chunk_tokens)"
+    return text + ", one pass"
 
 
 def _short(v) -> str:
@@ -832,12 +893,14 @@ def train_unlocked(
 
     autocast = train_autocast(cfg.dtype, dev)
     params = model.num_parameters()
+    if (unused := unused_seq_chunk(cfg, ds.window)) is not None:
+        log.warning(unused[0])
     log.info(
-        "model: %d parameters (%d active per token); %d train windows of %d tokens; steps %d..%d",
+        "model: %d parameters (%d active per token); %d train %s; steps %d..%d",
         params["total"],
         params["active"],
         len(ds),
-        ds.window,
+        describe_window(cfg, ds.window),
         start,
         cfg.steps,
     )

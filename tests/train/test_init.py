@@ -3,6 +3,7 @@ and a small character-level tokenizer), read through its token map, scored over 
 nucleotide rows; the Hub path through a pre-populated HF cache, offline."""
 
 import json
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -452,3 +453,36 @@ def test_init_takes_its_own_export_of_a_nucleotide_run(prepared, tmp_path):
     assert c["steps_run"] == 1 and latest_checkpoint(tmp_path / "from-run").name == "step_000002"
     state = json.loads((latest_checkpoint(tmp_path / "from-run") / "state.json").read_text())
     assert state["init"]["kind"] == "genoctx" and "token_map" not in state
+
+
+def test_init_over_a_recipe_that_names_a_preset_starts_from_the_base(prepared, base, tmp_path):
+    """Issue 45: ``--init`` with a shipped recipe (``model.preset: tiny``) was refused until ``--set
+    model.preset=null``. The base's config.json fixes the architecture: the file's preset is ignored, in one line."""
+    path, _ = base
+    run = tmp_path / "run"
+    r = run_genoctx("train", "--data", str(prepared), "--recipe", "recipes/tiny.yaml", "--init", str(path), "--out",
+                    str(run), "--steps", "1", "--set", "train.seq_len=16", "--set", "loss.chunk_tokens=5")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    said = [ln for ln in r.stderr.splitlines() if "fixes the architecture" in ln]
+    assert len(said) == 1 and f"model.init {path}: its config.json fixes the architecture; " in said[0]
+    assert said[0].endswith("recipes/tiny.yaml's model.preset tiny ignored")
+    _, recipe, _ = load_model(run)
+    assert recipe.model.vocab_size == VOCAB == 40 and recipe.preset is None  # the base's model, not tiny's 8 tokens
+
+
+def test_init_ignores_a_files_architecture_but_not_a_set_one(base, tmp_path, caplog):
+    path, _ = base
+    caplog.set_level(logging.INFO, logger="genoctx.recipes")
+    rec = load_recipe("recipes/gpu-check.yaml", [f"model.init={path}", "model.kda_chunk_size=16"])
+    assert rec.preset is None and rec.init == str(path) and rec.model_knobs == {"kda_chunk_size": 16}
+    assert "model.preset glm-5.3-flash and 13 architecture keys (hidden_size, intermediate_size, layer_types, ...) " \
+        "ignored" in caplog.text  # fmt: skip
+    # the user's own clash (--set) and a file that names both are still refused, in one line
+    with pytest.raises(GenoctxError, match=r"^--set model.preset=tiny: .*drop model.preset"):
+        load_recipe("recipes/tiny.yaml", [f"model.init={path}", "model.preset=tiny"])
+    with pytest.raises(GenoctxError, match=r"^--set model.num_hidden_layers=3: model.num_hidden_layers cannot"):
+        load_recipe("recipes/tiny.yaml", [f"model.init={path}", "model.num_hidden_layers=3"])
+    both = tmp_path / "both.yaml"
+    both.write_text(f"model:\n  preset: tiny\n  init: {path}\n")
+    with pytest.raises(GenoctxError, match=rf"^{both}: model.preset 'tiny' with model.init"):
+        load_recipe(both)

@@ -199,9 +199,10 @@ def test_allow_batch_change_resumes_and_records_it(prepared, fsdp2_run, tmp_path
     want = {"step": 2, "from_tokens": 512, "to_tokens": 256, "from_dp": 2, "to_dp": 1}
     assert read_state(list_checkpoints(run)[-1])["batch_changes"] == [want]
     assert [{k: e[k] for k in want} for e in read_events(run) if e["event"] == "batch_change"] == [want]
-    # the schedule went on at the run's step: step 3's rate is the uninterrupted schedule's (fsdp2_run ran 2 of 4)
+    # the schedule went on at the run's step, on the resumed recipe's schedule (fsdp2_run ran 2 of 4; resumed with 3
+    # steps): step 3's rate is an uninterrupted 3-step run's (genoctx.train.checkpoint.restore_schedule)
     full = tmp_path / "full"
-    train(prepared, _recipe(), full)
+    train(prepared, _recipe("train.steps=3"), full)
     assert _rows(run)[2]["lr"] == pytest.approx(_rows(full)[2]["lr"], rel=1e-9)
 
 
