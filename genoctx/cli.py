@@ -1503,8 +1503,9 @@ def plan(
     evaluation instead (the peak of one forward, no gradients).
 
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
-    listed, best first (the table shows the top 10; none fitting: the closest). When no training step fits in one
-    pass but one in chunks would, the table and the JSON (`hint`) name the --seq-chunk that fits. See
+    listed, best first (the table shows the top 10; none fitting: those nearest to fitting on the GPU and the host,
+    whatever --rank-by). When no training step fits in one pass but one in chunks would, the table and the JSON
+    (`hint`) name the --seq-chunk that fits; when --knobs auto would find layouts, `knobs_hint` says so. See
     genoctx/plan/ (memory.py) for every formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
 
     Examples:
@@ -1701,7 +1702,8 @@ def _knobbed(p: dict) -> str:
     knobs = ",".join(KNOB_SHORT.get(k, k) for k in p.get("knobs") or [])
     chunk = p.get("seq_chunk_tokens")
     return describe_layout(p) + (f" with {knobs}" if knobs else "") + (
-        f" in {chunk}-token chunks" if chunk else "")  # fmt: skip
+        f" in {chunk >> 10 if chunk % 1024 == 0 else chunk}{'k' if chunk % 1024 == 0 else ''}-token chunks"
+        if chunk else "")  # fmt: skip
 
 
 def _trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_targets) -> dict:

@@ -186,6 +186,10 @@ def skew_note(skew: float, plans: list[dict]) -> str | None:
     if skew <= 1 or not capped or not plans:
         return None
     ep0 = plans[0]["layout"]["ep"]
+    if len(plans) == 1:
+        return (f"--skew {skew:g} is more than this layout can show: the busiest of its {ep0} EP rank"
+                f"{'s' if ep0 > 1 else ''} receives at most every row ({ep0} x the mean), so it is timed at skew "
+                f"{ep0}")  # fmt: skip
     return (f"--skew {skew:g} is more than {len(capped)} of the {len(plans)} listed layouts can show: the busiest EP "
             f"rank receives at most every row, ep x the mean, so each is timed at min(skew, ep); #1 (ep {ep0}) at "
             f"{min(skew, ep0):g}")  # fmt: skip

@@ -108,13 +108,19 @@ def test_the_closest_is_the_same_whatever_rank_by():
 def test_a_skew_above_the_ep_size_is_stated_and_is_what_the_time_uses():
     lay = ("--gpus", "4", "--ep", "2", "--fsdp", "2", "--gpu-memory-gib", "8")
     huge, two = _json(*lay, "--skew", "1e9"), _json(*lay, "--skew", "2")
-    assert huge["skew_note"] == ("--skew 1e+09 is more than 1 of the 1 listed layouts can show: the busiest EP rank "
-                                 "receives at most every row, ep x the mean, so each is timed at min(skew, ep); "
-                                 "#1 (ep 2) at 2")  # fmt: skip
+    assert huge["skew_note"] == ("--skew 1e+09 is more than this layout can show: the busiest of its 2 EP ranks "
+                                 "receives at most every row (2 x the mean), so it is timed at skew 2")  # fmt: skip
     assert "skew_note" not in two and huge["layouts"][0]["layout"]["ep"] == 2
     assert huge["layouts"][0]["time"]["step_s"] == two["layouts"][0]["time"]["step_s"]  # capped, as the note says
     assert f"     ({huge['skew_note']})" in _cli(*lay, "--skew", "1e9").stdout.splitlines()
     assert skew_note(1.0, huge["layouts"]) is None and skew_note(2.0, huge["layouts"]) is None
+    listed = _json("--gpus", "4", "--gpu-memory-gib", "8", "--skew", "3")  # every layout of 4 ranks: ep 1, 2 or 4
+    capped = [p for p in listed["layouts"][:10] if p["layout"]["ep"] < 3]
+    ep0 = listed["layouts"][0]["layout"]["ep"]
+    assert 0 < len(capped) < min(10, len(listed["layouts"])) and listed["skew_note"] == (
+        f"--skew 3 is more than {len(capped)} of the {min(10, len(listed['layouts']))} listed layouts can show: the "
+        f"busiest EP rank receives at most every row, ep x the mean, so each is timed at min(skew, ep); #1 (ep {ep0}) "
+        f"at {min(3, ep0)}")  # fmt: skip
 
 
 def test_nothing_fitting_without_knobs_names_what_knobs_auto_finds(host_case):
