@@ -1608,8 +1608,9 @@ def plan(
     evaluation instead (the peak of one forward, no gradients).
 
     With none of --dp-replicate/--ep/--fsdp/--cp every layout of --gpus ranks is planned and those that fit are
-    listed, best first (the table shows the top 10; none fitting: the closest). When no training step fits in one
-    pass but one in chunks would, the table and the JSON (`hint`) name the --seq-chunk that fits. See
+    listed, best first (the table shows the top 10; none fitting: those nearest to fitting on the GPU and the host,
+    whatever --rank-by). When no training step fits in one pass but one in chunks would, the table and the JSON
+    (`hint`) name the --seq-chunk that fits; when --knobs auto would find layouts, `knobs_hint` says so. See
     genoctx/plan/ (memory.py) for every formula and assumption, and `bench/plan_vs_measured.py` for measured errors.
 
     Examples:
@@ -1635,7 +1636,7 @@ def plan(
         search_layouts,
         seq_chunk_hint,
     )
-    from .plan.report import short_of
+    from .plan.report import short_of, skew_note
     from .plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
     from .plan.time import add_time, rank_by_throughput
 
@@ -1712,13 +1713,18 @@ def plan(
             plans = rank_by_throughput(plans)
         fitting = [p for p in plans if p["fits"]]
         doc.update(searched=len(plans), layouts=fitting)
-        if not fitting:
+        if not fitting:  # plans: nearest to fitting first (GPU and host), whatever --rank-by
             doc["closest"] = plans[:10]
             logging.getLogger("genoctx.plan").warning(
-                "no layout of %d GPUs fits in %g GiB; the closest needs %.1f GiB per GPU (%s)", gpus, gpu_memory_gib,
-                plans[0]["total_gib"], short_of(plans[0]).replace("#1 ", "it "),
-            )  # fmt: skip
+                "%s; the closest, %s, is %s", _nothing_fits(gpus, gpu_memory_gib, kwargs, plans), _knobbed(plans[0]),
+                short_of(plans[0]).removeprefix("#1 does not fit: ").replace("#1 ", ""))  # fmt: skip
         shown = fitting or plans
+    if (note := skew_note(skew_x, shown[:10])) is not None:
+        doc["skew_note"] = note
+        logging.getLogger("genoctx.plan").warning("%s", note)
+    if not eval_ and knobs == "none" and "seq_chunk_tokens" not in kwargs and not any(p["fits"] for p in plans):
+        if (khint := _knobs_hint(cfg, L, gpus, layout, kwargs)) is not None:  # would --knobs auto find layouts?
+            doc["knobs_hint"] = khint
     if not eval_ and not auto and not any(p["fits"] for p in plans):  # does chunking fit? (--seq-chunk auto's pick)
         try:
             hint = seq_chunk_hint(cfg, L, gpus, layout=layout, **kwargs)
@@ -1751,13 +1757,58 @@ def plan(
         _emit_json(doc)
         return
     if doc.get("layouts") == [] and "closest" in doc:
-        sys.stdout.write(f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB; the closest:\n")
+        sys.stdout.write(f"{_nothing_fits(gpus, gpu_memory_gib, kwargs, plans)}; nearest to fitting first:\n")
     sys.stdout.write(format_table(shown) + "\n")
+    if "knobs_hint" in doc:
+        sys.stdout.write("\nhint: " + doc["knobs_hint"]["message"] + "\n")
     if "hint" in doc:
         sys.stdout.write("\nhint: " + doc["hint"]["message"] + "\n")
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
+
+
+def _knobs_hint(cfg, seq_len: int, gpus: int, layout, kwargs: dict) -> dict | None:
+    """``genoctx.plan.search.knobs_hint`` with its ``"message"`` (logged as a warning), or None when ``--knobs auto``
+    finds nothing that fits either.
+
+    Raises:
+        GenoctxError: the layout flags are refused (``--ep/--fsdp/--cp``).
+    """
+    from .plan.search import knobs_hint
+
+    try:
+        hint = knobs_hint(cfg, seq_len, gpus, layout=layout, **kwargs)
+    except ValueError as e:
+        raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
+    if hint is None:
+        return None
+    k = hint["fitting"]
+    found = f"finds {k} layout{'s' if k > 1 else ''} that fit{'s' if k == 1 else ''}; first" if layout is None else (
+        "fits it:")  # fmt: skip
+    hint["message"] = (f"nothing fits without more memory knobs, but --knobs auto {found} {_knobbed(hint)}, "
+                       f"{hint['total_gib']:.2f} GiB per GPU (host {hint['host_gib']:.1f} GiB per GPU)")  # fmt: skip
+    logging.getLogger("genoctx.plan").warning("%s", hint["message"])
+    return hint
+
+
+def _nothing_fits(gpus: int, gpu_memory_gib: float, kwargs: dict, plans: list[dict]) -> str:
+    """``"no layout of 8 GPUs fits in 178 GiB (and 238 GiB of host per GPU)"``: what `genoctx plan` searched (the
+    host when one of ``plans`` offloads state to it)."""
+    host = kwargs.get("host_memory_gib") if any(p.get("host_gib") for p in plans) else None
+    return f"no layout of {gpus} GPUs fits in {gpu_memory_gib:g} GiB" + (
+        f" (and {host:g} GiB of host per GPU)" if host else "")  # fmt: skip
+
+
+def _knobbed(p: dict) -> str:
+    """A plan's (or hint's) layout in words, with its memory knobs and chunk when it has them."""
+    from .plan.report import KNOB_SHORT, describe_layout
+
+    knobs = ",".join(KNOB_SHORT.get(k, k) for k in p.get("knobs") or [])
+    chunk = p.get("seq_chunk_tokens")
+    return describe_layout(p) + (f" with {knobs}" if knobs else "") + (
+        f" in {chunk >> 10 if chunk % 1024 == 0 else chunk}{'k' if chunk % 1024 == 0 else ''}-token chunks"
+        if chunk else "")  # fmt: skip
 
 
 def _trainable_kwargs(eval_, dry_run, trainable, lora_rank, frozen_dtype, lora_targets) -> dict:

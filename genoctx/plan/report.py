@@ -36,7 +36,8 @@ def check_fits(plan: dict) -> None:
 def format_table(plans: list[dict], limit: int = 10) -> str:
     """A human-readable breakdown of ``plans`` (best first): one line per layout (at most ``limit``), then the
     components of the first (the best) plan. Zero components are left out; GiB, or MiB when the best plan needs
-    less than 1 GiB."""
+    less than 1 GiB. A row that fits the GPU but not the host says ``host`` under fits, and the table then has a
+    ``host GiB`` column; a ``skew`` above a listed layout's EP size is stated (``skew_note``)."""
     if not plans:
         return "no valid layout"
     p0 = plans[0]
@@ -44,6 +45,7 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
     chunks = any(p.get("seq_chunk_tokens") for p in plans[:limit])
     timed = all("time" in p for p in plans[:limit])
     knobbed = any(p.get("knobs") for p in plans[:limit])
+    hosted = any(host_short(p) for p in plans[:limit])  # a row fits the GPU and not the host: its host GiB column
     hours = timed and "trainable" in p0  # a trainable subset's table has room for GPU-hours of HOURS_STEPS steps
     if p0.get("mode") == "eval":
         how = f"mode eval, chunk {p0['chunk_tokens'] or 'whole'}"
@@ -56,7 +58,9 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         "",
         f"{'#':>3}  {'dp_replicate':>12} {'ep':>4} {'dp_shard':>8} {'cp':>4}  {'tokens/rank':>11}  "
         + (f"{'chunk':>7}  " if chunks else "")
-        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  fits  "
+        + f"{'a2a GiB':>8}  {unit + '/GPU':>9}  "
+        + (f"{'host ' + unit:>9}  " if hosted else "")
+        + "fits  "
         + (f"{'step s':>8} {'tokens/s':>9} {'MFU':>6}  {'bound':<20}  " if timed else "")
         + (f"{f'GPU-h/{HOURS_STEPS}':>9}  " if hours else "")
         + (f"{'knobs':<28}  " if knobbed else "")
@@ -66,10 +70,12 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lay = p["layout"]
         ep = f"{lay['ep']}{'f' if lay.get('ep_folded') else ''}"
         chunk = f"{p.get('seq_chunk_tokens') or '-':>7}  " if chunks else ""
+        host = (f"{p['host_gib'] * scale:>9.2f}  " if p.get("host_gib") else f"{'-':>9}  ") if hosted else ""
+        fits = "yes" if p["fits"] else "host" if host_short(p) else "no"
         lines.append(
             f"{j:>3}  {lay['dp_replicate']:>12} {ep:>4} {lay['dp_shard']:>8} {lay['cp']:>4}  "
             f"{p['tokens_per_rank']:>11}  {chunk}{p.get('all_to_all_gib', 0.0):>8.2f}  {p['total_gib'] * scale:>9.2f}  "
-            f"{'yes' if p['fits'] else 'no ':<4}  {_time_cells(p) if timed else ''}"
+            f"{host}{fits:<4}  {_time_cells(p) if timed else ''}"
             f"{_hours_cell(p, HOURS_STEPS) if hours else ''}"
             f"{(_knob_cell(p) + '  ') if knobbed else ''}{p['peak_phase']}"
         )
@@ -77,12 +83,17 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         lines.append(f"     ({len(plans) - limit} more; --format json lists them)")
     if plans and not plans[0]["fits"]:
         lines.append(f"     ({short_of(plans[0])})")
+    if hosted:
+        lines.append(f"     (fits host: the row fits the GPU but not the host's {_host_memory(plans[:limit])} GiB per "
+                     f"GPU; host {unit}: what its offloaded state holds per GPU)")  # fmt: skip
     lines.append("     (ep 32f: folded, the EP group drawn from dp_shard x cp; a2a GiB: expert all-to-all each rank "
                  "sends per step, balanced routing)")
     if timed:
         t = p0["time"]
         lines.append(f"     (step s, tokens/s, MFU, bound: the time model on {t['hardware']}, expert skew "
                      f"{t['skew']:g}; genoctx.plan.time; --rank-by throughput orders by tokens/s)")  # fmt: skip
+        if note := skew_note(t["skew"], plans[:limit]):
+            lines.append(f"     ({note})")
     if knobbed:
         lines.append("     (knobs: offload-act train.offload_activations, bf16-moments train.optimizer_state_dtype: "
                      "bf16, offload-opt train.offload_optimizer)")  # fmt: skip
@@ -138,7 +149,8 @@ def _trainable_line(p: dict) -> str:
 
 def short_of(p: dict) -> str:
     """What a plan that does not fit is short of, with the numbers: GPU memory (its peak GiB per GPU against the GPU's)
-    and/or host memory (the GiB per GPU its offloaded state holds against ``host_memory_gib``)."""
+    and/or host memory (the GiB per GPU its offloaded state holds against ``host_memory_gib``); when only the host is
+    short, also what it needs on the GPU, which fits."""
     out = []
     if p["total_gib"] > p["gpu_memory_gib"]:
         out.append(f"GPU memory: needs {p['total_gib']:.1f} GiB per GPU, {p['gpu_memory_gib']:g} GiB available "
@@ -147,7 +159,40 @@ def short_of(p: dict) -> str:
         have = p.get("host_memory_gib")
         out.append(f"host memory: needs {p['host_gib']:.1f} GiB per GPU, {have:g} GiB available "
                    f"({p['host_gib'] - have:.1f} short)")  # fmt: skip
-    return "#1 does not fit: short of " + "; and of ".join(out) if out else "#1 does not fit"
+    if not out:
+        return "#1 does not fit"
+    gpu = (f"; it fits the GPU: {p['total_gib']:.1f} GiB per GPU of {p['gpu_memory_gib']:g}"
+           if p["total_gib"] <= p["gpu_memory_gib"] else "")  # fmt: skip
+    return "#1 does not fit: short of " + "; and of ".join(out) + gpu
+
+
+def host_short(p: dict) -> bool:
+    """Whether a plan fits the GPU and fails only on host memory (its offloaded state, ``host_fits`` False)."""
+    return p.get("host_fits") is False and p["total_gib"] <= p["gpu_memory_gib"]
+
+
+def _host_memory(plans: list[dict]) -> str:
+    """The host memory per GPU (GiB) of the plans that checked it, ``"238"`` (or ``"100/238"`` if they differ)."""
+    return "/".join(sorted({f"{p['host_memory_gib']:g}" for p in plans if p.get("host_memory_gib")})) or "?"
+
+
+def skew_note(skew: float, plans: list[dict]) -> str | None:
+    """The one line that says a ``--skew`` is more than a layout can show, or None.
+
+    The busiest of ``ep`` expert ranks receives at most every row, ``ep`` times the mean, so the time model takes
+    ``min(skew, ep)`` (``genoctx.plan.flops``/``comms``; a layout without EP has no skew at all). Stated when ``skew``
+    is above the EP size of one of ``plans`` (the listed ones), with what #1 is timed at."""
+    capped = [p for p in plans if skew > p["layout"]["ep"]]
+    if skew <= 1 or not capped or not plans:
+        return None
+    ep0 = plans[0]["layout"]["ep"]
+    if len(plans) == 1:
+        return (f"--skew {skew:g} is more than this layout can show: the busiest of its {ep0} EP rank"
+                f"{'s' if ep0 > 1 else ''} receives at most every row ({ep0} x the mean), so it is timed at skew "
+                f"{ep0}")  # fmt: skip
+    return (f"--skew {skew:g} is more than {len(capped)} of the {len(plans)} listed layouts can show: the busiest EP "
+            f"rank receives at most every row, ep x the mean, so each is timed at min(skew, ep); #1 (ep {ep0}) at "
+            f"{min(skew, ep0):g}")  # fmt: skip
 
 
 def _time_cells(p: dict) -> str:

@@ -85,8 +85,9 @@ def plan_with_knobs(cfg: ModelConfig, seq_len: int, layout: Layout, *, seq_chunk
                     **kwargs) -> dict:  # fmt: skip
     """The plan of ``layout`` with the first of ``KNOB_COMBOS`` (on top of the knobs given in ``kwargs``) that fits;
     none fitting in one pass, the same with each of ``seq_chunks`` in turn (``seq_chunk_tokens``, those below the
-    rank's ``L / cp`` tokens); none fitting at all, the one with the least memory. Combinations the layout cannot
-    take (activation offload without ``recompute``, optimizer offload without FSDP) are skipped.
+    rank's ``L / cp`` tokens); none fitting at all, the one nearest to fitting (``closeness``: GPU and host
+    memory). Combinations the layout cannot take (activation offload without ``recompute``, optimizer offload
+    without FSDP) are skipped.
 
     Raises:
         ValueError: as ``plan_memory``.
@@ -101,8 +102,27 @@ def plan_with_knobs(cfg: ModelConfig, seq_len: int, layout: Layout, *, seq_chunk
             p = plan_memory(cfg, seq_len, layout, **kw)
             if p["fits"]:
                 return p
-            best = p if best is None or p["total_gib"] < best["total_gib"] else best
+            best = p if best is None or closeness(p) < closeness(best) else best
     return best
+
+
+def shortfall(plan: dict) -> float:
+    """How far a plan is from fitting, as a fraction of what is available: the GPU's excess (``total_gib`` over
+    ``gpu_memory_gib``, minus 1; 0 when it fits) plus the host's (``host_gib`` over ``host_memory_gib``, minus 1; 0
+    when it fits or was not checked). 0.0 for a plan that fits both; a plan short by 10% of the GPU and 50% of the
+    host is 0.6. Fractions, not GiB, so that a GPU of 80 GiB and a host of 238 GiB per GPU weigh alike."""
+    gpu = max(0.0, plan["total_gib"] / plan["gpu_memory_gib"] - 1.0)
+    host = plan.get("host_memory_gib")
+    if plan.get("host_fits") is False and host:
+        gpu += max(0.0, plan["host_gib"] / host - 1.0)
+    return gpu
+
+
+def closeness(plan: dict) -> tuple:
+    """Sort key of the plans that do not fit, nearest to fitting first (the planner's "closest", whatever
+    ``--rank-by``): ``shortfall``, then less GPU memory, then fewer CP and EP ranks, then more replicas."""
+    lay = plan["layout"]
+    return (shortfall(plan), plan["total_gib"], lay["cp"], lay["ep"], -lay["dp_replicate"])
 
 
 def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, mode: str = "train",
@@ -111,7 +131,8 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
 
     Order: layouts that fit first; with ``knobs="auto"`` then by ``knob_rank``; then ascending ``total_gib`` (the
     most headroom first); ties by fewer CP ranks, then fewer EP ranks, then more data-parallel replicas (less
-    communication for the same memory).
+    communication for the same memory). Then those that do not fit, nearest to fitting first (``closeness``: GPU
+    and host memory; a layout that fits the GPU and not the host may come before one that is short of GPU memory).
 
     Args:
         cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
@@ -159,9 +180,9 @@ def search_layouts(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
             plans = [plan_with_knobs(cfg, seq_len, lay, gpu_memory_gib=gpu_memory_gib, seq_chunks=AUTO_SEQ_CHUNKS,
                                      **kwargs) for lay in lays]  # fmt: skip
     cost = knob_rank if knobs == "auto" else (lambda p: 0)
-    plans.sort(key=lambda p: (not p["fits"], cost(p), p["total_gib"], p["layout"]["cp"], p["layout"]["ep"],
-                              -p["layout"]["dp_replicate"]))  # fmt: skip
-    return plans
+    fitting = sorted((p for p in plans if p["fits"]), key=lambda p: (cost(p), p["total_gib"], p["layout"]["cp"],
+                                                                     p["layout"]["ep"], -p["layout"]["dp_replicate"]))
+    return fitting + sorted((p for p in plans if not p["fits"]), key=closeness)  # fmt: skip
 
 
 def knob_rank(plan: dict) -> int:
@@ -185,7 +206,7 @@ SEQ_CHUNK_CANDIDATES = tuple(1 << k for k in range(12, 19))  # 4k .. 256k tokens
 def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> dict:
     """``plan_memory`` of ``layout`` in one pass if it fits, else with the largest ``seq_chunk_tokens`` of
     ``SEQ_CHUNK_CANDIDATES`` (below the window's ``L / cp`` tokens per rank) that fits (fewest chunks: the least
-    boundary state and overhead); when none fits, the candidate with the smallest total.
+    boundary state and overhead); when none fits, the candidate nearest to fitting (``closeness``).
     ``kwargs``: ``plan_memory``'s."""
     whole = plan_memory(cfg, seq_len, layout, **kwargs)
     if whole["fits"]:
@@ -195,7 +216,7 @@ def best_seq_chunk(cfg: ModelConfig, seq_len: int, layout: Layout, **kwargs) -> 
     fitting = [p for p in tried if p["fits"]]
     if fitting:
         return max(fitting, key=lambda p: p["seq_chunk_tokens"])
-    return min(tried + [whole], key=lambda p: p["total_gib"])
+    return min(tried + [whole], key=closeness)
 
 
 def seq_chunk_hint(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, layout: Layout | None = None,
@@ -231,3 +252,41 @@ def seq_chunk_hint(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: fl
     size = f"{n >> 20}M" if n % (1 << 20) == 0 else f"{n >> 10}k" if n % 1024 == 0 else str(n)
     return {"seq_chunk_tokens": n, "flag": f"--seq-chunk {size}", "layout": fit["layout"],
             "total_gib": fit["total_gib"], "peak_phase": fit["peak_phase"]}  # fmt: skip
+
+
+def knobs_hint(cfg: ModelConfig, seq_len: int, gpus: int, gpu_memory_gib: float, *, layout: Layout | None = None,
+               **kwargs) -> dict | None:  # fmt: skip
+    """What ``genoctx plan`` says when no training step fits with the knobs given: what ``--knobs auto`` would find.
+
+    Args:
+        cfg, seq_len, gpu_memory_gib: as ``plan_memory``.
+        gpus: ranks searched when ``layout`` is None (the layouts' world size).
+        layout: the one layout to plan with the knobs (``plan_with_knobs``, one pass then ``AUTO_SEQ_CHUNKS``), or
+            None to search every layout of ``gpus`` ranks (``search_layouts(..., knobs="auto")``).
+        **kwargs: ``plan_memory``'s other keyword arguments (``host_memory_gib`` among them: offloaded state must fit
+            the host); not ``seq_chunk_tokens`` (``--knobs auto`` chooses the chunk).
+
+    Returns:
+        None when nothing fits with the knobs either, else ``{"fitting": how many layouts fit, "layout": the first's
+        layout dict, "knobs": its knob list, "seq_chunk_tokens": its chunk or None, "total_gib": GiB per GPU,
+        "host_gib": host GiB per GPU its offloaded state holds, "flag": "--knobs auto"}`` (the first: the order of
+        ``search_layouts``' knob search, the fewest and cheapest knobs first).
+
+    Raises:
+        ValueError: as ``plan_memory`` and ``valid_layouts``; ``seq_chunk_tokens`` given.
+    """
+    if kwargs.get("seq_chunk_tokens") is not None:
+        raise ValueError("knobs_hint chooses the chunk: not with seq_chunk_tokens")
+    kwargs.pop("seq_chunk_tokens", None)
+    if layout is not None:
+        plans = [plan_with_knobs(cfg, seq_len, layout, gpu_memory_gib=gpu_memory_gib, seq_chunks=AUTO_SEQ_CHUNKS,
+                                 **kwargs)]  # fmt: skip
+    else:
+        plans = search_layouts(cfg, seq_len, gpus, gpu_memory_gib, knobs="auto", **kwargs)
+    fitting = [p for p in plans if p["fits"]]
+    if not fitting:
+        return None
+    p = fitting[0]
+    return {"fitting": len(fitting), "layout": p["layout"], "knobs": list(p.get("knobs") or []),
+            "seq_chunk_tokens": p.get("seq_chunk_tokens"), "total_gib": p["total_gib"],
+            "host_gib": p.get("host_gib", 0.0), "flag": "--knobs auto"}  # fmt: skip

@@ -383,5 +383,9 @@ def with_host_time(t: dict, plan: dict | None, hw: Hardware) -> dict:
 
 def rank_by_throughput(plans: list[dict]) -> list[dict]:
     """``plans`` (each with ``"time"``: ``add_time``) ordered as ``genoctx plan --rank-by throughput`` lists them:
-    those that fit first, then the most tokens/s; ties by less memory."""
-    return sorted(plans, key=lambda p: (not p["fits"], -p["time"]["tokens_per_s"], p["total_gib"]))
+    those that fit first, the most tokens/s first, ties by less memory; then those that do not fit, nearest to fitting
+    first (``genoctx.plan.search.closeness``, as ``--rank-by memory``: the closest is the same whatever the order)."""
+    from .search import closeness
+
+    fitting = sorted((p for p in plans if p["fits"]), key=lambda p: (-p["time"]["tokens_per_s"], p["total_gib"]))
+    return fitting + sorted((p for p in plans if not p["fits"]), key=closeness)
