@@ -60,13 +60,81 @@ PLACEMENT_TIMEOUT_S = 600.0
 _STRATEGY = "PACK"  # Ray Train's default placement strategy (ScalingConfig.placement_strategy), given to both
 
 
+_TEMP_NOTE = ".ray-temp"  # RUN/.ray-temp: the /tmp directory of the run's local Ray when RUN/.ray is too long
+log = logging.getLogger("genoctx.cluster")
+
+
 def _ray_temp_dir(out: Path) -> str:
-    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp."""
+    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp, named in
+    ``RUN/.ray-temp`` until the run ends (``stop_stale_ray`` finds it there after a killed driver)."""
     p = out / ".ray"
     if len(str(p)) <= _SOCKET_BUDGET:
         p.mkdir(parents=True, exist_ok=True)
         return str(p)
-    return tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+    d = tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / _TEMP_NOTE).write_text(d + "\n")
+    return d
+
+
+def _under(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d + os.sep) for d in dirs)
+
+
+def stop_stale_ray(out: str | Path, grace: float = 5.0) -> list[int]:
+    """Stop what the local Ray of an earlier driver of this run folder left running, and remove its temp directory.
+
+    A driver killed with SIGKILL never runs ``ray.shutdown``: its Ray's ``ray::DashboardAgent`` and
+    ``ray::RuntimeEnvAgent`` (and, on a busy machine, the raylet or GCS) outlive it by a minute or more. They are
+    found by the run's Ray temp directory (``RUN/.ray``, or the one ``RUN/.ray-temp`` names): a process of this user
+    whose command line names a path under it, or that holds a file open under it (the agents' logs). Each gets
+    SIGTERM, then SIGKILL after ``grace`` seconds. Only a driver that holds the run folder's lock calls this (no
+    live run uses that directory); ``run_workers`` does before it starts a local Ray. By hand (docs/cluster.md):
+    ``python -c "from genoctx.cluster import stop_stale_ray; stop_stale_ray('RUN')"``.
+
+    Args:
+        out: the run folder (``storage_path`` of ``run_workers``).
+        grace: seconds between SIGTERM and SIGKILL.
+
+    Returns:
+        The PIDs stopped (empty when nothing was left).
+    """
+    import ray  # noqa: F401, I001  (puts the psutil Ray bundles on sys.path: it comes before psutil)
+    import psutil
+
+    out = Path(out)
+    note = out / _TEMP_NOTE
+    found = [out / ".ray"] + ([Path(note.read_text().strip())] if note.is_file() else [])
+    found = [d for d in found if d.is_dir()]
+    dirs = sorted({str(d) for d in found} | {os.path.realpath(d) for d in found})
+    stale = []
+    if dirs:
+        for p in psutil.process_iter(["pid", "uids", "cmdline", "status"]):
+            try:
+                if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
+                if p.info["uids"] is None or p.info["uids"].real != os.getuid():
+                    continue
+                words = [w.split("=", 1)[-1] for w in p.info["cmdline"] or []]
+                if any(_under(w, dirs) for w in words) or any(_under(f.path, dirs) for f in p.open_files()):
+                    stale.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+    for p in stale:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(stale, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    if stale:
+        log.warning("stopped %d Ray process%s an earlier driver of %s left running (pids %s)", len(stale),
+                    "es" * (len(stale) != 1), out, ", ".join(str(p.pid) for p in stale))  # fmt: skip
+    for d in found:
+        shutil.rmtree(d, ignore_errors=True)
+    note.unlink(missing_ok=True)
+    return [p.pid for p in stale]
 
 
 def _workers_per_node(node: dict[str, float], bundle: dict[str, float]) -> int:
@@ -321,9 +389,12 @@ def _mark_worker_logs() -> None:
 _AGREED = "genoctx_agreed_error"  # the key of a worker's return value that carries an error every rank raised
 
 
-def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float) -> Any:
+def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float,
+                   end: str | None = None) -> Any:  # fmt: skip
     """``worker_fn(config, session)``; an ``AgreedError`` (a user error raised on every rank at once, so none waits in
-    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print.
+    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print. Its
+    ``genoctx`` log lines are marked (``_mark_worker_logs``); the last line it writes is the marked ``end`` (when
+    given), which tells the driver's ``_RayLog.drain`` that all its lines have arrived.
 
     The body runs inside ``parallel.mesh.leaving_mesh``: on success or error every process group is destroyed and
     freed before the worker returns, so no gloo thread outlives the interpreter (SIGABRT at exit otherwise)."""
@@ -335,6 +406,9 @@ def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict
             return worker_fn(config, WorkerSession(gpus_per_worker))
     except AgreedError as e:
         return {_AGREED: str(e)}
+    finally:
+        if end is not None:
+            print(_MARK + end, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -416,9 +490,10 @@ def run_workers(
     Raises:
         GenoctxError: a user error every rank agreed on (``AgreedError``: its message, and no restart), or the group
             still failed after ``max_failures`` restarts: one line, a worker's own ``GenoctxError`` message when one
-            raised it, else the rank and the first line of the error that ended it, and the log file. Before any worker starts: a local Ray without the GPUs
-            asked (``check_local``), an ``address`` Ray cannot connect to, or a group the cluster cannot hold or
-            does not place within ``placement_timeout`` (``_place``), each one line.
+            raised it, else the rank and the first line of the error that ended it, and the log file. Before any
+            worker starts: a local Ray without the GPUs asked (``check_local``), an ``address`` Ray cannot connect
+            to, or a group the cluster cannot hold or does not place within ``placement_timeout`` (``_place``), each
+            one line.
     """
     timeout = PLACEMENT_TIMEOUT_S if placement_timeout is None else placement_timeout
     if not 0 <= timeout < float("inf"):
@@ -451,7 +526,13 @@ class _RayLog:
     """
 
     def __init__(self, path: Path, root: tuple[int, list[logging.Handler]]) -> None:
+        import threading
+        import uuid
+
         self.path, self.root = path, root
+        self.end = f"genoctx-end {uuid.uuid4().hex}"  # each worker's last line (``_run_on_worker``): not shown
+        self._ended = threading.Condition()
+        self._ends = 0
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> _RayLog:
@@ -478,6 +559,15 @@ class _RayLog:
         dispatcher.remove_handler("ray_print_logs")
         if len(dispatcher.handlers) < len(before):  # log_to_driver: our printer in place of Ray's
             dispatcher.add_handler("ray_print_logs", lambda data: self.route(data, ignore_prefix=True))
+
+            def give_back() -> None:
+                dispatcher.remove_handler("ray_print_logs")
+                if rw.global_worker.connected:  # an attached Ray lives on: its printer again (shutdown removes it)
+                    for pair in before:
+                        if pair[0] == "ray_print_logs":
+                            dispatcher.add_handler(*pair)
+
+            self._undo.append(give_back)
         self._printer, self._autoscaler_events = printer, rw.filter_autoscaler_events
         return self
 
@@ -491,6 +581,12 @@ class _RayLog:
         """One batch of lines from Ray (``data["lines"]``, from ``data["pid"]``, ``data["actor_name"]``, ...): all to
         the file; the marked ones (``_MARK``) to stderr through Ray's printer."""
         lines = [str(line) for line in data.get("lines") or []]
+        ends = sum(line == _MARK + self.end for line in lines)
+        if ends:
+            lines = [line for line in lines if line != _MARK + self.end]
+            with self._ended:
+                self._ends += ends
+                self._ended.notify_all()
         if data.get("pid") == "autoscaler":  # its status table every 5 s: only its events, as Ray prints them
             lines = list(self._autoscaler_events(lines))
         who = data.get("actor_name") or data.get("task_name") or ""
@@ -499,6 +595,13 @@ class _RayLog:
         mine = [line for line in lines if line.startswith(_MARK)]
         if mine:
             self._printer({**data, "lines": mine}, ignore_prefix=True)
+
+    def drain(self, workers: int, timeout: float = 5.0) -> None:
+        """Wait until the last line of each of ``workers`` workers has reached the driver (Ray forwards them a
+        moment after they are written; lines still on their way when Ray shuts down are lost), at most ``timeout``
+        seconds (a worker killed before its last line)."""
+        with self._ended:
+            self._ended.wait_for(lambda: self._ends >= workers, timeout=timeout)
 
     def _write(self, lines: list[str]) -> None:
         self.file.acquire()
@@ -538,6 +641,7 @@ def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_work
             raise GenoctxError(f"--address {address}: cannot connect to Ray: {why or type(e).__name__}") from None
         return None
     gpus = check_local(num_workers, gpus_per_worker)
+    stop_stale_ray(storage)  # what a killed driver of this run left
     temp_dir = _ray_temp_dir(storage)
     ray.init(
         include_dashboard=False,
@@ -567,13 +671,15 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
         if not ray.is_initialized():
             temp_dir = _connect(address, storage, num_workers, gpus_per_worker)
             started = True
-        routed.enter_context(_RayLog(log_file, saved))
+        router = routed.enter_context(_RayLog(log_file, saved))
         resources = _bundle(gpus_per_worker)
         if placement_timeout > 0:
             _place(num_workers, resources, placement_timeout, what)
 
+        end = router.end  # a string: the closure travels to the workers
+
         def loop(cfg: dict):  # runs on every worker (cloudpickled: worker_fn travels by reference)
-            return _run_on_worker(worker_fn, cfg, gpus_per_worker)
+            return _run_on_worker(worker_fn, cfg, gpus_per_worker, end)
 
         trainer = TorchTrainer(
             loop,
@@ -589,7 +695,9 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
         t0 = time.perf_counter()
         try:
             result = trainer.fit()
+            router.drain(num_workers)
         except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
+            router.drain(num_workers)
             mine = _worker_error(e)
             if mine is not None:
                 raise GenoctxError(mine) from e
@@ -600,6 +708,7 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
         routed.close()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
+            (storage / _TEMP_NOTE).unlink(missing_ok=True)
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
     value = getattr(result, "return_value", None)
