@@ -606,10 +606,9 @@ class _RayLog:
     def _write(self, lines: list[str]) -> None:
         self.file.acquire()
         try:
-            stream = self.file.stream if self.file.stream is not None else self.file._open()
-            self.file.stream = stream
-            stream.write("".join(line + "\n" for line in lines))
-            stream.flush()
+            if self.file.stream is not None:  # None once closed: a batch still on its way after the run is dropped
+                self.file.stream.write("".join(line + "\n" for line in lines))
+                self.file.stream.flush()
         finally:
             self.file.release()
 
