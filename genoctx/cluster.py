@@ -60,13 +60,81 @@ PLACEMENT_TIMEOUT_S = 600.0
 _STRATEGY = "PACK"  # Ray Train's default placement strategy (ScalingConfig.placement_strategy), given to both
 
 
+_TEMP_NOTE = ".ray-temp"  # RUN/.ray-temp: the /tmp directory of the run's local Ray when RUN/.ray is too long
+log = logging.getLogger("genoctx.cluster")
+
+
 def _ray_temp_dir(out: Path) -> str:
-    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp."""
+    """``RUN/.ray`` when short enough for Ray's unix sockets, else a short directory under /tmp, named in
+    ``RUN/.ray-temp`` until the run ends (``stop_stale_ray`` finds it there after a killed driver)."""
     p = out / ".ray"
     if len(str(p)) <= _SOCKET_BUDGET:
         p.mkdir(parents=True, exist_ok=True)
         return str(p)
-    return tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+    d = tempfile.mkdtemp(prefix="gx-ray-", dir="/tmp")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / _TEMP_NOTE).write_text(d + "\n")
+    return d
+
+
+def _under(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d + os.sep) for d in dirs)
+
+
+def stop_stale_ray(out: str | Path, grace: float = 5.0) -> list[int]:
+    """Stop what the local Ray of an earlier driver of this run folder left running, and remove its temp directory.
+
+    A driver killed with SIGKILL never runs ``ray.shutdown``: its Ray's ``ray::DashboardAgent`` and
+    ``ray::RuntimeEnvAgent`` (and, on a busy machine, the raylet or GCS) outlive it by a minute or more. They are
+    found by the run's Ray temp directory (``RUN/.ray``, or the one ``RUN/.ray-temp`` names): a process of this user
+    whose command line names a path under it, or that holds a file open under it (the agents' logs). Each gets
+    SIGTERM, then SIGKILL after ``grace`` seconds. Only a driver that holds the run folder's lock calls this (no
+    live run uses that directory); ``run_workers`` does before it starts a local Ray. By hand (docs/cluster.md):
+    ``python -c "from genoctx.cluster import stop_stale_ray; stop_stale_ray('RUN')"``.
+
+    Args:
+        out: the run folder (``storage_path`` of ``run_workers``).
+        grace: seconds between SIGTERM and SIGKILL.
+
+    Returns:
+        The PIDs stopped (empty when nothing was left).
+    """
+    import ray  # noqa: F401, I001  (puts the psutil Ray bundles on sys.path: it comes before psutil)
+    import psutil
+
+    out = Path(out)
+    note = out / _TEMP_NOTE
+    found = [out / ".ray"] + ([Path(note.read_text().strip())] if note.is_file() else [])
+    found = [d for d in found if d.is_dir()]
+    dirs = sorted({str(d) for d in found} | {os.path.realpath(d) for d in found})
+    stale = []
+    if dirs:
+        for p in psutil.process_iter(["pid", "uids", "cmdline", "status"]):
+            try:
+                if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                    continue
+                if p.info["uids"] is None or p.info["uids"].real != os.getuid():
+                    continue
+                words = [w.split("=", 1)[-1] for w in p.info["cmdline"] or []]
+                if any(_under(w, dirs) for w in words) or any(_under(f.path, dirs) for f in p.open_files()):
+                    stale.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+    for p in stale:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(stale, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    if stale:
+        log.warning("stopped %d Ray process%s an earlier driver of %s left running (pids %s)", len(stale),
+                    "es" * (len(stale) != 1), out, ", ".join(str(p.pid) for p in stale))  # fmt: skip
+    for d in found:
+        shutil.rmtree(d, ignore_errors=True)
+    note.unlink(missing_ok=True)
+    return [p.pid for p in stale]
 
 
 def _workers_per_node(node: dict[str, float], bundle: dict[str, float]) -> int:
@@ -291,22 +359,56 @@ class WorkerSession:
             yield Path(d)
 
 
+# the token that marks a worker's line as genoctx's own on its way to the driver (``_RayLog`` sends those to the
+# user's stderr, everything else of Ray's to the run's log file): Ray's own "info message" token, which Ray's printer
+# strips, so a marked line reads the same where no ``_RayLog`` routes it
+_MARK = ":info_message:"
+
+
+class _Marked(logging.Formatter):
+    """``%(message)s`` with every line (a traceback's too) behind ``_MARK``: Ray forwards a worker's stderr line by
+    line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(_MARK + line for line in (super().format(record).splitlines() or [""]))
+
+
+def _mark_worker_logs() -> None:
+    """In a Ray worker: the ``genoctx`` logger's lines go to stderr marked (``_MARK``), at INFO, not to the root
+    logger (where Ray Train's handlers are). ``genoctx.train.distributed.worker_logging`` finds the handler there and
+    adds none of its own."""
+    glog = logging.getLogger("genoctx")
+    if not any(isinstance(h.formatter, _Marked) for h in glog.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Marked("%(message)s"))
+        glog.addHandler(handler)
+    glog.setLevel(logging.INFO)
+    glog.propagate = False
+
+
 _AGREED = "genoctx_agreed_error"  # the key of a worker's return value that carries an error every rank raised
 
 
-def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float) -> Any:
+def _run_on_worker(worker_fn: Callable[[dict, WorkerSession], Any], config: dict, gpus_per_worker: float,
+                   end: str | None = None) -> Any:  # fmt: skip
     """``worker_fn(config, session)``; an ``AgreedError`` (a user error raised on every rank at once, so none waits in
-    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print.
+    a collective) ends the worker quietly with ``{_AGREED: message}`` instead of a traceback Ray would print. Its
+    ``genoctx`` log lines are marked (``_mark_worker_logs``); the last line it writes is the marked ``end`` (when
+    given), which tells the driver's ``_RayLog.drain`` that all its lines have arrived.
 
     The body runs inside ``parallel.mesh.leaving_mesh``: on success or error every process group is destroyed and
     freed before the worker returns, so no gloo thread outlives the interpreter (SIGABRT at exit otherwise)."""
     from .parallel.mesh import leaving_mesh
 
+    _mark_worker_logs()
     try:
         with leaving_mesh():
             return worker_fn(config, WorkerSession(gpus_per_worker))
     except AgreedError as e:
         return {_AGREED: str(e)}
+    finally:
+        if end is not None:
+            print(_MARK + end, file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -331,6 +433,20 @@ def _worker_error(e: BaseException) -> str | None:
     return None
 
 
+def _failure(e: BaseException) -> str:
+    """The error that ended a worker group, in one line: the first failed rank's exception (``rank 1: RuntimeError:
+    boom``, found in Ray Train's ``WorkerGroupError.worker_failures``), else Ray's own error's first line."""
+    failures = getattr(e, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        err = failures[rank]
+        while getattr(err, "cause", None) is not None or err.__cause__ is not None:  # Ray wraps the worker's error
+            err = getattr(err, "cause", None) or err.__cause__
+        text = str(err).strip().splitlines()
+        return f"rank {rank}: {type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 def run_workers(
     worker_fn: Callable[[dict, WorkerSession], Any],
     config: dict,
@@ -344,6 +460,7 @@ def run_workers(
     keep_checkpoints: int = 0,
     what: str = "distributed run",
     placement_timeout: float | None = None,
+    log_file: str | Path | None = None,
 ) -> WorkerRun:
     """Run ``worker_fn(config, session)`` on ``num_workers`` Ray Train workers and wait for them.
 
@@ -363,6 +480,9 @@ def run_workers(
         what: the failure message's subject (``"distributed training"``).
         placement_timeout: seconds the group may wait for its resources (``_place``); None = ``PLACEMENT_TIMEOUT_S``,
             0 = no check and no bound (Ray Train waits, and retries, forever).
+        log_file: the file Ray's own lines of the run are appended to (``_RayLog``: Ray Train's reports, its
+            tracebacks, the raylet's messages); None = ``storage_path/ray.log``. The workers' ``genoctx`` log lines
+            go to stderr (and the file).
 
     Returns:
         ``WorkerRun``: the seconds the worker group ran and what rank 0's ``worker_fn`` returned.
@@ -370,17 +490,127 @@ def run_workers(
     Raises:
         GenoctxError: a user error every rank agreed on (``AgreedError``: its message, and no restart), or the group
             still failed after ``max_failures`` restarts: one line, a worker's own ``GenoctxError`` message when one
-            raised it, else the first line of Ray's error. Before any worker starts: a local Ray without the GPUs
-            asked (``check_local``), an ``address`` Ray cannot connect to, or a group the cluster cannot hold or
-            does not place within ``placement_timeout`` (``_place``), each one line.
+            raised it, else the rank and the first line of the error that ended it, and the log file. Before any
+            worker starts: a local Ray without the GPUs asked (``check_local``), an ``address`` Ray cannot connect
+            to, or a group the cluster cannot hold or does not place within ``placement_timeout`` (``_place``), each
+            one line.
     """
     timeout = PLACEMENT_TIMEOUT_S if placement_timeout is None else placement_timeout
     if not 0 <= timeout < float("inf"):
         raise GenoctxError(f"--placement-timeout: must be a number of seconds >= 0 (0 waits forever), got {timeout:g}")
     check_gpus_per_worker(gpus_per_worker)
+    log = Path(log_file) if log_file is not None else Path(storage_path) / "ray.log"
     with contextlib.redirect_stdout(sys.stderr):  # Ray's worker and raylet lines: stdout is the caller's
         return _fit(worker_fn, config, Path(storage_path), run_name, num_workers, gpus_per_worker, address,
-                    max_failures, keep_checkpoints, what, timeout)  # fmt: skip
+                    max_failures, keep_checkpoints, what, timeout, log)  # fmt: skip
+
+
+class _RayLog:
+    """While a worker group runs: Ray's own lines go to the run's log file, genoctx's to the user's stderr.
+
+    What reaches the driver: the workers' and Ray Train controller's stdout/stderr lines (Ray's ``log_to_driver``:
+    Ray Train's ``TrainingReport(...)`` lines, its tracebacks, genoctx's worker log lines), the GCS's error messages
+    (a worker that died, with Ray's traceback) and the driver's own ``ray`` loggers. Inside the block the lines a
+    worker's ``genoctx`` logger wrote (marked: ``_mark_worker_logs``) are printed on stderr as Ray printed them
+    (deduplicated across workers, without Ray's ``(pid=...)`` prefix); every line, genoctx's too, is appended to
+    ``path`` behind its source (``[RayTrainWorker pid=123]``). The root logger gets back the handlers and level it had
+    before ``ray.init`` (``root``: Ray's ``LoggingConfig`` replaces them).
+
+    The hooks are Ray's private ones (``ray._private.worker.print_to_stdstream`` and the driver's stream dispatcher,
+    Ray 2.60); on a Ray without them Ray prints as before (a marked line then reads as plain text: ``_MARK`` is
+    Ray's own token, which its printer strips).
+
+    Args:
+        path: the log file (appended to; its folder is made).
+        root: the root logger's ``(level, handlers)`` to put back.
+    """
+
+    def __init__(self, path: Path, root: tuple[int, list[logging.Handler]]) -> None:
+        import threading
+        import uuid
+
+        self.path, self.root = path, root
+        self.end = f"genoctx-end {uuid.uuid4().hex}"  # each worker's last line (``_run_on_worker``): not shown
+        self._ended = threading.Condition()
+        self._ends = 0
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> _RayLog:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = logging.FileHandler(self.path, encoding="utf-8")
+        self.file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self._write([f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} genoctx: Ray's log of this run (pid {os.getpid()})"])
+        root = logging.getLogger()
+        root.setLevel(self.root[0])
+        root.handlers[:] = self.root[1]
+        ray_logger = logging.getLogger("ray")
+        saved = list(ray_logger.handlers)
+        ray_logger.handlers[:] = [self.file]
+        self._undo.append(lambda: ray_logger.handlers.__setitem__(slice(None), saved))
+        try:
+            import ray._private.worker as rw
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:  # another Ray: it prints as it does
+            return self
+        printer = rw.print_to_stdstream
+        rw.print_to_stdstream = self.route  # the GCS error listener looks it up at each message
+        self._undo.append(lambda: setattr(rw, "print_to_stdstream", printer))
+        before = list(dispatcher.handlers)
+        dispatcher.remove_handler("ray_print_logs")
+        if len(dispatcher.handlers) < len(before):  # log_to_driver: our printer in place of Ray's
+            dispatcher.add_handler("ray_print_logs", lambda data: self.route(data, ignore_prefix=True))
+
+            def give_back() -> None:
+                dispatcher.remove_handler("ray_print_logs")
+                if rw.global_worker.connected:  # an attached Ray lives on: its printer again (shutdown removes it)
+                    for pair in before:
+                        if pair[0] == "ray_print_logs":
+                            dispatcher.add_handler(*pair)
+
+            self._undo.append(give_back)
+        self._printer, self._autoscaler_events = printer, rw.filter_autoscaler_events
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        self.file.close()
+
+    def route(self, data: dict, ignore_prefix: bool = False) -> None:
+        """One batch of lines from Ray (``data["lines"]``, from ``data["pid"]``, ``data["actor_name"]``, ...): all to
+        the file; the marked ones (``_MARK``) to stderr through Ray's printer."""
+        lines = [str(line) for line in data.get("lines") or []]
+        ends = sum(line == _MARK + self.end for line in lines)
+        if ends:
+            lines = [line for line in lines if line != _MARK + self.end]
+            with self._ended:
+                self._ends += ends
+                self._ended.notify_all()
+        if data.get("pid") == "autoscaler":  # its status table every 5 s: only its events, as Ray prints them
+            lines = list(self._autoscaler_events(lines))
+        who = data.get("actor_name") or data.get("task_name") or ""
+        source = f"[{who + ' ' if who else ''}pid={data.get('pid')}]"
+        self._write([f"{source} {line.replace(_MARK, '', 1)}" for line in lines])
+        mine = [line for line in lines if line.startswith(_MARK)]
+        if mine:
+            self._printer({**data, "lines": mine}, ignore_prefix=True)
+
+    def drain(self, workers: int, timeout: float = 5.0) -> None:
+        """Wait until the last line of each of ``workers`` workers has reached the driver (Ray forwards them a
+        moment after they are written; lines still on their way when Ray shuts down are lost), at most ``timeout``
+        seconds (a worker killed before its last line)."""
+        with self._ended:
+            self._ended.wait_for(lambda: self._ends >= workers, timeout=timeout)
+
+    def _write(self, lines: list[str]) -> None:
+        self.file.acquire()
+        try:
+            if self.file.stream is not None:  # None once closed: a batch still on its way after the run is dropped
+                self.file.stream.write("".join(line + "\n" for line in lines))
+                self.file.stream.flush()
+        finally:
+            self.file.release()
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:
@@ -451,6 +681,7 @@ def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_work
             raise GenoctxError(f"--address {address}: cannot connect to Ray: {why or type(e).__name__}") from None
         return None
     gpus = check_local(num_workers, gpus_per_worker)
+    stop_stale_ray(storage)  # what a killed driver of this run left
     temp_dir = _ray_temp_dir(storage)
     ray.init(
         include_dashboard=False,
@@ -467,7 +698,7 @@ def _connect(address: str | None, storage: Path, num_workers: int, gpus_per_work
 
 
 def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, address, max_failures, keep, what,
-         placement_timeout):  # fmt: skip
+         placement_timeout, log_file):  # fmt: skip
     import ray
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -475,16 +706,20 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
     started, temp_dir = False, None
     root = logging.getLogger()  # Ray's LoggingConfig sets the root logger's level and handlers: ours come back after
     saved = (root.level, list(root.handlers))
+    routed = contextlib.ExitStack()
     try:
         if not ray.is_initialized():
             temp_dir = _connect(address, storage, num_workers, gpus_per_worker)
             started = True
+        router = routed.enter_context(_RayLog(log_file, saved))
         resources = _bundle(gpus_per_worker)
         if placement_timeout > 0:
             _place(num_workers, resources, placement_timeout, what)
 
+        end = router.end  # a string: the closure travels to the workers
+
         def loop(cfg: dict):  # runs on every worker (cloudpickled: worker_fn travels by reference)
-            return _run_on_worker(worker_fn, cfg, gpus_per_worker)
+            return _run_on_worker(worker_fn, cfg, gpus_per_worker, end)
 
         trainer = TorchTrainer(
             loop,
@@ -500,16 +735,20 @@ def _fit(worker_fn, config, storage, run_name, num_workers, gpus_per_worker, add
         t0 = time.perf_counter()
         try:
             result = trainer.fit()
+            router.drain(num_workers)
         except Exception as e:  # ray.train.TrainingFailedError and friends: one line for the user
+            router.drain(num_workers)
             mine = _worker_error(e)
             if mine is not None:
                 raise GenoctxError(mine) from e
-            raise GenoctxError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            raise GenoctxError(f"{what} failed: {_failure(e)} (Ray's log: {log_file})") from e
     finally:
         if started:
             ray.shutdown()
+        routed.close()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
+            (storage / _TEMP_NOTE).unlink(missing_ok=True)
         root.setLevel(saved[0])
         root.handlers[:] = saved[1]
     value = getattr(result, "return_value", None)

@@ -420,13 +420,19 @@ def score_on_mesh(
         "cp_layout": mesh.cp_layout if layout.cp > 1 else "contiguous",
     }
     storage = Path(tempfile.mkdtemp(prefix="genoctx-eval-"))
+    ray_log = storage.with_name(storage.name + ".log")  # Ray's own lines: kept only when a failure names it
     try:
         run = mesh.run_workers(_eval_worker, config, num_workers=layout.world, storage_path=storage,
                                run_name=RUN_NAME, gpus_per_worker=mesh.gpus_per_worker, address=mesh.address,
                                max_failures=0, keep_checkpoints=0, what="distributed eval",
-                               placement_timeout=mesh.placement_timeout)  # fmt: skip
+                               placement_timeout=mesh.placement_timeout, log_file=ray_log)  # fmt: skip
+    except GenoctxError as e:
+        if str(ray_log) not in str(e):
+            ray_log.unlink(missing_ok=True)
+        raise
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+    ray_log.unlink(missing_ok=True)
     got = run.value
     if not got or len(got.get("models", [])) != len(specs):
         raise GenoctxError("distributed eval failed: rank 0 returned no result")

@@ -105,7 +105,7 @@ def fork_ranks(fn, args: tuple, nprocs: int, timeout: float = 600) -> None:
 
 def spawn_workers(worker_fn, config: dict, *, num_workers: int, storage_path, run_name: str = "run",
                   gpus_per_worker: float = 0, address=None, max_failures: int = 0, keep_checkpoints: int = 0,
-                  what: str = "distributed run", placement_timeout=None):  # fmt: skip
+                  what: str = "distributed run", placement_timeout=None, log_file=None):  # fmt: skip
     """``run_workers`` on ``num_workers`` gloo processes forked from a preloaded server (``_forkserver``; CPU only;
     the Ray-only arguments are ignored)."""
     import torch.multiprocessing as mp
