@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from .common import _Command, _emit_json, _one_line, _setup_logging, _user_errors, app
+from .options import Verbose
 
 
 @app.command(cls=_Command)
@@ -25,7 +26,7 @@ def doctor(
     cpu_ok: Annotated[
         bool, typer.Option("--cpu-ok", help="A machine without a GPU is not a failure (CI, a laptop): exit 0.")
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Check this machine before a GPU job: prints JSON with the torch, CUDA, NCCL, Triton and fla versions, the
     GPUs (memory, compute capability), whether genoctx's kernels compile for them and, with --address, the Ray

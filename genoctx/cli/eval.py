@@ -24,7 +24,7 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import GpusPerWorker, PlacementTimeout, RayAddress
+from .options import ChunkTokens, Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose
 
 
 @app.command("eval", cls=_Command)
@@ -103,7 +103,7 @@ def eval_(
             "--chunk-tokens.",
         ),
     ] = None,
-    chunk_tokens: Annotated[str | None, typer.Option("--chunk-tokens", hidden=True)] = None,
+    chunk_tokens: ChunkTokens = None,
     loss_vocab: Annotated[
         str | None,
         typer.Option(
@@ -122,7 +122,7 @@ def eval_(
     ] = False,
     copy_segment: Annotated[int, typer.Option(help="Bases copied by --copy-probe.")] = 200,
     copy_distances: Annotated[int, typer.Option(help="Log-spaced distances of --copy-probe (64 to W - segment).")] = 8,
-    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
+    device: Device = "cpu",
     num_workers: Annotated[
         int | None,
         typer.Option(help="Score on Ray with N workers on the training mesh (FSDP x EP x CP); omit for one process."),
@@ -166,7 +166,7 @@ def eval_(
             "they were written.",
         ),
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Held-out next-token loss, binned by how many tokens of context each token had, with 95% bootstrap
     intervals over windows (--by-position: the default mode, the flag may be left out; --copy-probe adds a

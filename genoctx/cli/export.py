@@ -10,6 +10,7 @@ import typer
 
 from ..errors import GenoctxError
 from .common import _absolute_paths, _Command, _emit_json, _out_dir, _setup_logging, _user_errors, app
+from .options import Verbose, Wait
 
 
 @app.command(cls=_Command)
@@ -37,9 +38,7 @@ def export(
         ),
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out.")] = False,
-    wait: Annotated[
-        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
-    ] = False,
+    wait: Wait = False,
     base: Annotated[
         Path | None,
         typer.Option(
@@ -65,7 +64,7 @@ def export(
             "it was written.",
         ),
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face model directory that transformers loads
     (Glm5NextForConditionalGeneration.from_pretrained); prints a JSON summary. See docs/checkpoints.md, "Export".

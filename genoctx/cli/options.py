@@ -6,6 +6,15 @@ from typing import Annotated
 
 import typer
 
+# --verbose/-v (every verb), --wait (prepare, train, export), --device (train, eval), the hidden old name of
+# --seq-chunk (eval, plan)
+Verbose = Annotated[bool, typer.Option("--verbose", "-v")]
+Wait = Annotated[
+    bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
+]
+Device = Annotated[str, typer.Option(help="cpu, cuda, or auto.")]
+ChunkTokens = Annotated[str | None, typer.Option("--chunk-tokens", hidden=True)]  # old name of --seq-chunk
+
 # the Ray options train and eval share (genoctx.cluster.run_workers)
 RayAddress = Annotated[
     str | None, typer.Option(help="Ray cluster: auto or ray://HOST:PORT (default: start a local Ray).")

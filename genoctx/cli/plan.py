@@ -11,6 +11,7 @@ import typer
 
 from ..errors import GenoctxError
 from .common import _alias, _at_least, _Command, _emit_json, _setup_logging, _size, _user_errors, app
+from .options import ChunkTokens
 
 
 @app.command(cls=_Command)
@@ -125,7 +126,7 @@ def plan(
             "no optimizer (genoctx.plan.plan_eval).",
         ),
     ] = False,
-    chunk_tokens: Annotated[str | None, typer.Option("--chunk-tokens", hidden=True)] = None,
+    chunk_tokens: ChunkTokens = None,
     cp_layout: Annotated[
         str, typer.Option("--cp-layout", help="With --eval: contiguous or zigzag CP pieces (genoctx eval's).")
     ] = "contiguous",

@@ -23,6 +23,7 @@ from .common import (
     _user_errors,
     app,
 )
+from .options import Verbose, Wait
 
 
 @app.command(cls=_Command)
@@ -70,10 +71,8 @@ def prepare(
             help="Keep (pad with <pad>) or drop the last partial window of each chromosome.",
         ),
     ] = False,  # fmt: skip
-    wait: Annotated[
-        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
-    ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    wait: Wait = False,
+    verbose: Verbose = False,
 ) -> None:
     """Tokenize FASTA (local, or downloaded and verified) into windows split by chromosome; prints JSON.
 

@@ -23,7 +23,7 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import GpusPerWorker, PlacementTimeout, RayAddress
+from .options import Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose, Wait
 
 
 @app.command(cls=_Command)
@@ -64,7 +64,7 @@ def train(
             "fetched by huggingface_hub into its cache (HF_HUB_OFFLINE, HF_ENDPOINT respected); = model.init.",
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu, cuda, or auto.")] = "cpu",
+    device: Device = "cpu",
     num_workers: Annotated[
         int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
     ] = None,
@@ -127,9 +127,7 @@ def train(
     address: RayAddress = None,
     gpus_per_worker: GpusPerWorker = 0,
     placement_timeout: PlacementTimeout = None,
-    wait: Annotated[
-        bool, typer.Option("--wait", help="If another genoctx process is writing --out, wait for it (default: exit 2).")
-    ] = False,
+    wait: Wait = False,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -166,7 +164,7 @@ def train(
             "the sizes and digests recorded when it was written; = train.verify_checkpoints=false.",
         ),
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Post-train the hybrid model on the train split; prints a JSON run summary.
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .common import _absolute_paths, _Command, _emit_json, _one_line, _setup_logging, _user_errors, app
+from .options import Verbose
 
 
 @app.command(cls=_Command)
@@ -15,7 +16,7 @@ from .common import _absolute_paths, _Command, _emit_json, _one_line, _setup_log
 @_absolute_paths
 def verify(
     path: Annotated[Path, typer.Argument(help="A run directory (every checkpoint of it) or one checkpoint directory.")],
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Check checkpoint files against the sizes and xxh3_64 digests recorded in their state.json when they were
     written; prints JSON (per checkpoint: path, step, ok, and per file: bytes, expected and actual digest, status
