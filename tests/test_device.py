@@ -2,8 +2,8 @@
 
 Triton launches on the current device (and NCCL and ``torch.cuda`` calls without a device use it): with tensors on
 ``cuda:1`` and the current device 0 a kernel reads the wrong GPU's memory. Without a GPU the CUDA side is replaced by
-genoctx's own functions (``genoctx.cli._cuda_devices``, ``_set_cuda_device``, ``_expandable_segments``); torch.cuda
-itself is never patched.
+genoctx's own functions (``genoctx.cli.common._cuda_devices``, ``_set_cuda_device``, ``_expandable_segments``);
+torch.cuda itself is never patched.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def cli(monkeypatch, tmp_path):
     from genoctx.cli import app
 
     calls: list = []
-    monkeypatch.setattr("genoctx.cli._cuda_devices", lambda: 2)
-    monkeypatch.setattr("genoctx.cli._expandable_segments", lambda: calls.append("alloc"))
-    monkeypatch.setattr("genoctx.cli._set_cuda_device", lambda index: calls.append(index))
+    monkeypatch.setattr("genoctx.cli.common._cuda_devices", lambda: 2)
+    monkeypatch.setattr("genoctx.cli.common._expandable_segments", lambda: calls.append("alloc"))
+    monkeypatch.setattr("genoctx.cli.common._set_cuda_device", lambda index: calls.append(index))
     monkeypatch.setattr("genoctx.eval.position.evaluate", lambda c, d, **kw: calls.append(kw["device"]) or {"ok": 1})
     monkeypatch.setattr("genoctx.train.loop.train", lambda d, r, o, **kw: calls.append(kw["device"]) or {"ok": 1})
     (tmp_path / "manifest.json").write_text("{}")

@@ -1,0 +1,5 @@
+"""``python -m genoctx.cli``: the ``genoctx`` command line."""
+
+from . import main
+
+main()
