@@ -94,7 +94,10 @@ def test_a_failing_worker_is_one_line_naming_rank_error_and_log(two_runs):
     log_path = storage / "fail" / "ray.log"
     why = "rank 1: RuntimeError: rank 1 fails on purpose"
     assert out["fail"] == f"distributed run failed: {why} (Ray's log: {log_path})"
-    assert failed.strip().splitlines()[-1] == f"genoctx: error: {out['fail']}"  # the workers' lines came before it
+    # the error line, once, after the workers' lines (a loaded machine has shown one stray last line of Ray's worker
+    # traceback after it: the error still reads first and whole; issue 45 item 4 notes it)
+    lines = failed.strip().splitlines()
+    assert lines.count(f"genoctx: error: {out['fail']}") == 1 and f"genoctx: error: {out['fail']}" in lines[-2:]
     assert "genoctx line from rank 0 of fail\n" in failed, failed
     assert "Traceback" not in failed and "TrainingReport(" not in failed, failed
     log = log_path.read_text()
