@@ -24,7 +24,19 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import ChunkTokens, Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose
+from .options import (
+    ChunkTokens,
+    Cp,
+    Device,
+    Ep,
+    EpFolded,
+    Fsdp,
+    GpusPerWorker,
+    NumWorkers,
+    PlacementTimeout,
+    RayAddress,
+    Verbose,
+)
 
 
 @app.command("eval", cls=_Command)
@@ -123,23 +135,11 @@ def eval_(
     copy_segment: Annotated[int, typer.Option(help="Bases copied by --copy-probe.")] = 200,
     copy_distances: Annotated[int, typer.Option(help="Log-spaced distances of --copy-probe (64 to W - segment).")] = 8,
     device: Device = "cpu",
-    num_workers: Annotated[
-        int | None,
-        typer.Option(help="Score on Ray with N workers on the training mesh (FSDP x EP x CP); omit for one process."),
-    ] = None,
-    fsdp: Annotated[int | None, typer.Option(help="FSDP2 size: workers sharding each model's parameters.")] = None,
-    ep: Annotated[int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts.")] = None,
-    ep_folded: Annotated[
-        bool,
-        typer.Option(
-            "--ep-folded/--no-ep-folded",
-            help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding) instead of an axis of "
-            "its own, as train's.",
-        ),
-    ] = False,
-    cp: Annotated[
-        int | None, typer.Option(help="Context-parallel size: workers sharing one window (pieces as in training).")
-    ] = None,
+    num_workers: NumWorkers = None,
+    fsdp: Fsdp = None,
+    ep: Ep = None,
+    ep_folded: EpFolded = False,
+    cp: Cp = None,
     cp_layout: Annotated[
         str, typer.Option(help="CP pieces: contiguous or zigzag (as train.cp_layout).")
     ] = "contiguous",

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import GenoctxError
 from .common import _alias, _at_least, _Command, _emit_json, _setup_logging, _size, _user_errors, app
-from .options import ChunkTokens
+from .options import ChunkTokens, Cp, Ep, EpFolded, Fsdp
 
 
 @app.command(cls=_Command)
@@ -63,17 +63,10 @@ def plan(
         str, typer.Option("--rank-by", help="Order of the layouts that fit: memory (most headroom) or throughput.")
     ] = "memory",
     dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
-    ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
-    ep_folded: Annotated[
-        bool,
-        typer.Option(
-            "--ep-folded/--no-ep-folded",
-            help="The --ep group drawn from the --fsdp x --cp ranks (MoE folding) instead of an axis of its own, as "
-            "train's.",
-        ),
-    ] = False,
-    fsdp: Annotated[int | None, typer.Option("--fsdp", help="FSDP ranks (dp_shard; > 1 shards parameters).")] = None,
-    cp: Annotated[int | None, typer.Option(help="Context-parallel ranks (pieces of one window).")] = None,
+    ep: Ep = None,
+    ep_folded: EpFolded = False,
+    fsdp: Fsdp = None,
+    cp: Cp = None,
     no_recompute: Annotated[
         bool, typer.Option("--no-recompute", help="No activation checkpointing of the decoder layers.")
     ] = False,

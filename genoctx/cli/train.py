@@ -23,7 +23,7 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose, Wait
+from .options import Device, GpusPerWorker, NumWorkers, PlacementTimeout, RayAddress, Verbose, Wait
 
 
 @app.command(cls=_Command)
@@ -65,9 +65,7 @@ def train(
         ),
     ] = None,
     device: Device = "cpu",
-    num_workers: Annotated[
-        int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
-    ] = None,
+    num_workers: NumWorkers = None,
     cp: Annotated[
         int | None,
         typer.Option(help="Context-parallel size: workers sharing one window (pieces: --cp-layout); = train.cp."),
