@@ -24,7 +24,19 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import ChunkTokens, Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose
+from .options import (
+    ChunkTokens,
+    Cp,
+    Device,
+    Ep,
+    EpFolded,
+    Fsdp,
+    GpusPerWorker,
+    NumWorkers,
+    PlacementTimeout,
+    RayAddress,
+    Verbose,
+)
 
 
 @app.command("eval", cls=_Command)
@@ -123,23 +135,11 @@ def eval_(
     copy_segment: Annotated[int, typer.Option(help="Bases copied by --copy-probe.")] = 200,
     copy_distances: Annotated[int, typer.Option(help="Log-spaced distances of --copy-probe (64 to W - segment).")] = 8,
     device: Device = "cpu",
-    num_workers: Annotated[
-        int | None,
-        typer.Option(help="Score on Ray with N workers on the training mesh (FSDP x EP x CP); omit for one process."),
-    ] = None,
-    fsdp: Annotated[int | None, typer.Option(help="FSDP2 size: workers sharding each model's parameters.")] = None,
-    ep: Annotated[int | None, typer.Option(help="Expert-parallel size: workers splitting the routed experts.")] = None,
-    ep_folded: Annotated[
-        bool,
-        typer.Option(
-            "--ep-folded/--no-ep-folded",
-            help="Draw the --ep group from the --fsdp x --cp workers (MoE parallel folding) instead of an axis of "
-            "its own, as train's.",
-        ),
-    ] = False,
-    cp: Annotated[
-        int | None, typer.Option(help="Context-parallel size: workers sharing one window (pieces as in training).")
-    ] = None,
+    num_workers: NumWorkers = None,
+    fsdp: Fsdp = None,
+    ep: Ep = None,
+    ep_folded: EpFolded = False,
+    cp: Cp = None,
     cp_layout: Annotated[
         str, typer.Option(help="CP pieces: contiguous or zigzag (as train.cp_layout).")
     ] = "contiguous",
@@ -188,25 +188,14 @@ def eval_(
       genoctx eval --checkpoint runs/base --checkpoint runs/post --data prepared --num-workers 4 --fsdp 2 --cp 2
     """
     _setup_logging(verbose)
-    if format_ not in ("table", "json", "csv"):
-        raise GenoctxError(f"--format must be table, json or csv, got {format_!r}")
-    if plot_metric not in ("loss", "relative_change"):
-        raise GenoctxError(f"--plot-metric must be loss or relative_change, got {plot_metric!r}")
-    if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
-        raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
-    seq_chunk, chunk_flag = _alias("--seq-chunk", seq_chunk, "--chunk-tokens", chunk_tokens)
-    gpu_memory_gib, memory_flag = _alias("--gpu-memory-gib", gpu_memory_gib, "--memory-gib", memory_gib)
-    chunk = _size(chunk_flag, seq_chunk) if seq_chunk is not None else None
-    _at_least("--copy-segment", copy_segment, 1)
-    _at_least("--copy-distances", copy_distances, 1)
-    if loss_vocab not in (None, "full", "nucleotide"):
-        raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
+    chunk, gpu_memory_gib, memory_flag = _eval_checks(
+        format_, plot, plot_metric, checkpoint, baseline, seq_chunk, chunk_tokens, gpu_memory_gib, memory_gib,
+        copy_segment, copy_distances, loss_vocab)  # fmt: skip
     data = _data_dir(data)
     mesh = _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, gpu_memory_gib, force,
                       ep_folded, placement_timeout, memory_flag)  # fmt: skip
     from ..eval.plot import prepare_plot_path, remove_folders
-    from ..eval.position import evaluate, to_csv, to_table
-    from ..eval.position import plot as write_plot
+    from ..eval.position import evaluate
 
     created = prepare_plot_path(plot) if plot is not None else []  # before scoring: a bad path costs no run
     try:
@@ -239,6 +228,36 @@ def eval_(
     except BaseException:
         remove_folders(created)  # no output of a failed run, not even --plot's empty folder
         raise
+    _eval_output(doc, format_, plot, plot_metric)
+
+def _eval_checks(format_, plot, plot_metric, checkpoint, baseline, seq_chunk, chunk_tokens, gpu_memory_gib,
+                 memory_gib, copy_segment, copy_distances, loss_vocab):  # fmt: skip
+    """Check ``eval``'s flags before any work; resolve the hidden old names of ``--seq-chunk``/``--gpu-memory-gib``.
+
+    Returns ``(chunk, gpu_memory_gib, memory_flag)``: the chunk in tokens (None: unchunked), the GPU memory in GiB
+    (None: not given) and the flag name the user typed for it. Raises GenoctxError naming the first bad flag.
+    """
+    if format_ not in ("table", "json", "csv"):
+        raise GenoctxError(f"--format must be table, json or csv, got {format_!r}")
+    if plot_metric not in ("loss", "relative_change"):
+        raise GenoctxError(f"--plot-metric must be loss or relative_change, got {plot_metric!r}")
+    if plot is not None and plot_metric == "relative_change" and len(checkpoint or []) + bool(baseline) < 2:
+        raise GenoctxError("--plot-metric relative_change needs a baseline (two or more checkpoints)")
+    seq_chunk, chunk_flag = _alias("--seq-chunk", seq_chunk, "--chunk-tokens", chunk_tokens)
+    gpu_memory_gib, memory_flag = _alias("--gpu-memory-gib", gpu_memory_gib, "--memory-gib", memory_gib)
+    chunk = _size(chunk_flag, seq_chunk) if seq_chunk is not None else None
+    _at_least("--copy-segment", copy_segment, 1)
+    _at_least("--copy-distances", copy_distances, 1)
+    if loss_vocab not in (None, "full", "nucleotide"):
+        raise GenoctxError(f"--loss-vocab must be full or nucleotide, got {loss_vocab!r}")
+    return chunk, gpu_memory_gib, memory_flag
+
+
+def _eval_output(doc: dict, format_: str, plot, plot_metric: str) -> None:
+    """Write ``eval``'s result to stdout as ``format_`` (table, json, csv), then the ``--plot`` file if asked."""
+    from ..eval.position import plot as write_plot
+    from ..eval.position import to_csv, to_table
+
     # the result first: if the plot fails after all, what was computed is already out
     if format_ == "json":
         _emit_json(doc)
@@ -250,6 +269,7 @@ def eval_(
     if plot is not None:
         write_plot(doc, plot, metric=plot_metric)
         logging.getLogger("genoctx.eval").info("wrote %s", plot)
+
 
 
 def _eval_mesh(num_workers, fsdp, ep, cp, cp_layout, address, gpus_per_worker, memory_gib, force, ep_folded=False,

@@ -11,7 +11,7 @@ import typer
 
 from ..errors import GenoctxError
 from .common import _alias, _at_least, _Command, _emit_json, _setup_logging, _size, _user_errors, app
-from .options import ChunkTokens
+from .options import ChunkTokens, Cp, Ep, EpFolded, Fsdp
 
 
 @app.command(cls=_Command)
@@ -63,17 +63,10 @@ def plan(
         str, typer.Option("--rank-by", help="Order of the layouts that fit: memory (most headroom) or throughput.")
     ] = "memory",
     dp_replicate: Annotated[int | None, typer.Option(help="Data-parallel replicas (default: the rest).")] = None,
-    ep: Annotated[int | None, typer.Option(help="Expert-parallel ranks.")] = None,
-    ep_folded: Annotated[
-        bool,
-        typer.Option(
-            "--ep-folded/--no-ep-folded",
-            help="The --ep group drawn from the --fsdp x --cp ranks (MoE folding) instead of an axis of its own, as "
-            "train's.",
-        ),
-    ] = False,
-    fsdp: Annotated[int | None, typer.Option("--fsdp", help="FSDP ranks (dp_shard; > 1 shards parameters).")] = None,
-    cp: Annotated[int | None, typer.Option(help="Context-parallel ranks (pieces of one window).")] = None,
+    ep: Ep = None,
+    ep_folded: EpFolded = False,
+    fsdp: Fsdp = None,
+    cp: Cp = None,
     no_recompute: Annotated[
         bool, typer.Option("--no-recompute", help="No activation checkpointing of the decoder layers.")
     ] = False,
@@ -190,35 +183,9 @@ def plan(
       genoctx plan --preset glm-5.3-flash --seq-len 512k --gpus 8 --hardware h100 --trainable lora
         --frozen-dtype fp8 --knobs auto
     """
-    from ..plan import (
-        best_seq_chunk,
-        describe_layout,
-        format_table,
-        plan_eval,
-        plan_memory,
-        search_layouts,
-        seq_chunk_hint,
-    )
-    from ..plan.report import short_of, skew_note
-    from ..plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
-    from ..plan.time import add_time, rank_by_throughput
-
     _setup_logging(False)
-    if format_ not in ("table", "json"):
-        raise GenoctxError(f"--format must be table or json, got {format_!r}")
-    if rank_by not in ("memory", "throughput"):
-        raise GenoctxError(f"--rank-by must be memory or throughput, got {rank_by!r}")
-    hw, skew_x = _hardware_and_skew(hardware, skew)
-    gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
-    if sum(x is not None for x in (preset, recipe, hf)) != 1:
-        raise GenoctxError("give one of --preset NAME, --hf DIR and --recipe FILE")
-    for flag, value in (("--gpus", gpus), ("--dp-replicate", dp_replicate), ("--ep", ep), ("--fsdp", fsdp),
-                        ("--cp", cp), ("--batch-size", batch_size)):  # fmt: skip
-        _at_least(flag, value, 1)
-    if not 0 < gpu_memory_gib < float("inf"):
-        raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
-    if dtype is not None and dtype not in ("bf16", "fp32"):
-        raise GenoctxError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    hw, skew_x, gpu_memory_gib = _plan_checks(format_, rank_by, hardware, skew, gpu_memory_gib, preset, recipe, hf,
+                                              gpus, dp_replicate, ep, fsdp, cp, batch_size, dtype)  # fmt: skip
     cfg, rec = _plan_model(preset, hf, recipe)
     default_len = rec.train.seq_len if rec is not None and rec.train.seq_len else 1 << 20
     L = _size("--seq-len", seq_len) if seq_len is not None else default_len
@@ -249,39 +216,107 @@ def plan(
         raise GenoctxError("--ep-folded needs --ep (the expert-parallel size to fold into --fsdp x --cp)")
     auto, layout = kwargs.get("seq_chunk_tokens") == "auto", None
     if any(x is not None for x in (dp_replicate, ep, fsdp, cp)):
-        layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
-        try:
-            if auto:
-                kwargs.pop("seq_chunk_tokens")
-                plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
-            elif knobs == "auto":
-                plans = [plan_with_knobs(cfg, L, layout, seq_chunks=AUTO_SEQ_CHUNKS, **kwargs)]
-            else:
-                plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
-        except ValueError as e:
-            raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
-        doc["layouts"] = add_time(plans, cfg, hw, skew=skew_x)
-        shown = plans
+        layout, plans, shown = _plan_fixed(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_,
+                                           ep_folded, kwargs, auto, knobs, hw, skew_x, doc)  # fmt: skip
     else:
-        plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train",
-                               **({"knobs": knobs} if not eval_ else {}), **kwargs)  # fmt: skip
-        if not plans:
-            piece = "CP pieces of >= linear_conv_kernel_dim - 1" if eval_ else f"pieces of >= {cfg.kda_chunk_size}"
-            raise GenoctxError(
-                f"--gpus {gpus}: no layout of this model can run a {L}-token window on {gpus} ranks (cp must divide "
-                f"--seq-len and leave {piece} tokens, ep must divide {cfg.n_routed_experts} experts)"
-            )
-        add_time(plans, cfg, hw, skew=skew_x)
-        if rank_by == "throughput":
-            plans = rank_by_throughput(plans)
-        fitting = [p for p in plans if p["fits"]]
-        doc.update(searched=len(plans), layouts=fitting)
-        if not fitting:  # plans: nearest to fitting first (GPU and host), whatever --rank-by
-            doc["closest"] = plans[:10]
-            logging.getLogger("genoctx.plan").warning(
-                "%s; the closest, %s, is %s", _nothing_fits(gpus, gpu_memory_gib, kwargs, plans), _knobbed(plans[0]),
-                short_of(plans[0]).removeprefix("#1 does not fit: ").replace("#1 ", ""))  # fmt: skip
-        shown = fitting or plans
+        plans, shown = _plan_search(cfg, L, gpus, eval_, knobs, kwargs, hw, skew_x, rank_by, gpu_memory_gib, doc)
+    _plan_hints(doc, cfg, L, gpus, layout, kwargs, plans, shown, eval_, knobs, auto, skew_x, gpu_memory_gib)
+    if dry_run:
+        doc = _plan_dry_run(doc, cfg, shown, kwargs, no_recompute, eval_, offload_optimizer)
+    _plan_output(doc, format_, shown, plans, gpus, gpu_memory_gib, kwargs, dry_run, eval_)
+
+
+def _plan_checks(format_, rank_by, hardware, skew, gpu_memory_gib, preset, recipe, hf, gpus, dp_replicate, ep, fsdp,
+                 cp, batch_size, dtype):  # fmt: skip
+    """Check ``plan``'s flags before any work.
+
+    Returns ``(hw, skew_x, gpu_memory_gib)``: the hardware profile, the skew factor and the GPU memory in GiB
+    (default: the profile's). Raises GenoctxError naming the first bad flag.
+    """
+    if format_ not in ("table", "json"):
+        raise GenoctxError(f"--format must be table or json, got {format_!r}")
+    if rank_by not in ("memory", "throughput"):
+        raise GenoctxError(f"--rank-by must be memory or throughput, got {rank_by!r}")
+    hw, skew_x = _hardware_and_skew(hardware, skew)
+    gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
+    if sum(x is not None for x in (preset, recipe, hf)) != 1:
+        raise GenoctxError("give one of --preset NAME, --hf DIR and --recipe FILE")
+    for flag, value in (("--gpus", gpus), ("--dp-replicate", dp_replicate), ("--ep", ep), ("--fsdp", fsdp),
+                        ("--cp", cp), ("--batch-size", batch_size)):  # fmt: skip
+        _at_least(flag, value, 1)
+    if not 0 < gpu_memory_gib < float("inf"):
+        raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
+    if dtype is not None and dtype not in ("bf16", "fp32"):
+        raise GenoctxError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    return hw, skew_x, gpu_memory_gib
+
+
+def _plan_fixed(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded, kwargs, auto, knobs,
+                hw, skew_x, doc):  # fmt: skip
+    """Plan the one layout given by --dp-replicate/--ep/--fsdp/--cp (sets ``doc["layouts"]``).
+
+    Returns ``(layout, plans, shown)``. Raises GenoctxError when the layout does not suit the model or window.
+    """
+    from ..plan import best_seq_chunk, plan_eval, plan_memory
+    from ..plan.search import AUTO_SEQ_CHUNKS, plan_with_knobs
+    from ..plan.time import add_time
+
+    layout = _plan_layout(cfg, L, gpus, dp_replicate, ep, fsdp, cp, offload_optimizer, eval_, ep_folded)
+    try:
+        if auto:
+            kwargs.pop("seq_chunk_tokens")
+            plans = [best_seq_chunk(cfg, L, layout, **kwargs)]
+        elif knobs == "auto":
+            plans = [plan_with_knobs(cfg, L, layout, seq_chunks=AUTO_SEQ_CHUNKS, **kwargs)]
+        else:
+            plans = [(plan_eval if eval_ else plan_memory)(cfg, L, layout, **kwargs)]
+    except ValueError as e:
+        raise GenoctxError(f"--ep/--fsdp/--cp: {e}") from None
+    doc["layouts"] = add_time(plans, cfg, hw, skew=skew_x)
+    shown = plans
+    return layout, plans, shown
+
+
+def _plan_search(cfg, L, gpus, eval_, knobs, kwargs, hw, skew_x, rank_by, gpu_memory_gib, doc):
+    """Plan every layout of ``gpus`` ranks (sets ``doc``'s searched/layouts, and closest when none fits).
+
+    Returns ``(plans, shown)``: every plan ranked, and those shown (the fitting ones, else all). Raises
+    GenoctxError when no layout of the model can run the window on ``gpus`` ranks.
+    """
+    from ..plan import search_layouts
+    from ..plan.report import short_of
+    from ..plan.time import add_time, rank_by_throughput
+
+    plans = search_layouts(cfg, L, gpus, mode="eval" if eval_ else "train",
+                           **({"knobs": knobs} if not eval_ else {}), **kwargs)  # fmt: skip
+    if not plans:
+        piece = "CP pieces of >= linear_conv_kernel_dim - 1" if eval_ else f"pieces of >= {cfg.kda_chunk_size}"
+        raise GenoctxError(
+            f"--gpus {gpus}: no layout of this model can run a {L}-token window on {gpus} ranks (cp must divide "
+            f"--seq-len and leave {piece} tokens, ep must divide {cfg.n_routed_experts} experts)"
+        )
+    add_time(plans, cfg, hw, skew=skew_x)
+    if rank_by == "throughput":
+        plans = rank_by_throughput(plans)
+    fitting = [p for p in plans if p["fits"]]
+    doc.update(searched=len(plans), layouts=fitting)
+    if not fitting:  # plans: nearest to fitting first (GPU and host), whatever --rank-by
+        doc["closest"] = plans[:10]
+        logging.getLogger("genoctx.plan").warning(
+            "%s; the closest, %s, is %s", _nothing_fits(gpus, gpu_memory_gib, kwargs, plans), _knobbed(plans[0]),
+            short_of(plans[0]).removeprefix("#1 does not fit: ").replace("#1 ", ""))  # fmt: skip
+    shown = fitting or plans
+    return plans, shown
+
+
+def _plan_hints(doc, cfg, L, gpus, layout, kwargs, plans, shown, eval_, knobs, auto, skew_x, gpu_memory_gib) -> None:
+    """Add the skew note and, when nothing fits, the --knobs auto and --seq-chunk hints to ``doc`` (and log them).
+
+    Raises GenoctxError when the chunked layouts do not suit the model or window.
+    """
+    from ..plan import describe_layout, seq_chunk_hint
+    from ..plan.report import skew_note
+
     if (note := skew_note(skew_x, shown[:10])) is not None:
         doc["skew_note"] = note
         logging.getLogger("genoctx.plan").warning("%s", note)
@@ -304,24 +339,37 @@ def plan(
                                "chunked")  # fmt: skip
             doc["hint"] = hint
             logging.getLogger("genoctx.plan").warning("%s", hint["message"])
-    if dry_run:
-        from ..parallel.layout import Layout
-        from ..train.dryrun import dry_run as run_dry
 
-        lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")},
-                     fsdp_one=shown[0]["layout"].get("fsdp_one", False))  # fmt: skip
-        doc = {
-            "dry_run": run_dry(
-                cfg,
-                lay,
-                activation_checkpointing=not (no_recompute or eval_),
-                dtype=kwargs["dtype"],
-                optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer),
-                optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32"),
-                **{k: kwargs[k] for k in ("trainable", "lora_rank", "frozen_dtype", "lora_targets") if k in kwargs},
-            ),
-            **doc,
-        }  # fmt: skip (the plan's knobs: --knobs auto may have turned optimizer offload or bf16 moments on)
+
+def _plan_dry_run(doc, cfg, shown, kwargs, no_recompute, eval_, offload_optimizer) -> dict:
+    """Build the first shown layout's model (fake process group, meta device).
+
+    Returns ``doc`` with the simulated ranks' bytes as its first key, ``dry_run``.
+    """
+    from ..parallel.layout import Layout
+    from ..train.dryrun import dry_run as run_dry
+
+    lay = Layout(**{d: shown[0]["layout"][d] for d in ("dp_replicate", "ep", "dp_shard", "cp", "ep_folded")},
+                 fsdp_one=shown[0]["layout"].get("fsdp_one", False))  # fmt: skip
+    doc = {
+        "dry_run": run_dry(
+            cfg,
+            lay,
+            activation_checkpointing=not (no_recompute or eval_),
+            dtype=kwargs["dtype"],
+            optimizer_offload=shown[0].get("optimizer_offload", offload_optimizer),
+            optimizer_state_dtype=shown[0].get("optimizer_state_dtype", "fp32"),
+            **{k: kwargs[k] for k in ("trainable", "lora_rank", "frozen_dtype", "lora_targets") if k in kwargs},
+        ),
+        **doc,
+    }  # fmt: skip (the plan's knobs: --knobs auto may have turned optimizer offload or bf16 moments on)
+    return doc
+
+
+def _plan_output(doc, format_, shown, plans, gpus, gpu_memory_gib, kwargs, dry_run, eval_) -> None:
+    """Write ``plan``'s result to stdout: ``doc`` as JSON, or the table with its hints and dry run."""
+    from ..plan import format_table
+
     if format_ == "json":
         _emit_json(doc)
         return
@@ -335,6 +383,7 @@ def plan(
     if dry_run:
         sys.stdout.write("\n" + _format_dry_run(doc["dry_run"], shown[0], eval_) + "\n")
     sys.stdout.flush()
+
 
 
 def _knobs_hint(cfg, seq_len: int, gpus: int, layout, kwargs: dict) -> dict | None:

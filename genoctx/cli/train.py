@@ -23,7 +23,7 @@ from .common import (
     _user_errors,
     app,
 )
-from .options import Device, GpusPerWorker, PlacementTimeout, RayAddress, Verbose, Wait
+from .options import Device, GpusPerWorker, NumWorkers, PlacementTimeout, RayAddress, Verbose, Wait
 
 
 @app.command(cls=_Command)
@@ -65,9 +65,7 @@ def train(
         ),
     ] = None,
     device: Device = "cpu",
-    num_workers: Annotated[
-        int | None, typer.Option(help="Train on Ray with N workers (CP x DP); omit for one process.")
-    ] = None,
+    num_workers: NumWorkers = None,
     cp: Annotated[
         int | None,
         typer.Option(help="Context-parallel size: workers sharing one window (pieces: --cp-layout); = train.cp."),
@@ -183,7 +181,6 @@ def train(
     from ..recipes import load_recipe
     from ..train.frozen import check_frozen_dtype
     from ..train.loop import check_trainable
-    from ..train.loop import train as run_train
 
     _at_least("--steps", steps, 0)
     _at_least("--stop-after", stop_after, 1)
@@ -197,6 +194,35 @@ def train(
         raise GenoctxError(f"--gpu-memory-gib: must be a positive number of GiB, got {gpu_memory_gib}")
     data = _data_dir(data)
     _out_dir(out)  # creates nothing
+    overrides = _train_overrides(set_, steps=steps, init=init, cp=cp, ep=ep, fsdp=fsdp, ep_folded=ep_folded,
+                                 fsdp_one=fsdp_one, cp_layout=cp_layout, seq_chunk=seq_chunk, logger=logger,
+                                 no_verify=no_verify)  # fmt: skip
+    rec = load_recipe(recipe, overrides)
+    # lora: one line before anything is built (not compiled yet; every mesh layout runs it)
+    check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
+    check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: not with compile
+    _train_flags_without_effect(data, rec, seq_chunk=seq_chunk is not None, hardware=hardware, dry_run=dry_run,
+                                num_workers=num_workers, gpus_per_worker=gpus_per_worker, device=device,
+                                gpu_memory_gib=gpu_memory_gib, force=force, cp_layout=cp_layout,
+                                allow_batch_change=allow_batch_change, resume=resume,
+                                stop_after=stop_after)  # fmt: skip
+    if dry_run:
+        if resume or stop_after is not None or address is not None:
+            raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
+        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers, hardware or "b200")})
+        return
+    _train_launch(data, rec, out, device=device, num_workers=num_workers, cp=cp, ep=ep, fsdp=fsdp,
+                  ep_folded=ep_folded, force=force, address=address, gpus_per_worker=gpus_per_worker,
+                  placement_timeout=placement_timeout, resume=resume, stop_after=stop_after, wait=wait,
+                  allow_batch_change=allow_batch_change, gpu_memory_gib=gpu_memory_gib)  # fmt: skip
+
+def _train_overrides(set_, *, steps, init, cp, ep, fsdp, ep_folded, fsdp_one, cp_layout, seq_chunk, logger,
+                     no_verify) -> list[str]:
+    """The recipe overrides of ``train``'s flags: ``--set KEY=VALUE`` items then one per flag given.
+
+    Returns the list of ``KEY=VALUE`` strings (the flags win over the recipe and ``--set``). Raises GenoctxError
+    for a bad ``--cp-layout``, ``--seq-chunk`` or ``--logger``.
+    """
     overrides = list(set_ or [])
     if steps is not None:  # the flag wins over the recipe and --set (and is checked above)
         overrides.append(f"train.steps={steps}")
@@ -219,20 +245,19 @@ def train(
         overrides.append(f"train.loggers=[{','.join(_loggers(logger))}]")
     if no_verify:
         overrides.append("train.verify_checkpoints=false")
-    rec = load_recipe(recipe, overrides)
-    # lora: one line before anything is built (not compiled yet; every mesh layout runs it)
-    check_trainable(rec.train.trainable, mesh=num_workers is not None or rec.train.ep > 1, compile=rec.train.compile)
-    check_frozen_dtype(rec.train, mesh=num_workers is not None or rec.train.ep > 1)  # fp8: not with compile
-    _train_flags_without_effect(data, rec, seq_chunk=seq_chunk is not None, hardware=hardware, dry_run=dry_run,
-                                num_workers=num_workers, gpus_per_worker=gpus_per_worker, device=device,
-                                gpu_memory_gib=gpu_memory_gib, force=force, cp_layout=cp_layout,
-                                allow_batch_change=allow_batch_change, resume=resume,
-                                stop_after=stop_after)  # fmt: skip
-    if dry_run:
-        if resume or stop_after is not None or address is not None:
-            raise GenoctxError("--dry-run builds the model only: --resume, --stop-after and --address do not apply")
-        _emit_json({"dry_run": _train_dry_run(data, rec, num_workers, hardware or "b200")})
-        return
+    return overrides
+
+
+def _train_launch(data: Path, rec, out: Path, *, device, num_workers, cp, ep, fsdp, ep_folded, force, address,
+                  gpus_per_worker, placement_timeout, resume, stop_after, wait, allow_batch_change,
+                  gpu_memory_gib) -> None:
+    """Train in this process (no ``--num-workers``) or on Ray workers and print the run's JSON summary.
+
+    Raises GenoctxError when a mesh or Ray flag is given without ``--num-workers``, or the local machine lacks
+    the GPUs asked for.
+    """
+    from ..train.loop import train as run_train
+
     dev = _device(device)
     if num_workers is None:
         ray_flags = (address, placement_timeout, gpu_memory_gib)
@@ -271,6 +296,7 @@ def train(
             gpu_memory_gib=gpu_memory_gib,
         )
     )
+
 
 
 def _train_flags_without_effect(data: Path, rec, *, seq_chunk: bool, hardware: str | None, dry_run: bool,
