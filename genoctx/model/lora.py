@@ -293,6 +293,15 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dt
     return (torch.bmm(b.to(ct), a.to(ct)) * scale).to(dtype)
 
 
+def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale · B A``, the one merge of an adapter into its weight (``merge_lora``, the PEFT export's folded
+    modules, ``--init`` of a LoRA run box by box, ``export --merge`` of a sharded run): w ``[out, in]`` with a
+    ``[r, in]``, b ``[out, r]``, or the experts' w ``[E, out, in]`` with a ``[E, r, in]``, b ``[E, out, r]`` (a box of
+    them alike). The sum is taken in W's dtype promoted to at least fp32, on W's device, rounded once to W's dtype."""
+    ct = torch.promote_types(w.dtype, torch.float32)
+    return (w.to(ct) + scale * (b.to(w.device, ct) @ a.to(w.device, ct))).to(w.dtype)
+
+
 def merged_parameters(model: nn.Module, params: dict | None = None) -> dict[str, torch.Tensor]:
     """The slow reference of the adapters: ``{base weight name: W + s B A}`` for every adapted weight (linears
     [out, in], experts [E, out, in] with ``B_e A_e`` per expert), built by autograd-tracked ops from ``params``
@@ -323,9 +332,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     unfreeze_fp8(model)
     for path, mod in list(model.named_modules()):
         if isinstance(mod, LoRALinear):
-            w = mod.weight
-            ct = torch.promote_types(w.dtype, torch.float32)
-            w.copy_((w.to(ct) + mod.scaling * (mod.lora_B.to(ct) @ mod.lora_A.to(ct))).to(w.dtype))
+            mod.weight.copy_(merge_weight(mod.weight, mod.lora_A, mod.lora_B, mod.scaling))
             lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device="meta")
             lin.weight, lin.bias = mod.weight, mod.bias
             parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
@@ -335,9 +342,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 a = getattr(mod, f"{name}_lora_A", None)
                 if a is None:
                     continue
-                w, b = getattr(mod, name), getattr(mod, f"{name}_lora_B")
-                ct = torch.promote_types(w.dtype, torch.float32)
-                w.copy_((w.to(ct) + expert_delta(a, b, mod.lora_scale, ct)).to(w.dtype))
+                w = getattr(mod, name)
+                w.copy_(merge_weight(w, a, getattr(mod, f"{name}_lora_B"), mod.lora_scale))
                 delattr(mod, f"{name}_lora_A")
                 delattr(mod, f"{name}_lora_B")
             mod.lora_scale = None

@@ -41,7 +41,7 @@ from ..errors import GenoctxError
 from .fp8 import SUFFIX
 from .groups import LORA, group_of
 from .hf import _DTYPE_NAMES, VL_PREFIX, checkpoint_layout, export_folder
-from .lora import LoRALinear, expert_delta, to_peft_experts
+from .lora import LoRALinear, merge_weight, to_peft_experts
 from .model import FP32_PARAMETERS
 from .moe import Experts
 
@@ -97,17 +97,13 @@ def _merged_state(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tenso
     for path, mod in module.named_modules():
         pre = f"{path}." if path else ""
         if isinstance(mod, LoRALinear):
-            w = mod.weight
-            ct = torch.promote_types(w.dtype, torch.float32)
-            out[pre + "weight"] = (w.to(ct) + mod.scaling * (mod.lora_B.to(ct) @ mod.lora_A.to(ct))).to(w.dtype)
+            out[pre + "weight"] = merge_weight(mod.weight, mod.lora_A, mod.lora_B, mod.scaling)
         elif isinstance(mod, Experts) and mod.lora_scale is not None:
             for name in ("gate_up_proj", "down_proj"):
                 a = getattr(mod, f"{name}_lora_A", None)
                 if a is not None:
-                    w = getattr(mod, name)
-                    ct = torch.promote_types(w.dtype, torch.float32)
-                    delta = expert_delta(a, getattr(mod, f"{name}_lora_B"), mod.lora_scale, ct)
-                    out[pre + name] = (w.to(ct) + delta).to(w.dtype)
+                    b = getattr(mod, f"{name}_lora_B")
+                    out[pre + name] = merge_weight(getattr(mod, name), a, b, mod.lora_scale)
     return out
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import AgreedError, GenoctxError
 from ..model.config import ModelConfig
+from ..model.lora import merge_weight
 from ..model.model import HybridLM
 from .mesh import ParallelDims
 from .state import DCP_DIR, TIED_HEAD, canonical_state, is_sharded, local_targets
@@ -158,15 +159,6 @@ def _b_box(box: tuple) -> tuple:
     return (box[0], slice(None)) if len(box) == 2 else (box[0], box[1], slice(None))
 
 
-@torch.no_grad()
-def _merge_adapter_box(local: torch.Tensor, box: tuple, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-    """``local`` (a box of W, [out, in] or [E, out, in]) += ``scale · B A`` over that box, as
-    ``genoctx.model.lora.merge_lora`` does it (W's dtype promoted to fp32, the sum rounded once to W's dtype)."""
-    ct = torch.promote_types(local.dtype, torch.float32)
-    delta = (b.to(ct) @ a.to(ct)) * scale
-    local.copy_((local.to(ct) + delta.to(local.device)).to(local.dtype))
-
-
 def _lora_scale(ckpt: Path) -> float:
     """``train.lora_alpha / train.lora_rank`` of a checkpoint's recipe.yaml (1.0 when it has no LoRA keys)."""
     import yaml
@@ -212,8 +204,9 @@ def read_checkpoint_slices(path: Path, targets: dict, partial: bool = False, lor
         for name, (a_name, b_name) in adapters.items():  # a LoRA run's adapters onto weights (read or the base's)
             local, shape, box = merged[name]
             if local.numel():
-                _merge_adapter_box(local, box, reader.read(path, a_name, _a_box(box)),
-                                   reader.read(path, b_name, _b_box(box)), lora_scale)  # fmt: skip
+                a, b = reader.read(path, a_name, _a_box(box)), reader.read(path, b_name, _b_box(box))
+                with torch.no_grad():
+                    local.copy_(merge_weight(local, a, b, lora_scale))
     except (SafetensorError, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GenoctxError(f"{path}: not a readable safetensors file ({first})") from None

@@ -238,11 +238,11 @@ def lazy_state(ckpt: Path, cfg, lora_scale: float | None = None):
     weight is merged as it is read, ``W + lora_scale · B A`` (a linear's ``X.weight`` [out, in] with ``X.lora_A``
     [r, in] and ``X.lora_B`` [out, r]; an experts stack ``X`` [E, out, in] with ``X_lora_A`` [E, r, in] and
     ``X_lora_B`` [E, out, r], per expert), summed in W's dtype promoted to fp32 and rounded once, as
-    ``genoctx.model.lora.merge_lora`` (``_merge_adapter_box``); the adapters themselves are not in the state. Each
+    ``genoctx.model.lora.merge_lora`` (``merge_weight``); the adapters themselves are not in the state. Each
     read holds W and its two small adapters, never the whole model."""
     from ..model.hf import LazyState
-    from ..model.lora import is_lora_name
-    from ..parallel.build import _adapters_to_merge, _merge_adapter_box
+    from ..model.lora import is_lora_name, merge_weight
+    from ..parallel.build import _adapters_to_merge
 
     keys = checkpoint_keys(ckpt)
     meta = {k[len("model.") :]: (tuple(shape), dt) for k, (shape, dt) in keys.items() if k.startswith("model.")}
@@ -258,9 +258,7 @@ def lazy_state(ckpt: Path, cfg, lora_scale: float | None = None):
             return read_full_tensors(ckpt, names=[name])[name]
         a, b = pairs[name]
         got = read_full_tensors(ckpt, names=[name, a, b])
-        w = got[name]
-        _merge_adapter_box(w, (slice(None),) * w.dim(), got[a], got[b], lora_scale)
-        return w
+        return merge_weight(got[name], got[a], got[b], lora_scale)
 
     return LazyState(cfg, read, meta, held)
 
