@@ -43,16 +43,6 @@ def _error_line(res) -> str:
     return lines[-1]
 
 
-@pytest.fixture(scope="module")
-def hf_base(prepared, tmp_path_factory):
-    """An HF base: tiny's initial model (a steps=0 run) exported by ``genoctx export``."""
-    tmp = tmp_path_factory.mktemp("partial-base")
-    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=0", "train.seq_len=256"]), tmp / "scratch")
-    res = _cli("export", tmp / "scratch", "--out", tmp / "hf")
-    assert res.exit_code == 0, res.stderr
-    return tmp / "hf"
-
-
 def _recipe(init, *over):
     return load_recipe("recipes/tiny.yaml", [f"model.init={init}", *KNOBS, *over])
 

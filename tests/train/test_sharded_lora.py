@@ -115,16 +115,6 @@ PARTIAL_RUN = ["train.seq_len=256", "train.steps=4", "train.checkpoint_every=1",
 FEP2 = dict(fsdp=2, ep=2, ep_folded=True)
 
 
-@pytest.fixture(scope="module")
-def hf_base(prepared, tmp_path_factory):
-    """An HF base: tiny's initial model (a steps=0 run) exported (as test_partial_checkpoints.py's ``hf_base``)."""
-    tmp = tmp_path_factory.mktemp("mesh-partial-base")
-    train(prepared, load_recipe("recipes/tiny.yaml", ["train.steps=0", "train.seq_len=256"]), tmp / "scratch")
-    res = _cli("export", tmp / "scratch", "--out", tmp / "hf")
-    assert res.exit_code == 0, res.stderr
-    return tmp / "hf"
-
-
 def test_a_mesh_run_from_a_base_writes_partial_dcp_checkpoints_and_resumes_exactly(prepared, hf_base, tmp_path):
     from test_resume_mesh import _cut_back, _same_run
 
