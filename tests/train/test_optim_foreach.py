@@ -55,8 +55,8 @@ def test_foreach_adamw_on_the_cpu_equals_single_tensor_in_few_ops():
             assert torch.equal(fe_opt.state[a][k], st_opt.state[b][k]), (name, k)
     n_params = sum(len(g["params"]) for g in st_opt.param_groups)
     assert st_ops[-1] >= 8 * n_params  # single-tensor: about ten ops per parameter tensor
-    # foreach: a few ops per group and term, plus one host read of each tensor's step count (bias corrections)
-    assert fe_ops[-1] <= n_params + 40
+    # foreach: a few ops per group and term, plus two host reads of each tensor's step count (bias corrections)
+    assert fe_ops[-1] <= 2 * n_params + 40
 
 
 def test_offloaded_optimizer_keeps_the_single_tensor_path():
