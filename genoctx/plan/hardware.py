@@ -13,6 +13,9 @@ b200``); a user's own is any path (``--hardware my-gpu.yaml``) with the same key
     inter_node_bytes_per_s: 5.0e10                # per GPU, each way (the node's NICs / GPUs)
     sources: {dtype_flops: "...", ...}            # where each number comes from (shipped profiles: required)
     efficiency: {matmul: 0.6}                     # optional: overrides of EFFICIENCY (a measured profile)
+    op_host_s: 1.0e-5                             # optional: host seconds per eager aten op (OP_HOST_S)
+    host_overlaps_device: true                    # optional: the host queues ops while the device runs them (a GPU);
+                                                  # false: each op's host time adds to the step (a CPU)
 
 ``dtype_flops``: ``bf16`` (tensor cores), ``fp32`` (CUDA-core FMA: fp32 GEMMs with TF32 off, as genoctx runs them) and,
 optional in a user's profile, ``tf32`` (tensor cores on fp32 operands; what fla-core's fp32 dots run at). Which
@@ -57,6 +60,10 @@ EFFICIENCY_REASONS = {
     "chunked all-to-alls",
 }
 COLLECTIVE_LATENCY_S = 3.0e-5  # seconds per collective call (NCCL launch + sync, tens of microseconds)
+# host seconds per eager aten op on a GPU node (Python, autograd, dispatcher, cudaLaunchKernel): ~5-25 us per op
+# ("From PyTorch op to kernel launch", jiahuanglin.xyz GPU-kernel lesson 18: Python ~1, pybind ~1, autograd 1-3,
+# dispatcher 1-2, backend 1-5, cudaLaunchKernel 1-3 us); 1e-5 s, the middle of that range
+OP_HOST_S = 1.0e-5
 HOST_KEYS = ("host_memory_gib", "host_device_bytes_per_s", "host_memory_bytes_per_s")  # optional
 DTYPES = ("bf16", "fp32", "tf32")  # the peaks a profile may give (bf16 and fp32 required)
 _KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node", "intra_node_bytes_per_s",
@@ -69,7 +76,10 @@ class Hardware:
     to a GPU of the same node and to one of another node; ``efficiency`` by work class (``EFFICIENCY`` keys). The
     host (optional keys; None: not checked or timed): ``host_memory_gib`` the node's memory per GPU,
     ``host_device_bytes_per_s`` each way between a GPU and host memory (its PCIe link), ``host_memory_bytes_per_s``
-    the node's DRAM bandwidth per GPU (what a CPU optimizer step streams at)."""
+    the node's DRAM bandwidth per GPU (what a CPU optimizer step streams at). ``op_host_s``: host seconds per eager
+    aten op (``genoctx.plan.ops`` counts them; ``genoctx.plan.time``'s ``launch`` term); ``host_overlaps_device``:
+    whether that host time runs beside the device's work (a GPU: the step takes the longer of the two) or adds to
+    it (a CPU, where the host is the device)."""
 
     name: str
     dtype_flops: dict
@@ -84,6 +94,8 @@ class Hardware:
     sources: dict = dataclasses.field(default_factory=dict)
     efficiency: dict = dataclasses.field(default_factory=lambda: dict(EFFICIENCY))
     collective_latency_s: float = COLLECTIVE_LATENCY_S
+    op_host_s: float = OP_HOST_S
+    host_overlaps_device: bool = True
 
     def flops(self, dtype: str) -> float:
         """Dense FLOP/s of ``dtype`` (a key of ``DTYPES``).
@@ -121,7 +133,8 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
     """
     if not isinstance(doc, dict):
         raise GenoctxError(f"{where}: a hardware profile is a mapping of {', '.join(_KEYS)}")
-    known = set(_KEYS) | set(HOST_KEYS) | {"sources", "efficiency", "collective_latency_s"}
+    known = set(_KEYS) | set(HOST_KEYS) | {"sources", "efficiency", "collective_latency_s", "op_host_s",
+                                           "host_overlaps_device"}  # fmt: skip
     for key in doc:
         if key not in known:
             raise GenoctxError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -142,6 +155,9 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
         if _positive(where, f"efficiency.{k}", v) > 1:
             raise GenoctxError(f"{where}: efficiency.{k} must be in (0, 1], got {v!r}")
         eff[k] = float(v)
+    overlaps = doc.get("host_overlaps_device", True)
+    if not isinstance(overlaps, bool):
+        raise GenoctxError(f"{where}: host_overlaps_device must be true or false, got {overlaps!r}")
     gpn = doc["gpus_per_node"]
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise GenoctxError(f"{where}: gpus_per_node must be an integer >= 1, got {gpn!r}")
@@ -158,6 +174,8 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
         efficiency=eff,
         collective_latency_s=_positive(where, "collective_latency_s",
                                        doc.get("collective_latency_s", COLLECTIVE_LATENCY_S)),  # fmt: skip
+        op_host_s=_positive(where, "op_host_s", doc.get("op_host_s", OP_HOST_S)),
+        host_overlaps_device=overlaps,
     )
 
 
