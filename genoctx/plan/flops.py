@@ -15,8 +15,8 @@ Method. Every product of the code is a term here, with the number of times it ru
   forward with grad). The indexer KL of the sparse stage computes its gradients inside the forward
   (``_IndexerKLSparse``): they are counted there, as they run.
 - recompute: every further forward. genoctx always recomputes the KDA core block by block
-  (``chunk_kda(recompute=True)``), each MoE token chunk (router, shared and routed experts) and the Sinkhorn map
-  (no products); under CP also the KDA ``[L | M]`` state pass (its projections and core; the core inside it twice,
+  (``chunk_kda(recompute=True)``) and each MoE token chunk (router, shared and routed experts; the Sinkhorn
+  map is not); under CP also the KDA ``[L | M]`` state pass (its projections and core; the core inside it twice,
   nested checkpoints). With ``recompute=True`` (``apply_ac``) every decoder layer runs its forward once more (a
   region inside ``k`` nested checkpoints runs ``k + 1`` times, ``k + 2`` with AC). With ``seq_chunk_tokens`` the
   no-grad forward sweep runs every chunk once more (no indexer KL there, no checkpoints).

@@ -56,8 +56,8 @@ Components (bytes; ``P_d``, ``P_e`` dense and routed-expert parameters, ``s_d = 
 
 Per-token sizes (bytes per token of the rank's ``N = batch_size x seq_len / cp`` tokens) are counted from the
 code, tensor by tensor: what autograd saves in ``genoctx.model`` with its recompute knobs as they are (KDA core,
-MoE chunks and the Sinkhorn map are always recomputed in backward). ``a`` is the activation element size (2 for
-bf16, 4 for fp32), ``f = 4`` (the fp32 islands: KDA core and gates, norms, mHC coefficients, DSA softmax
+MoE chunks always recomputed in backward; the Sinkhorn map saves its denominators). ``a``: activation element size (2
+for bf16, 4 for fp32), ``f = 4`` (the fp32 islands: KDA core and gates, norms, mHC coefficients, DSA softmax
 statistics, the loss), ``c = f`` when ``a != f`` else 0 (an fp32 copy of a low-precision tensor), ``c_a = a``
 when ``a != f`` else 0 (a low-precision copy of an fp32 tensor), ``r = f`` (the mHC residual streams, fp32 in every
 layout: ``sizes._Sizes.r``; with them the sub-layers' inputs and their norms, ``sizes._norm_in``). Model widths:

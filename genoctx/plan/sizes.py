@@ -177,12 +177,13 @@ def _norm_in(s: _Sizes, W: int, casts: int) -> float:
 
 def _hc(cfg: ModelConfig, s: _Sizes) -> float:
     """One mHC call (``pre`` + ``post``), besides its input streams (``r nD``, fp32: ``_Sizes.r``, so no copy of
-    them for the coefficients): ``f (nD + 1 + (2+n) n + 3n + n^2)`` (RMS-normalised streams, rsqrt, the projection,
-    pre/post sigmoids, Sinkhorn input) ``+ r (n + n^2 + D)`` (``post`` and ``comb`` cast to the streams' dtype:
-    themselves, saved by ``comb^T x`` and ``post ⊗ f_out``, and the sub-layer output's copy in that dtype; the
-    bf16 output of a sub-layer is freed)."""
-    n, D = cfg.hc_mult, cfg.hidden_size
-    return s.f * (n * D + 1 + (2 + n) * n + 3 * n + n * n) + s.r * (n + n * n + D)
+    them for the coefficients): ``f (nD + 1 + (2+n) n + 3n + n^2 + (2 iters - 1) n)`` (RMS-normalised streams,
+    rsqrt, the projection, pre/post sigmoids, the Sinkhorn's softmax and its ``2 iters - 1`` denominators:
+    ``hyper.comb_map``) ``+ r (n + n^2 + D)`` (``post`` and ``comb`` cast to the streams' dtype: themselves, saved by
+    ``comb^T x`` and ``post ⊗ f_out``, and the sub-layer output's copy in that dtype; the bf16 output of a sub-layer
+    is freed)."""
+    n, D, iters = cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters
+    return s.f * (n * D + 1 + (2 + n) * n + 3 * n + n * n + (2 * iters - 1) * n) + s.r * (n + n * n + D)
 
 
 def _kda_project(cfg: ModelConfig, s: _Sizes) -> float:
@@ -428,11 +429,12 @@ def _moe_bwd(cfg: ModelConfig, s: _Sizes, tokens: int, ep: int) -> float:
 
 
 def _hc_bwd(cfg: ModelConfig, s: _Sizes) -> float:
-    """One mHC call's backward: about ``nD (3f + r) + f iters (n^2 + n)`` (the streams' (``r``) and normalised streams'
-    gradients and their temporaries; the Sinkhorn iterations recomputed, each division saving its input and
-    denominator); fitted to measurements of tiny and cpu-small (within 20%; a small term at GLM-5.3-Flash's width)."""
+    """One mHC call's backward: about ``nD (3f + r) + f (4 n^2 + n)`` (the streams' (``r``) and normalised streams'
+    gradients and their temporaries, fitted to measurements of tiny and cpu-small within 20%; the Sinkhorn's
+    backward, ``hyper._Sinkhorn``: its carried gradient, the rebuilt iterate, the input and the softmax's gradient,
+    ``n^2`` each, and one sum; a small term at GLM-5.3-Flash's width)."""
     n, D = cfg.hc_mult, cfg.hidden_size
-    return n * D * (3 * s.f + s.r) + s.f * cfg.hc_sinkhorn_iters * (n * n + n)
+    return n * D * (3 * s.f + s.r) + s.f * (4 * n * n + n)
 
 
 # ---------------------------------------------------------------- the plan

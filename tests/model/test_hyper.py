@@ -5,7 +5,15 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from genoctx.model.hyper import HyperConnection, expand_streams, reduce_streams, sinkhorn
+from genoctx.model.hyper import (
+    HyperConnection,
+    _comb_reference,
+    comb_map,
+    expand_streams,
+    reduce_streams,
+    sinkhorn,
+    sinkhorn_reference,
+)
 
 
 def _randomise(hc: HyperConnection, scale: float = 1.0) -> HyperConnection:
@@ -202,3 +210,84 @@ def test_coefficients_fp32_under_bf16_autocast():
     assert h.dtype == torch.float32 and out.dtype == torch.float32  # the residual is not downcast
     for a, r in zip((pre, post, comb), hc.coefficients(x), strict=True):
         assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 20])
+@pytest.mark.parametrize("softmax", [True, False])
+def test_fast_sinkhorn_equals_the_autograd_reference(iters, softmax):
+    """``comb_map`` / ``sinkhorn`` (one Function, hand-written backward) equal ``_comb_reference`` /
+    ``sinkhorn_reference`` (autograd's graph) on random [B, T, n, n] input: fp64 to 1e-12, and in fp32 the fast
+    form is as close to the fp64 reference as the fp32 reference is (values and every input gradient)."""
+    torch.manual_seed(iters)
+    fast, ref = (comb_map, _comb_reference) if softmax else (sinkhorn, sinkhorn_reference)
+    x64 = torch.randn(2, 9, 4, 4, dtype=torch.float64) * 2
+    if not softmax:
+        x64 = x64.exp()  # a positive matrix
+    g64 = torch.randn(2, 9, 4, 4, dtype=torch.float64)
+
+    def run(f, dtype):
+        x = x64.to(dtype).requires_grad_(True)
+        y = f(x, iters, 1e-6)
+        (gx,) = torch.autograd.grad(y, x, g64.to(dtype))
+        return y.double(), gx.double()
+
+    y_ref, g_ref = run(ref, torch.float64)
+    y, g = run(fast, torch.float64)
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(g, g_ref, atol=1e-12 * float(g_ref.abs().max()), rtol=1e-10)
+    y32, g32 = run(fast, torch.float32)
+    y32_ref, g32_ref = run(ref, torch.float32)
+    torch.testing.assert_close(y32, y_ref, atol=1e-6, rtol=1e-5)
+    scale = float(g_ref.abs().max())
+    assert float((g32 - g_ref).abs().max()) <= 4 * float((g32_ref - g_ref).abs().max()) + 1e-7 * scale
+    torch.testing.assert_close(g32, g_ref, atol=1e-6 * scale, rtol=1e-5)
+
+
+def test_fast_sinkhorn_rejects_what_the_reference_rejects():
+    for f in (sinkhorn, comb_map, sinkhorn_reference):
+        with pytest.raises(ValueError, match="square"):
+            f(torch.ones(2, 3), 5, 1e-6)
+        with pytest.raises(ValueError, match="hc_sinkhorn_iters"):
+            f(torch.ones(3, 3), 0, 1e-6)
+
+
+def _count_ops(fn) -> int:
+    """aten ops ``fn()`` dispatches (a TorchDispatchMode, as the planner's op counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("n, iters, T", [(4, 20, 7), (4, 20, 33), (2, 10, 5), (3, 1, 4), (3, 2, 4)])
+def test_op_counts_per_call(n, iters, T):
+    """One mHC call (``pre`` + ``post``) issues ``4 iters + 43`` aten ops forward (``4 iters + 39`` without grad) and
+    ``6 iters + 80`` backward, for any token count (the module docstring's formula; the Sinkhorn alone
+    ``4 iters + 5`` and ``6 iters + 2``, where autograd's reference needs ``3 (2 iters - 1) + 2`` forward, the same
+    again recomputed and about ``10 (2 iters - 1)`` backward)."""
+    hc = _randomise(HyperConnection(16, n, sinkhorn_iters=iters))
+    x = torch.randn(2, T, n, 16, requires_grad=True)
+    f = torch.randn(2, T, 16, requires_grad=True)
+    out = {}
+
+    def fwd():
+        h, coeffs = hc.pre(x)
+        out["h, out"] = h, hc.post(x, f, coeffs)
+
+    assert _count_ops(fwd) == 4 * iters + 43
+    grads = [torch.randn_like(t) for t in out["h, out"]]
+    assert _count_ops(lambda: torch.autograd.backward(out["h, out"], grads)) == 6 * iters + 80
+    with torch.no_grad():
+        assert _count_ops(lambda: hc.post(x, f, hc.pre(x)[1])) == 4 * iters + 39
+    logits = torch.randn(2, T, n, n, requires_grad=True)
+    assert _count_ops(lambda: out.update(y=comb_map(logits, iters, 1e-6))) == 4 * iters + 5
+    gy = torch.randn(2, T, n, n)
+    assert _count_ops(lambda: out["y"].backward(gy)) == 6 * iters + 2

@@ -285,3 +285,40 @@ def test_bf16_autocast_close_to_fp32():
         experts, weights, _ = moe.gate(x.view(-1, 12))
     assert y16.dtype == torch.bfloat16 and weights.dtype == torch.float32  # routing in fp32
     torch.testing.assert_close(y16.float(), y32, atol=0.1, rtol=0.05)
+
+
+def _count_ops(fn) -> int:
+    """aten ops ``fn()`` dispatches (a TorchDispatchMode, as the planner's op counts)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("chunk, T", [(4, 4), (4, 13), (64, 193)])
+def test_op_counts_per_chunk(chunk, T):
+    """cpu-small's MoE (8 experts, top-2, a shared expert; fp32, training mode, grad on) issues ``19 + 47 n + 10 A``
+    aten ops forward and ``2 + 195 n + 50 A`` backward (the checkpointed chunks recomputed in it), for ``n`` token
+    chunks and ``A`` experts with rows summed over the chunks: the per-chunk and per-expert formulas the planner
+    counts with."""
+    from genoctx.model.config import preset
+
+    cfg = preset("cpu-small", moe_chunk_tokens=chunk)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    x = torch.randn(1, T, cfg.hidden_size, requires_grad=True)
+    with torch.no_grad():
+        active = [int(moe.gate(c)[0].flatten().unique().numel()) for c in x[0].split(chunk)]
+    n, A = len(active), sum(active)
+    out = {}
+    assert _count_ops(lambda: out.update(y=moe(x))) == 19 + 47 * n + 10 * A
+    g = torch.randn_like(out["y"])
+    assert _count_ops(lambda: out["y"].backward(g)) == 2 + 195 * n + 50 * A
