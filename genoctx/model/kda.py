@@ -8,9 +8,11 @@ Per head, a state S in R^{dk x dv} (fp32) evolves as
 Design choices:
 
 - ``chunk_kda`` is the training and evaluation form: the WY/UT chunked algorithm of fla ``fla/ops/kda``
-  written in plain PyTorch (CPU and CUDA), differentiated by autograd (no custom backward). Intra-chunk
-  work is batched over all chunks; the inter-chunk state recurrence is a Python loop over chunks, so
-  memory is linear in the sequence length.
+  written in plain PyTorch (CPU and CUDA), in its chunk-parallel form: intra-chunk work is batched over all
+  chunks of a block (differentiated by autograd); only the inter-chunk state recurrence is sequential, in
+  ``_ChunkStateScan`` (an autograd Function with a hand-written backward, 3 aten ops per chunk each way), so
+  memory is linear in the sequence length. ``_kda_block_reference`` (the per-chunk loop under autograd,
+  ``chunk_kda(reference_loop=True)``) is its slow reference.
 - Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
   Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
   sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
