@@ -8,9 +8,11 @@ Per head, a state S in R^{dk x dv} (fp32) evolves as
 Design choices:
 
 - ``chunk_kda`` is the training and evaluation form: the WY/UT chunked algorithm of fla ``fla/ops/kda``
-  written in plain PyTorch (CPU and CUDA), differentiated by autograd (no custom backward). Intra-chunk
-  work is batched over all chunks; the inter-chunk state recurrence is a Python loop over chunks, so
-  memory is linear in the sequence length.
+  written in plain PyTorch (CPU and CUDA), in its chunk-parallel form: intra-chunk work is batched over all
+  chunks of a block (differentiated by autograd); only the inter-chunk state recurrence is sequential, in
+  ``_ChunkStateScan`` (an autograd Function with a hand-written backward, 3 aten ops per chunk each way), so
+  memory is linear in the sequence length. ``_kda_block_reference`` (the per-chunk loop under autograd,
+  ``chunk_kda(reference_loop=True)``) is its slow reference.
 - Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
   Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
   sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
@@ -158,6 +160,7 @@ def chunk_kda(
     chunk_size: int = 64,
     block_tokens: int | None = None,
     recompute: bool = False,
+    reference_loop: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Kimi Delta Attention in the chunked WY/UT form (Kimi Linear, 2025; fla ``chunk_kda``).
 
@@ -187,6 +190,8 @@ def chunk_kda(
             g = 0, which leave the state unchanged, then cut).
         block_tokens: tokens per block (rounded down to a multiple of C, at least C); None = one block.
         recompute: checkpoint each block (only when grad is enabled).
+        reference_loop: run each block as ``_kda_block_reference`` (the per-chunk loop differentiated by autograd,
+            the slow reference of the chunk-parallel ``_kda_block``; same numbers to rounding).
 
     Returns:
         ``(o, S)``: ``o`` ``[B, T, H, V]`` in ``v.dtype``; ``S`` ``[B, H, K, V]`` in fp32 (fp64 when q is
@@ -230,14 +235,154 @@ def chunk_kda(
         # block (quadratic in T); split's backward concatenates the blocks' gradients once
         for qb, kb, vb, gb, bb in zip(*(x.split(block, dim=1) for x in (q, k, v, g, beta)), strict=True):
             args = (qb, kb, vb, gb, bb, S, scale, C)
-            o, S = checkpoint(_kda_block, *args, use_reentrant=False) if ckpt else _kda_block(*args)
+            fn = _kda_block_reference if reference_loop else _kda_block
+            o, S = checkpoint(fn, *args, use_reentrant=False) if ckpt else fn(*args)
             outs.append(o)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return o, (S if output_final_state else None)
 
 
 def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
-    """One block of ``chunk_kda`` (its formulas; autocast already off): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
+    """One block of ``chunk_kda`` in the chunk-parallel form (its formulas; autocast already off): q, k, g
+    ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
+    compute dtype) -> ``(o [B, T, H, V] in v's dtype, the leaving state)``. T is padded to whole chunks of C
+    (k = beta = g = 0) and the pad cut.
+
+    Every chunk's intra-chunk terms (decay scores, triangular solve, decayed queries and keys) are batched over the
+    block's N chunks in the layout ``[N, B, H, C, .]`` (contiguous, so ``[N B H, C, .]`` is a view); only the state
+    recurrence runs chunk by chunk, in ``_ChunkStateScan`` (3 aten ops per chunk forward and backward). The same math
+    as ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    ct = S.dtype
+    out_dtype = v.dtype
+    N = -(-T // C)
+    pad = N * C - T
+
+    def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [N, B, H, C, D], contiguous
+        x = x.to(ct)
+        if pad:
+            x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
+
+    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
+    beta = beta.to(ct)
+    if pad:
+        beta = F.pad(beta, (0, 0, 0, pad))
+    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1)  # [N, B, H, C, 1]
+    G = g.cumsum(-2)
+    eG = G.exp()
+    A_kk, A_qk = _causal_decay_scores((k, q), k, G)
+    A_kk = A_kk.tril(-1) * beta
+    eye = torch.eye(C, dtype=ct, device=q.device)
+    rhs = beta * torch.cat([eG * k, v], dim=-1)
+    WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    W, U = WU.split([K, V], dim=-1)
+    q_dec = q * eG  # query against the state at the chunk start
+    G_last = G[..., -1:, :]
+    k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
+    state_decay = G_last.exp().transpose(-1, -2)  # [N, B, H, K, 1]
+    flat = (x.flatten(0, 2) for x in (W, U, q_dec, k_dec, A_qk, state_decay))  # [N B H, ., .]
+    o, S = _ChunkStateScan.apply(*flat, S.reshape(B * H, K, V), N)
+    S = S.view(B, H, K, V)
+    island("kda.state", S)
+    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)
+    return (o[:, :T] if pad else o).to(out_dtype), S
+
+
+class _ChunkStateScan(torch.autograd.Function):
+    """The inter-chunk state recurrence of chunked KDA (the only sequential part), with a hand-written backward.
+
+    Inputs, one block of N chunks of C tokens on M = B H heads, each ``[N M, ., .]`` with chunk n at rows
+    ``n M .. (n+1) M`` (fp32 or fp64): W ``[N M, C, K]``, U ``[N M, C, V]`` (the WY/UT terms), ``Qd = Q e^Gamma``
+    ``[N M, C, K]``, ``Kd = e^{Gamma_C - Gamma} K`` ``[N M, C, K]``, ``A_qk`` ``[N M, C, C]``, ``decay = e^{Gamma_C}``
+    ``[N M, K, 1]``, the entering state ``S_0`` ``[M, K, V]``, and N (int). Forward, per chunk (3 aten ops)::
+
+        V'_n = U_n - W_n S_n ;   S_{n+1} = decay_n * S_n + Kd_n^T V'_n
+
+    then for all chunks at once ``O = Qd S_n + A_qk V'`` (bmm, baddbmm). Returns ``(O [N M, C, V], S_N [M, K, V])``.
+    Backward, per chunk in reverse (3 aten ops, 2 when the final state got no gradient)::
+
+        dV'_n = [A_qk^T dO]_n + Kd_n dS_{n+1} ;   dS_n = decay_n * dS_{n+1} + [Qd^T dO]_n - W_n^T dV'_n
+
+    with the bracketed products batched before the loop, then batched after it: ``dW = -dV' S^T``,
+    ``dQd = dO S^T``, ``dKd = V' dS_{n+1}^T``, ``dA_qk = dO V'^T``, ``d decay = sum_V dS_{n+1} * S_n``, ``dU = dV'``.
+    The FLOPs are autograd's of ``_kda_block_reference`` (``genoctx.plan.flops._kda_core``): chunk 0's
+    ``Qd^T dO`` and ``W^T dV'`` are skipped when ``S_0`` needs no gradient, the last chunk's ``Kd`` products when
+    the final state gets none.
+
+    Memory: the forward saves the entering states ``S_n`` of the block's chunks (``N M K V`` elements: ``H K V / C``
+    per token, what the reference loop's graph kept too) and ``V'`` (``N M C V``) beside its inputs.
+    Math: Kimi Linear (arXiv:2510.26692) section 3 / fla ``chunk_kda`` (its ``chunk_gated_delta_rule_fwd_h`` and
+    ``_bwd_dhu``).
+    """
+
+    @staticmethod
+    def forward(ctx, W, U, Qd, Kd, A, decay, S0, N):
+        M = S0.shape[0]
+        KdT = Kd.transpose(1, 2)
+        S, states, vs = S0, [], []
+        for W_n, U_n, KdT_n, d_n in zip(W.split(M), U.split(M), KdT.split(M), decay.split(M), strict=True):
+            states.append(S)
+            v_n = torch.baddbmm(U_n, W_n, S, alpha=-1)
+            vs.append(v_n)
+            S = torch.baddbmm(S * d_n, KdT_n, v_n)
+        Sin, Vn = torch.cat(states), torch.cat(vs)  # [N M, K, V], [N M, C, V]
+        O = torch.baddbmm(torch.bmm(Qd, Sin), A, Vn)
+        ctx.set_materialize_grads(False)
+        ctx.N = N
+        ctx.save_for_backward(W, Qd, Kd, A, decay, Sin, Vn)
+        return O, S
+
+    @staticmethod
+    def backward(ctx, dO, dSf):
+        W, Qd, Kd, A, decay, Sin, Vn = ctx.saved_tensors
+        N, M = ctx.N, Sin.shape[0] // ctx.N
+        need = ctx.needs_input_grad
+        if dO is None:
+            dO = torch.zeros_like(Vn)
+        first = 0 if need[6] else 1  # chunk 0's dS_0 only when S_0 needs a gradient
+        P = torch.bmm(A.transpose(1, 2), dO).split(M)  # [A_qk^T dO]_n
+        R = torch.bmm(Qd[M:].transpose(1, 2), dO[M:]) if first else torch.bmm(Qd.transpose(1, 2), dO)
+        R = (None,) * first + R.split(M)  # [Qd^T dO]_n
+        WT, Ks, Ds = W.transpose(1, 2).split(M), Kd.split(M), decay.split(M)
+        dv, dS = [None] * N, [None] * N + [dSf]
+        for n in range(N - 1, -1, -1):
+            dn = dS[n + 1]
+            dv[n] = P[n] if dn is None else torch.baddbmm(P[n], Ks[n], dn)
+            if n >= first:
+                r = R[n] if dn is None else torch.addcmul(R[n], Ds[n], dn)
+                dS[n] = torch.baddbmm(r, WT[n], dv[n], alpha=-1)
+        dV = torch.cat(dv)  # [N M, C, V]
+        dW = dQd = dKd = dA = dD = None
+        if need[0]:  # beta = 0: W only gives the shape (the product alone, negated)
+            dW = torch.baddbmm(W, dV, Sin.transpose(1, 2), beta=0, alpha=-1)
+        if need[2]:
+            dQd = torch.bmm(dO, Sin.transpose(1, 2))
+        if need[4]:
+            dA = torch.bmm(dO, Vn.transpose(1, 2))
+        if need[3] or need[5]:
+            # the states leaving chunks 0..N-1 got dS_1..dS_N; without a final-state gradient the last chunk's
+            # Kd and decay get none (zero rows)
+            last = N if dSf is not None else N - 1
+            if last:
+                dnext = torch.cat(dS[1 : last + 1])  # [last M, K, V]
+                if need[3]:
+                    dKd = torch.bmm(Vn[: last * M] if last < N else Vn, dnext.transpose(1, 2))
+                if need[5]:
+                    dD = (dnext * (Sin[: last * M] if last < N else Sin)).sum(-1, keepdim=True)
+                if last < N:
+                    dKd = None if dKd is None else F.pad(dKd, (0, 0, 0, 0, 0, M))
+                    dD = None if dD is None else F.pad(dD, (0, 0, 0, 0, 0, M))
+        return dW, dV if need[1] else None, dQd, dKd, dA, dD, dS[0] if need[6] else None, None
+
+
+def _kda_block_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
+    """The slow reference of ``_kda_block`` (``chunk_kda(reference_loop=True)``): the inter-chunk recurrence as a
+    Python loop of 5-D products differentiated by autograd (~20 aten ops per chunk forward, ~40 backward).
+
+    One block of ``chunk_kda`` (its formulas; autocast already off): q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
     beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the compute dtype) -> ``(o [B, T, H, V]
     in v's dtype, the leaving state)``. T is padded to whole chunks of C (k = beta = g = 0) and the pad cut."""
     B, T, H, K = q.shape

@@ -293,8 +293,8 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     between sub-chunks ``2 x 2 (C - sub) C K``; ``[W; Q] S`` ``2 (2C) K V``; ``A_qk V'`` ``2 C^2 V``; ``K^T V'``
     ``2 K C V``. Backward: each twice, plus the solve's ``-G_B X^T`` ``2 C^2 (K + V)``; the first chunk's ``S``
     product once when the initial state needs no gradient, the last chunk's state update not at all when the final
-    state is not used. A block's recomputation (non-reentrant checkpoint) stops once the last tensor its backward
-    needs is saved: the block's last state update ``K^T V'`` is not rerun."""
+    state is not used (``genoctx.model.kda._ChunkStateScan``'s backward skips them). A block's recomputation reruns the
+    whole block (the state recurrence is one autograd Function, its last state update ``K^T V'`` included)."""
     C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     block = max(C, cfg.kda_block_tokens // C * C)
@@ -302,13 +302,12 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     scores = 4.0 * (C - sub) * C * K
     ws, av, kv = 4.0 * C * K * V, 2.0 * C * C * V, 2.0 * K * C * V
     fwd = chunks * (scores + ws + av + kv)
-    blocks = -(-T // block) if T else 0
     bwd = 0.0
     if grad and chunks:
         bwd = chunks * (2 * (scores + ws + av + kv) + 2.0 * C * C * (K + V))
         bwd -= 0.0 if state_in_grad else ws  # the first chunk: no gradient for a zero initial state
         bwd -= 0.0 if state_out_used else 2 * kv  # the last chunk's state update feeds nothing
-    return rows * H * fwd, rows * H * bwd, rows * H * (fwd - blocks * kv)
+    return rows * H * fwd, rows * H * bwd, rows * H * fwd
 
 
 def _add_kda_core(t: _Tally, cfg: ModelConfig, parts: tuple[float, float, float], rows: int, T: int, depth: int,

@@ -119,7 +119,7 @@ def _forward_by_component(cfg, counts: dict) -> dict:
         if kind == DSA:
             out["mixers_rest"] += attn
         else:
-            out["kda_core"] += _module(counts, f"{lay}.self_attn", ("bmm",))
+            out["kda_core"] += _module(counts, f"{lay}.self_attn", ("bmm", "baddbmm"))
             out["mixers_rest"] += _module(counts, f"{lay}.self_attn", ("mm", "convolution"))
         out["mhc"] += _module(counts, lay) - attn - mlp
     return out
