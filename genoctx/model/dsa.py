@@ -537,8 +537,8 @@ def _flat_rows(x: Tensor) -> tuple[Tensor, int]:
 
 def _slot_base(sel: DSASelection, stride: int) -> tuple[Tensor, Tensor | None, Tensor]:
     """The selection of a whole call as token slots of its ``B T`` flattened query rows, for ``_tile_slots``:
-    ``(base [B T, K, 1]`` int64 first flat row (``b stride + p kpool``) of each selected pool, ``_FAR`` for ``-1``;
-    ``tail [B T, kpool - 1]`` the flat rows of the query's incomplete pool, ``_FAR`` where not visible, or None
+    ``(base [B T, 1, K, 1]`` int64 first flat row (``b stride + p kpool``) of each selected pool, ``_FAR`` for ``-1``;
+    ``tail [B T, 1, kpool - 1]`` the flat rows of the query's incomplete pool, ``_FAR`` where not visible, or None
     (tail off or ``kpool == 1``); ``ar [kpool]``). Slots as ``DSASelection.tokens`` (pools, then the tail).
     ``5 + 8 tail + 3 (B > 1)`` ops."""
     B, T, K = sel.pools.shape
@@ -546,22 +546,23 @@ def _slot_base(sel: DSASelection, stride: int) -> tuple[Tensor, Tensor | None, T
     p = sel.pools.long()
     ar = torch.arange(kp, device=p.device)
     off = (torch.arange(B, device=p.device) * stride).view(B, 1, 1) if B > 1 else 0
-    base = torch.where(p < 0, _FAR, p * kp + off).view(B * T, K, 1)
+    start = p * kp if B == 1 else p * kp + off
+    base = torch.where(p < 0, _FAR, start).view(B * T, 1, K, 1)
     tail = None
     if sel.tail and kp > 1:
         pos = sel.pos.to(p.device)[:, None]  # [T, 1]
         t0 = pos + 1 - (pos + 1) % kp  # first token of the incomplete pool
         tok = t0 + ar[: kp - 1]  # [T, kp - 1]
-        tail = torch.where(tok > pos, _FAR, tok + off).view(B * T, kp - 1)
+        tail = torch.where(tok > pos, _FAR, tok if B == 1 else tok + off).view(B * T, 1, kp - 1)
     return base, tail, ar
 
 
 def _tile_slots(base: Tensor, tail: Tensor | None, ar: Tensor, r0: int, r1: int, last: int) -> tuple[Tensor, Tensor]:
-    """Token slots of flattened query rows ``r0 .. r1 - 1`` (``_slot_base``) -> ``(rows [r, W]`` int64 flat rows to
-    gather, clamped to ``last`` where empty; ``empty [r, W]`` bool). ``7`` ops (``5`` without tail)."""
-    tok = (base[r0:r1] + ar).view(r1 - r0, -1)  # [r, K kp]
+    """Token slots of flattened query rows ``r0 .. r1 - 1`` (``_slot_base``) -> ``(rows [r, 1, W]`` int64 flat rows to
+    gather, clamped to ``last`` where empty; ``empty [r, 1, W]`` bool). ``6`` ops (``4`` without tail)."""
+    tok = (base[r0:r1] + ar).view(r1 - r0, 1, -1)  # [r, 1, K kp]
     if tail is not None:
-        tok = torch.cat([tok, tail[r0:r1]], dim=1)
+        tok = torch.cat([tok, tail[r0:r1]], dim=2)
     empty = tok >= _FAR
     return tok.clamp_max_(last), empty
 
@@ -606,8 +607,8 @@ class _SparseMLA(torch.autograd.Function):
         for r0 in range(0, B * T, rows):
             r1 = min(B * T, r0 + rows)
             idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
-            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[1], R).to(dt)  # [r, W, R]
-            bias = torch.where(empty, inf, zero).unsqueeze(1)  # [r, 1, W]
+            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
+            bias = torch.where(empty, inf, zero)  # [r, 1, W]
             s = torch.baddbmm(bias, q3[r0:r1].to(dt), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
             m = torch.logsumexp(s, dim=-1, keepdim=True, out=lse[r0:r1])  # -inf: a row with nothing selected
             m = island("dsa.attn.lse", m.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0))  # p = 0, o = 0
@@ -638,17 +639,18 @@ class _SparseMLA(torch.autograd.Function):
         for r0 in range(0, B * T, rows):
             r1 = min(B * T, r0 + rows)
             idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
-            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[1], R).to(dt)  # [r, W, R]
+            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
             kt = ks.transpose(1, 2)
             qt, dot = q3[r0:r1].to(dt), do3[r0:r1].to(dt)
-            bias = torch.where(empty, inf, zero).unsqueeze(1)
+            bias = torch.where(empty, inf, zero)
             p = torch.baddbmm(bias, qt, kt, alpha=scale).sub_(lse3[r0:r1]).exp_()  # [r, H, W]; 0 at empty slots
             dp = torch.bmm(dot, kt)
             ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dL/ds / scale; 0 at empty slots (scaled below)
             _bmm_into(dq3[r0:r1], ds.mul_(scale), ks)  # dL/ds
             del ks, kt
             # d latent = (value part) p^T do + (key part) ds^T q; empty slots are exact zeros, sent to a row
-            dks = torch.bmm(p.transpose(1, 2), dot).baddbmm_(ds.transpose(1, 2), qt)  # [r, W, R]
+            dks = torch.bmm(p.transpose(1, 2), dot)  # [r, W, R]
+            torch.baddbmm(dks, ds.transpose(1, 2), qt, out=dks)  # not baddbmm_: FlopCounterMode counts this one
             if stride != N:  # kv read in place from a longer window: flat row b stride + n -> b N + n
                 idx = idx - idx.div(stride, rounding_mode="floor") * (stride - N)
             dkvf.index_add_(0, idx.view(-1), dks.view(-1, R))
@@ -798,13 +800,13 @@ class _IndexerKLSparse(torch.autograd.Function):
         rows = _tile_rows(sel, tile_tokens)
         diq = torch.empty(B * T, HI, dI, dtype=dt, device=iq.device)
         diw = torch.empty(B * T, HI, 1, dtype=dt, device=iw.device)
-        parts = []
+        total = torch.zeros((), dtype=dt, device=iq.device)
         for r0 in range(0, B * T, rows):
             r1 = min(B * T, r0 + rows)
             r = r1 - r0
             idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
-            ks = kvf.index_select(0, idx.view(-1)).view(r, idx.shape[1], R).to(da)  # [r, W, R]
-            bias = torch.where(empty, inf, zero).unsqueeze(1)
+            ks = kvf.index_select(0, idx.view(-1)).view(r, idx.shape[2], R).to(da)  # [r, W, R]
+            bias = torch.where(empty, inf, zero)
             sa = torch.baddbmm(bias, q3[r0:r1].to(da), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
             del ks
             pt = torch.nan_to_num(torch.softmax(island("dsa.indexer.kl", sa), dim=-1))  # rows with nothing: 0
@@ -820,13 +822,12 @@ class _IndexerKLSparse(torch.autograd.Function):
             rl = torch.relu(a)
             logits = torch.bmm(wi, rl).view(r, Kp).masked_fill_(inv, float("-inf"))
             logq = island("dsa.indexer.kl", torch.log_softmax(logits, dim=-1)).masked_fill_(inv, 0.0)
-            parts.append(torch.xlogy(pt, pt).sub_(pt * logq).sum())
+            total += torch.xlogy(pt, pt).sub_(pt * logq).sum()
             g = logq.exp_().sub_(pt).masked_fill_(inv, 0.0).view(r, Kp, 1)  # dKL/dlogits
             torch.bmm(rl, g, out=diw[r0:r1])  # [r, H_I, 1]
             dA = (g.view(r, 1, Kp) * wi.view(r, HI, 1)).mul_(a > 0)  # [r, H_I, Kp]
             torch.bmm(dA, pks, out=diq[r0:r1])
             dpk.index_add_(0, pidx, torch.bmm(dA.transpose(1, 2), qi).view(-1, dI))  # empty slots carry zeros
-        total = parts[0] if len(parts) == 1 else torch.stack(parts).sum() if parts else torch.zeros((), dtype=dt, device=iq.device)
         ctx.save_for_backward(diq.view(iq.shape), diw.view(iw.shape), dpk.view(pk.shape))
         ctx.dtypes = (iq.dtype, iw.dtype, pk.dtype)
         return total
