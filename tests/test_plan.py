@@ -37,7 +37,7 @@ def _activations(p):
 
 
 def test_constants_match_the_code():
-    assert PS.ATTN_TILE_TOKENS == dsa.ATTN_TILE_TOKENS
+    assert (PS.ATTN_TILE_TOKENS, PS.ATTN_TILE_BYTES) == (dsa.ATTN_TILE_TOKENS, dsa.ATTN_TILE_BYTES)
     assert (PS.INDEX_ROW_TILE, PS.INDEX_COL_BLOCK, PS.INDEX_GROUP) == (
         dsa.INDEX_ROW_TILE, dsa.INDEX_COL_BLOCK, dsa.INDEX_GROUP)  # fmt: skip
     assert PS.SUB_CHUNK == kda._SUB_CHUNK

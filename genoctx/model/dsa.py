@@ -74,10 +74,22 @@ SENTINEL = -1  # index slot with no pool / token
 # would make the selection depend on how pools are tiled or chunked. Adding pool * TIE_BREAK before the top-k
 # makes the selection a fixed function of (query, pool): among equal scores the most recent pools win.
 TIE_BREAK = 2.0**-40
-ATTN_TILE_TOKENS = 1 << 16  # sparse attention: query-tile rows x selected tokens held at once
+ATTN_TILE_TOKENS = 1 << 16  # sparse attention at glm-5.3-flash: query-tile rows x token slots held at once
+# sparse attention's tile budget in bytes: ATTN_TILE_TOKENS rows x slots, each a gathered latent and a score per head
+# (kv_lora_rank + heads) in fp32, at glm-5.3-flash (512 + 64); narrower models get more rows (attn_tile_tokens)
+ATTN_TILE_BYTES = ATTN_TILE_TOKENS * (512 + 64) * 4
 INDEX_ROW_TILE = 256  # indexer_topk: query rows per tile (fast path; bounded by indexer_tile_tokens)
 INDEX_COL_BLOCK = 4096  # indexer_topk: key columns per block (a multiple of INDEX_GROUP)
 INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima are compared to the threshold)
+
+
+def attn_tile_tokens(kv_lora_rank: int, heads: int) -> int:
+    """Query rows x token slots of one sparse-attention tile (``_SparseMLA``, ``_IndexerKLSparse``) for a layer of
+    ``heads`` MLA heads over ``kv_lora_rank``-wide latents: ``ATTN_TILE_BYTES // ((kv_lora_rank + heads) * 4)``, so
+    that a tile's working set (gathered fp32 latents and per-head scores, ``rows x slots x (R + H) x 4`` bytes) is
+    what ``ATTN_TILE_TOKENS`` gives at glm-5.3-flash (exactly ``ATTN_TILE_TOKENS`` there; cpu-small 555128, tiny
+    2097152)."""
+    return max(1, ATTN_TILE_BYTES // ((kv_lora_rank + heads) * 4))
 
 
 @dataclass
@@ -449,9 +461,10 @@ def _kl_rows(p: Tensor, logits: Tensor, valid: Tensor) -> Tensor:
     return (torch.xlogy(p, p) - p * logq).sum()
 
 
-class _SparseMLA(torch.autograd.Function):
-    """Softmax attention of every head over its query's selected latents; query tiles; gathers recomputed in
-    backward. Keys and values are the same latent (MLA's absorbed MQA form)."""
+class _SparseMLARef(torch.autograd.Function):
+    """The reference of ``_SparseMLA`` (same call, same numbers up to rounding): tokens expanded per tile with
+    ``DSASelection.tokens``, einsum products, masks applied with ``masked_fill``; ~5x the ops per tile. Kept for the
+    equality tests."""
 
     @staticmethod
     @_no_autocast
@@ -508,6 +521,142 @@ class _SparseMLA(torch.autograd.Function):
         return dq, dkv.to(kv.dtype), None, None, None, None, None, None
 
 
+_FAR = 1 << 62  # token slot of no token (an empty pool, a tail token not yet visible): above every real row
+
+
+def _flat_rows(x: Tensor) -> tuple[Tensor, int]:
+    """``x [B, N, C]`` -> ``(flat [M, C], stride)``: a view over ``x``'s storage whose row ``b stride + n`` is
+    ``x[b, n]`` (``M = (B - 1) stride + N``). ``join_latents``' prefix ``window[:, :N]`` of a longer batched window
+    is read in place (``stride`` = the window's length); other layouts are made contiguous first."""
+    B, N, C = x.shape
+    if x.stride(2) != 1 or (N > 1 and x.stride(1) != C) or (B > 1 and (x.stride(0) % C or x.stride(0) < N * C)):
+        x = x.contiguous()
+    stride = x.stride(0) // C if B > 1 else N
+    return x.as_strided(((B - 1) * stride + N, C), (C, 1)), stride
+
+
+def _slot_base(sel: DSASelection, stride: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The selection of a whole call as token slots of its ``B T`` flattened query rows, for ``_tile_slots``:
+    ``(base [B T, 1, K, 1]`` int64 first flat row (``b stride + p kpool``) of each selected pool, ``_FAR`` for ``-1``;
+    ``tail [B T, 1, kpool - 1]`` the flat rows of the query's incomplete pool, ``_FAR`` where not visible, or None
+    (tail off or ``kpool == 1``); ``ar [kpool]``). Slots as ``DSASelection.tokens`` (pools, then the tail).
+    ``5 + 8 tail + 3 (B > 1)`` ops."""
+    B, T, K = sel.pools.shape
+    kp = sel.kpool
+    p = sel.pools.long()
+    ar = torch.arange(kp, device=p.device)
+    off = (torch.arange(B, device=p.device) * stride).view(B, 1, 1) if B > 1 else 0
+    start = p * kp if B == 1 else p * kp + off
+    base = torch.where(p < 0, _FAR, start).view(B * T, 1, K, 1)
+    tail = None
+    if sel.tail and kp > 1:
+        pos = sel.pos.to(p.device)[:, None]  # [T, 1]
+        t0 = pos + 1 - (pos + 1) % kp  # first token of the incomplete pool
+        tok = t0 + ar[: kp - 1]  # [T, kp - 1]
+        tail = torch.where(tok > pos, _FAR, tok if B == 1 else tok + off).view(B * T, 1, kp - 1)
+    return base, tail, ar
+
+
+def _tile_slots(base: Tensor, tail: Tensor | None, ar: Tensor, r0: int, r1: int, last: int) -> tuple[Tensor, Tensor]:
+    """Token slots of flattened query rows ``r0 .. r1 - 1`` (``_slot_base``) -> ``(rows [r, 1, W]`` int64 flat rows to
+    gather, clamped to ``last`` where empty; ``empty [r, 1, W]`` bool). ``6`` ops (``4`` without tail)."""
+    tok = (base[r0:r1] + ar).view(r1 - r0, 1, -1)  # [r, 1, K kp]
+    if tail is not None:
+        tok = torch.cat([tok, tail[r0:r1]], dim=2)
+    empty = tok >= _FAR
+    return tok.clamp_max_(last), empty
+
+
+def _bmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out = a @ b`` (``[n, i, k] x [n, k, j]``), written into ``out`` (a tile's rows of a preallocated result) by
+    one ``bmm`` when the dtypes agree, else computed in ``a``'s dtype and cast (``2`` ops)."""
+    if out.dtype == a.dtype:
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a, b))
+
+
+def _tile_rows(sel: DSASelection, tile_tokens: int) -> int:
+    """Flattened query rows per tile: ``B max(1, tile_tokens // width)`` (``DSASelection.width`` slots per row): the
+    tiles of ``_SparseMLARef``, ``B`` batch rows each."""
+    return sel.pools.shape[0] * max(1, tile_tokens // max(1, sel.width))
+
+
+class _SparseMLA(torch.autograd.Function):
+    """Softmax attention of every head over its query's selected latents, in tiles of flattened query rows; gathers
+    recomputed in backward. Keys and values are the same latent (MLA's absorbed MQA form). Each product is one
+    ``bmm``/``baddbmm`` on 3-D views; empty slots enter as an additive ``-inf`` bias (``baddbmm``), get ``p = 0``
+    and exact zero gradients (scattered, as zeros, to a clamped row). Reference: ``_SparseMLARef``.
+
+    Ops (fp32, one process): forward ``5 + base + t (17 + slots)``, backward ``7 + base + t (31 + slots)``, with
+    ``t`` tiles, ``base`` = ``_slot_base``'s and ``slots`` = ``_tile_slots``' (``op_counts``)."""
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, q, kv, pools, pos, kpool, tail, scale, tile_tokens):
+        B, T, H, R = q.shape
+        sel = DSASelection(pools, pos, kpool, tail)
+        dt = _acc_dtype(q.dtype)
+        kvf, stride = _flat_rows(kv)
+        base, tl, ar = _slot_base(sel, stride)
+        q3 = q.view(B * T, H, R) if q.is_contiguous() else q.reshape(B * T, H, R)
+        inf, zero = torch.full((), float("-inf"), dtype=dt, device=q.device), torch.zeros((), dtype=dt, device=q.device)
+        rows = _tile_rows(sel, tile_tokens)
+        o = torch.empty_like(q)
+        o3, lse = o.view(B * T, H, R), torch.empty(B * T, H, 1, dtype=dt, device=q.device)
+        for r0 in range(0, B * T, rows):
+            r1 = min(B * T, r0 + rows)
+            idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
+            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
+            bias = torch.where(empty, inf, zero)  # [r, 1, W]
+            s = torch.baddbmm(bias, q3[r0:r1].to(dt), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
+            m = torch.logsumexp(s, dim=-1, keepdim=True, out=lse[r0:r1])  # -inf: a row with nothing selected
+            m = island("dsa.attn.lse", m.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0))  # p = 0, o = 0
+            _bmm_into(o3[r0:r1], s.sub_(m).exp_(), ks)
+        ctx.save_for_backward(q, kv, pools, pos, lse.view(B, T, H))
+        ctx.args = (kpool, tail, scale, tile_tokens)
+        return o
+
+    @staticmethod
+    @_no_autocast
+    def backward(ctx, do):
+        q, kv, pools, pos, lse = ctx.saved_tensors
+        kpool, tail, scale, tile_tokens = ctx.args
+        sel = DSASelection(pools, pos, kpool, tail)
+        B, T, H, R = q.shape
+        N = kv.shape[1]
+        dt = _acc_dtype(q.dtype)
+        kvf, stride = _flat_rows(kv)
+        base, tl, ar = _slot_base(sel, stride)
+        q3, do3 = q.reshape(B * T, H, R), do.reshape(B * T, H, R)
+        lse3 = lse.view(B * T, H, 1)
+        inf, zero = torch.full((), float("-inf"), dtype=dt, device=q.device), torch.zeros((), dtype=dt, device=q.device)
+        dkv = island("dsa.attn.dkv", torch.zeros(kv.shape, dtype=dt, device=kv.device))
+        dkvf = dkv.view(B * N, R)
+        rows = _tile_rows(sel, tile_tokens)
+        dq = torch.empty_like(q)
+        dq3 = dq.view(B * T, H, R)
+        for r0 in range(0, B * T, rows):
+            r1 = min(B * T, r0 + rows)
+            idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
+            ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
+            kt = ks.transpose(1, 2)
+            qt, dot = q3[r0:r1].to(dt), do3[r0:r1].to(dt)
+            bias = torch.where(empty, inf, zero)
+            p = torch.baddbmm(bias, qt, kt, alpha=scale).sub_(lse3[r0:r1]).exp_()  # [r, H, W]; 0 at empty slots
+            dp = torch.bmm(dot, kt)
+            ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)  # dL/ds / scale; 0 at empty slots (scaled below)
+            _bmm_into(dq3[r0:r1], ds.mul_(scale), ks)  # dL/ds
+            del ks, kt
+            # d latent = (value part) p^T do + (key part) ds^T q; empty slots are exact zeros, sent to a row
+            dks = torch.bmm(p.transpose(1, 2), dot)  # [r, W, R]
+            torch.baddbmm(dks, ds.transpose(1, 2), qt, out=dks)  # not baddbmm_: FlopCounterMode counts this one
+            if stride != N:  # kv read in place from a longer window: flat row b stride + n -> b N + n
+                idx = idx - idx.div(stride, rounding_mode="floor") * (stride - N)
+            dkvf.index_add_(0, idx.view(-1), dks.view(-1, R))
+        return dq, dkv.to(kv.dtype), None, None, None, None, None, None
+
+
 def sparse_mla(q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_tokens: int = ATTN_TILE_TOKENS) -> Tensor:
     """Attention of each query over its selected tokens only, MLA in absorbed MQA form (DeepSeek-V3.2 sparse MLA).
 
@@ -545,8 +694,11 @@ def _pool_target(p_tok: Tensor, n_pools: int, kpool: int) -> Tensor:
     return p_tok[..., : n_pools * kpool].unflatten(-1, (n_pools, kpool)).sum(-1)
 
 
-class _IndexerKLSparse(torch.autograd.Function):
-    """Indexer KL of the sparse stage over the selected pools, summed over queries, with its gradients computed
+class _IndexerKLSparseRef(torch.autograd.Function):
+    """The reference of ``_IndexerKLSparse`` (same call, same numbers up to rounding), per-tile token expansion and
+    einsum products as ``_SparseMLARef``. Kept for the equality tests.
+
+    Indexer KL of the sparse stage over the selected pools, summed over queries, with its gradients computed
     in the same pass.
 
     Per query tile: target ``p`` = the main attention (heads summed) over the attended tokens, summed per
@@ -598,6 +750,85 @@ class _IndexerKLSparse(torch.autograd.Function):
             diq[:, r0:r1] = torch.einsum("brjk,brkd->brjd", da, pks)
             _scatter_rows_(dpk, pc, torch.einsum("brjk,brjd->brkd", da, qi))  # empty slots carry zeros
         ctx.save_for_backward(diq, diw, dpk)
+        ctx.dtypes = (iq.dtype, iw.dtype, pk.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, gout):
+        diq, diw, dpk = ctx.saved_tensors
+        tq, tw, tk = ctx.dtypes
+        return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dpk).to(tk), *([None] * 8)
+
+
+class _IndexerKLSparse(torch.autograd.Function):
+    """Indexer KL of the sparse stage over the selected pools, summed over queries, with its gradients computed
+    in the same pass; tiles of flattened query rows as ``_SparseMLA`` (same slots, same products as one
+    ``bmm``/``baddbmm`` each). Reference: ``_IndexerKLSparseRef``.
+
+    Per query tile: target ``p`` = the main attention (heads summed) over the attended tokens, summed per
+    selected pool and renormalised over them (no grad); ``l = sum_j w_j ReLU(q_I_j . K_pool)``;
+    ``KL(p || softmax(l))``, whose gradient w.r.t. ``l`` is ``softmax(l) - p``, pushed through the ReLU scores
+    to ``index_q``, ``index_w`` and the pooled keys (scattered with ``index_add_``). Rows with no selected pool
+    contribute nothing. Backward only scales the stored gradients.
+
+    Ops (fp32, one process): forward ``10 + base + t (46 + slots)`` (``_SparseMLA``'s notation), backward ``3``
+    (plus a cast per gradient whose dtype is not the compute dtype).
+    """
+
+    @staticmethod
+    @_no_autocast
+    def forward(ctx, iq, iw, pk, q, kv, pools, pos, kpool, tail, scale, tile_tokens):
+        B, T, H, R = q.shape
+        _, _, HI, dI = iq.shape
+        sel = DSASelection(pools, pos, kpool, tail)
+        Kp = pools.shape[-1]
+        dt, da = _acc_dtype(iq.dtype), _acc_dtype(q.dtype)
+        kvf, stride = _flat_rows(kv)
+        base, tl, ar = _slot_base(sel, stride)
+        P = pk.shape[1]
+        pkf = pk.reshape(B * P, dI)
+        pp = pools.long()  # selected pools, and their flat rows in pk
+        pinv = (pp < 0).view(B * T, Kp)
+        pc = pp.clamp_min(0)
+        if B > 1:
+            pc = pc + (torch.arange(B, device=pk.device) * P).view(B, 1, 1)
+        pc = pc.view(B * T, Kp)
+        q3 = q.reshape(B * T, H, R)
+        iq3, iw3 = iq.reshape(B * T, HI, dI), iw.reshape(B * T, 1, HI)
+        inf, zero = torch.full((), float("-inf"), dtype=da, device=q.device), torch.zeros((), dtype=da, device=q.device)
+        dpk = torch.zeros(B * P, dI, dtype=dt, device=pk.device)
+        rows = _tile_rows(sel, tile_tokens)
+        diq = torch.empty(B * T, HI, dI, dtype=dt, device=iq.device)
+        diw = torch.empty(B * T, HI, 1, dtype=dt, device=iw.device)
+        total = torch.zeros((), dtype=dt, device=iq.device)
+        for r0 in range(0, B * T, rows):
+            r1 = min(B * T, r0 + rows)
+            r = r1 - r0
+            idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
+            ks = kvf.index_select(0, idx.view(-1)).view(r, idx.shape[2], R).to(da)  # [r, W, R]
+            bias = torch.where(empty, inf, zero)
+            sa = torch.baddbmm(bias, q3[r0:r1].to(da), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
+            del ks
+            pt = torch.nan_to_num(torch.softmax(island("dsa.indexer.kl", sa), dim=-1))  # rows with nothing: 0
+            del sa
+            pt = pt[..., : Kp * kpool].unflatten(-1, (Kp, kpool)).sum((1, 3)).to(dt)  # [r, Kp] per pool, heads summed
+            z = pt.sum(-1, keepdim=True)
+            inv = pinv[r0:r1] | (z <= 0)  # slots with no target: empty, or a row whose pools got no mass
+            pt = pt.div_(z.clamp_min_(torch.finfo(dt).tiny))  # rows with no mass stay 0
+            pidx = pc[r0:r1].reshape(-1)
+            pks = pkf.index_select(0, pidx).view(r, Kp, dI).to(dt)  # [r, Kp, d_I]
+            qi, wi = iq3[r0:r1].to(dt), iw3[r0:r1].to(dt)
+            a = torch.bmm(qi, pks.transpose(1, 2))  # [r, H_I, Kp]
+            rl = torch.relu(a)
+            logits = torch.bmm(wi, rl).view(r, Kp).masked_fill_(inv, float("-inf"))
+            logq = island("dsa.indexer.kl", torch.log_softmax(logits, dim=-1)).masked_fill_(inv, 0.0)
+            total += torch.xlogy(pt, pt).sub_(pt * logq).sum()
+            g = logq.exp_().sub_(pt).masked_fill_(inv, 0.0).view(r, Kp, 1)  # dKL/dlogits
+            torch.bmm(rl, g, out=diw[r0:r1])  # [r, H_I, 1]
+            dA = (g.view(r, 1, Kp) * wi.view(r, HI, 1)).mul_(a > 0)  # [r, H_I, Kp]
+            torch.bmm(dA, pks, out=diq[r0:r1])
+            dpk.index_add_(0, pidx, torch.bmm(dA.transpose(1, 2), qi).view(-1, dI))  # empty slots carry zeros
+        ctx.save_for_backward(diq.view(iq.shape), diw.view(iw.shape), dpk.view(pk.shape))
         ctx.dtypes = (iq.dtype, iw.dtype, pk.dtype)
         return total
 
@@ -735,7 +966,7 @@ class DeepSeekSparseAttention(nn.Module):
         self.topk, self.tile_tokens = cfg.index_topk, cfg.indexer_tile_tokens
         self.mode, self.stage, self.loss_coef = cfg.dsa_mode, cfg.indexer_stage, cfg.indexer_loss_coef
         self.kernels = cfg.kernels
-        self.attn_tile_tokens = ATTN_TILE_TOKENS
+        self.attn_tile_tokens = attn_tile_tokens(cfg.kv_lora_rank, H)  # tiles sized in bytes (ATTN_TILE_BYTES)
         self.scale = self.qk_head_dim**-0.5
         bias = cfg.attention_bias
         self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=bias)
@@ -892,9 +1123,8 @@ class DeepSeekSparseAttention(nn.Module):
         probabilities: practical for the short warm-up stage, not for 1M tokens."""
         B, T = q.shape[:2]
         if self.stage == "sparse":
-            rows = max(1, self.attn_tile_tokens // max(1, sel.width))
             total = _IndexerKLSparse.apply(
-                iq, iw, pool_k, q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, self.scale, rows
+                iq, iw, pool_k, q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, self.scale, self.attn_tile_tokens
             )
         else:
             N = kv.shape[1]

@@ -447,8 +447,8 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
         t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad and attn else 0.0, unit=attn_unit)
         if full:  # the pooled keys are fp32: the top-k's dots run in fp32 (FMA), the KL with autocast off
             t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
-            if kl_fwd and cfg.indexer_stage == "sparse":  # target scores, pool scores and their gradients, in forward
-                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + HI * Kp), unit="fp32")
+            if kl_fwd and cfg.indexer_stage == "sparse":  # target, pool scores, head sum (bmm), gradients: in forward
+                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + 2 * HI * Kp), unit="fp32")
             elif kl_fwd:
                 _warmup_kl(t, cfg, B, S, T, kl_w)
 

@@ -19,6 +19,7 @@ DEVICES = ("cuda", "cpu")
 
 # Copied from the code they describe (tests/test_plan.py checks that they still match):
 ATTN_TILE_TOKENS = 1 << 16  # genoctx.model.dsa.ATTN_TILE_TOKENS: sparse-attention query rows x selected tokens
+ATTN_TILE_BYTES = ATTN_TILE_TOKENS * (512 + 64) * 4  # genoctx.model.dsa.ATTN_TILE_BYTES: a tile's byte budget
 INDEX_ROW_TILE = 256  # genoctx.model.dsa.INDEX_ROW_TILE: indexer query rows per tile
 INDEX_COL_BLOCK = 4096  # genoctx.model.dsa.INDEX_COL_BLOCK: indexer key columns per block
 INDEX_GROUP = 32  # genoctx.model.dsa.INDEX_GROUP
@@ -342,9 +343,11 @@ def _dsa_cp_saved(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
 def _attn_tiles(cfg: ModelConfig, tokens: int) -> tuple[int, int, int]:
     """Sparse-attention tiles over ``tokens`` queries: ``(TT, TT_last, count)``, ``TT = rows x width`` elements of a
     full tile (query rows x selected tokens, ``width = topk + kp - 1`` with the visible tail,
-    ``rows = max(1, min(tokens, ATTN_TILE_TOKENS // width))``), the last tile's and the number of tiles."""
+    ``rows = max(1, min(tokens, tile // width))``, ``tile = ATTN_TILE_BYTES // ((R + H) 4)``:
+    ``genoctx.model.dsa.attn_tile_tokens``), the last tile's and the number of tiles."""
     width = cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail else 0)
-    rows = max(1, min(tokens, ATTN_TILE_TOKENS // width))
+    tile = max(1, ATTN_TILE_BYTES // ((cfg.kv_lora_rank + cfg.num_attention_heads) * F32))
+    rows = max(1, min(tokens, tile // width))
     count = -(-tokens // rows)
     return rows * width, (tokens - (count - 1) * rows) * width, count
 

@@ -1,0 +1,113 @@
+"""The sparse-attention tiles of the DSA layer (issue 46): ``_SparseMLA`` and ``_IndexerKLSparse`` (tiles of flattened
+query rows, one bmm per product) equal their references ``_SparseMLARef`` / ``_IndexerKLSparseRef`` forward and
+backward; their aten op counts are the formulas reported to the planner; tiles are sized in bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genoctx.model import dsa
+from genoctx.model.config import preset
+
+F64 = torch.float64
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _case(B, T, kp, K, tail, dtype=F64, S=3, window=0):
+    """Queries after ``S`` cached positions; random pools (``-1`` = empty; visible or not); ``kv`` a prefix view of a
+    longer window when ``window`` (the chunked backward's ``join_latents``)."""
+    g = torch.Generator().manual_seed(B * 100 + T + kp + K + tail)
+    pos = torch.arange(S, S + T)
+    pools = torch.randint(-1, (S + T) // kp, (B, T, K), generator=g, dtype=torch.int32)
+    sel = dsa.DSASelection(pools, pos, kp, tail)
+    q = torch.randn(B, T, 4, 6, generator=g, dtype=dtype).requires_grad_()
+    kvw = torch.randn(B, S + T + window, 6, generator=g, dtype=dtype).requires_grad_()
+    iq = torch.randn(B, T, 3, 5, generator=g, dtype=dtype).requires_grad_()
+    iw = torch.randn(B, T, 3, generator=g, dtype=dtype).requires_grad_()
+    pk = torch.randn(B, (S + T) // kp, 5, generator=g, dtype=dtype).requires_grad_()
+    return sel, q, kvw, iq, iw, pk
+
+
+@pytest.mark.parametrize("kp,K,tail", [(1, 5, False), (4, 3, True), (4, 3, False), (16, 1, True)])
+@pytest.mark.parametrize("B,window", [(1, 0), (2, 0), (2, 7)])
+@pytest.mark.parametrize("tile", [1, 29, 1 << 20])
+def test_sparse_mla_and_kl_equal_their_references(kp, K, tail, B, window, tile):
+    """Values and every gradient (q, the latents incl. a strided window prefix; index_q, index_w, pooled keys) of the
+    tiled Functions equal the per-tile-expanding references, for one row per tile, a few tiles and one tile."""
+    sel, q, kvw, iq, iw, pk = _case(B, 21, kp, K, tail, window=window)
+    n = sel.pos[-1] + 1
+    kv = kvw[:, :n]
+    args = (sel.pools, sel.pos, kp, tail, 0.4, tile)
+    o, o_ref = dsa._SparseMLA.apply(q, kv, *args), dsa._SparseMLARef.apply(q, kv, *args)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    do = torch.randn_like(o)
+    g, g_ref = torch.autograd.grad(o, (q, kvw), do), torch.autograd.grad(o_ref, (q, kvw), do)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    rows = max(1, tile // max(1, sel.width))
+    kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args)
+    kl_ref = dsa._IndexerKLSparseRef.apply(iq, iw, pk, q.detach(), kv.detach(), *args[:-1], rows)
+    assert K == 1 or float(kl_ref.detach()) > 0  # one pool: both distributions one-hot
+    torch.testing.assert_close(kl, kl_ref, **TOL)
+    g, g_ref = torch.autograd.grad(2 * kl, (iq, iw, pk)), torch.autograd.grad(2 * kl_ref, (iq, iw, pk))
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+# fp32, one process: ops of a call with t tiles, (per call, per tile); batch > 1 adds a few per call
+OPS = {  # (tail on, B): {pass: (a, b)} -> a + b t
+    (True, 1): {"fwd": (27, 21), "bwd": (31, 33), "kl": (41, 61), "kl_bwd": (7, 0)},
+    (False, 1): {"fwd": (16, 19), "bwd": (20, 31), "kl": (30, 59), "kl_bwd": (7, 0)},
+    (True, 2): {"fwd": (32, 21), "bwd": (36, 33), "kl": (50, 61), "kl_bwd": (7, 0)},
+}
+
+
+@pytest.mark.parametrize("tail,B", list(OPS))
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_op_counts_are_the_formula(tail, B, tiles):
+    """The aten ops (TorchDispatchMode) of sparse attention forward/backward and of the indexer KL forward/backward
+    are ``a + b x tiles`` (``OPS``), independent of the tokens per tile."""
+    T = 24
+    sel, q, kv, iq, iw, pk = _case(B, T, 4, 3, tail, dtype=torch.float32, S=0)
+    tile = sel.width * (T // tiles)
+    args = (sel.pools, sel.pos, 4, tail, 0.5, tile)
+    got = {}
+    with _Count() as c:
+        o = dsa._SparseMLA.apply(q, kv, *args)
+    do = torch.randn_like(o)  # contiguous (a ones_like gradient may arrive expanded: one copy more)
+    got["fwd"] = c.n
+    with _Count() as c:
+        o.backward(do)
+    got["bwd"] = c.n
+    with _Count() as c:
+        kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args)
+    got["kl"] = c.n
+    with _Count() as c:
+        kl.backward()
+    got["kl_bwd"] = c.n
+    assert got == {k: a + b * tiles for k, (a, b) in OPS[(tail, B)].items()}
+
+
+def test_attention_tiles_are_sized_in_bytes():
+    """glm-5.3-flash keeps its tile (ATTN_TILE_TOKENS, 31 query rows of 2063 tokens); cpu-small (latent 64, 4 heads)
+    gets 2048 rows per tile: one tile at 2k tokens, four at 8k (today 9 and 34)."""
+    big, small = preset("glm-5.3-flash"), preset("cpu-small")
+    assert dsa.attn_tile_tokens(big.kv_lora_rank, big.num_attention_heads) == dsa.ATTN_TILE_TOKENS
+    width = small.index_topk + small.index_kpool - 1
+    tile = dsa.attn_tile_tokens(small.kv_lora_rank, small.num_attention_heads)
+    assert tile // width == 2048
+    layer = dsa.DeepSeekSparseAttention(small, 3)
+    assert layer.attn_tile_tokens == tile
+    assert tile * (small.kv_lora_rank + small.num_attention_heads) * 4 <= dsa.ATTN_TILE_BYTES
