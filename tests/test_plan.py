@@ -499,9 +499,10 @@ def test_eval_components_add_up_and_hold_no_training_state(cfg, L, layout, kw):
 
 def test_eval_smaller_chunks_lower_the_peak_until_the_caches_dominate():
     """Without CP a chunk's working set shrinks with the chunk; the window's DSA caches (held twice in the last chunk)
-    do not, and become the largest term."""
+    do not, and become the largest term. (The sparse attention's tile, sized in bytes, holds up to 2048 of
+    cpu-small's query rows: it shrinks with the chunk down to 256 tokens, below the indexer's fixed tiles after.)"""
     totals, caches, kda = [], [], []
-    for chunk in (None, 1 << 16, 1 << 14, 1 << 12, 1 << 10, 1 << 8):
+    for chunk in (None, 1 << 16, 1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6):
         p = _eval(SMALL, 1 << 18, chunk_tokens=chunk, **CPU)
         totals.append(p["total_gib"])
         caches.append(p["components_gib"]["carried_caches"])
@@ -509,9 +510,9 @@ def test_eval_smaller_chunks_lower_the_peak_until_the_caches_dominate():
     assert totals == sorted(totals, reverse=True) and totals[0] > 15 * totals[-1]
     assert kda[1] == pytest.approx(4 * kda[2], rel=1e-3)  # a KDA layer's working set: linear in the chunk
     assert caches[-1] == pytest.approx(caches[-2], rel=0.02)  # the caches: the window's, whatever the chunk
-    last = _eval(SMALL, 1 << 18, chunk_tokens=1 << 8, **CPU)["components_gib"]
+    last = _eval(SMALL, 1 << 18, chunk_tokens=1 << 6, **CPU)["components_gib"]
     assert last["carried_caches"] == max(last.values())
-    assert totals[-2] - totals[-1] < 0.05 * totals[-1]  # nothing left to gain
+    assert last["carried_caches"] > 0.8 * totals[-1]  # the window's caches: nearly all that is left
 
 
 def test_eval_carried_dsa_latents_grow_linearly_with_the_window():
@@ -527,7 +528,7 @@ def test_eval_carried_dsa_latents_grow_linearly_with_the_window():
 
 
 def test_eval_cp_divides_the_residual_streams_and_the_busiest_rank_holds_the_window():
-    kw = dict(CPU, chunk_tokens=1024)
+    kw = dict(CPU, chunk_tokens=512)  # (at 1024 the sparse attention's byte-sized tile moves cp=4's peak elsewhere)
     two, four = _eval(SMALL, 1 << 16, Layout(cp=2), **kw), _eval(SMALL, 1 << 16, Layout(cp=4), **kw)
     assert two["peak_phase"].split(":")[1] == four["peak_phase"].split(":")[1]  # the same moment of a layer
     assert two["tokens_per_rank"] == 2 * four["tokens_per_rank"] == 1 << 15
