@@ -154,6 +154,7 @@ def expert_mlp(
     return y
 
 
+EXPERT_PATHS = ("grouped_mm", "loop")  # Experts.path: one grouped product per projection / one product per expert
 COMBINES = ("index_add", "slot_sum")  # the MoE combine: float atomics on CUDA / a fixed-order sum (deterministic)
 
 
@@ -183,7 +184,13 @@ def combine_slots(weighted: torch.Tensor, slots: torch.Tensor, n_tokens: int, k:
 
 
 class Experts(nn.Module):
-    """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``)."""
+    """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``).
+
+    ``grouped`` (class attribute, True): take ``forward_grouped`` where ``path`` allows it; False runs the reference
+    ``forward_loop`` everywhere (tests set it to compare the two and to count the loop's host reads).
+    """
+
+    grouped = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -193,6 +200,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * cfg.initializer_range)
         self.down_proj = nn.Parameter(torch.randn(E, D, I) * cfg.initializer_range)
         self.combine = "index_add"  # the combine the last forward ran (combine_path)
+        self.last_path = "grouped_mm"  # the dispatch the last forward ran (path)
         self.lora_scale: float | None = None  # alpha / rank once genoctx.model.lora.apply_lora adds adapters
 
     def adapter(self, e: int) -> tuple | None:
@@ -220,9 +228,69 @@ class Experts(nn.Module):
         h = held(self, name)
         return h if h is not None else getattr(self, name).unbind(0)
 
+    def path(self, x: torch.Tensor) -> str:
+        """The dispatch ``forward`` runs for tokens ``x`` (``EXPERT_PATHS``; recorded in ``MoE.stats["experts"]``).
+
+        ``"grouped_mm"`` (``forward_grouped``) where ``torch._grouped_mm`` takes the operands: compute dtype (x's, or
+        autocast's) fp32, bf16 or fp16 (it refuses fp64), rows of ``D`` and ``I`` elements a multiple of 16 bytes, no
+        LoRA adapter and no fp8 holder on the experts, not under ``torch.compile`` (its meta function admits bf16
+        only), and on CUDA only bf16 on sm90+ (torch's fused kernel; its fallback for other dtypes and GPUs loops
+        over the groups with the offsets copied to the host: a hidden sync, so the loop's labelled read is kept
+        there). Otherwise ``"loop"`` (``forward_loop``, the reference)."""
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and x.dtype != torch.float64 else x.dtype
+        size = torch.empty((), dtype=dt).element_size() if dt.is_floating_point else 0
+        ok = (
+            dt in (torch.float32, torch.bfloat16, torch.float16)
+            and (self.hidden_size * size) % 16 == 0
+            and (self.intermediate_size * size) % 16 == 0
+            and self.lora_scale is None
+            and held(self, "gate_up_proj") is None
+            and held(self, "down_proj") is None
+            and not torch.compiler.is_compiling()
+            and (
+                dev == "cpu"
+                or (dev == "cuda" and dt == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            )
+        )
+        return "grouped_mm" if ok and self.grouped else "loop"
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
-        (or autocast's); slots are combined in the weights' dtype (fp32)."""
+        (or autocast's); slots are combined in the weights' dtype (fp32). Runs ``forward_grouped`` or
+        ``forward_loop`` (``path``; the one that ran is ``self.last_path``): equal to fp32 rounding."""
+        self.last_path = self.path(x)
+        fn = self.forward_grouped if self.last_path == "grouped_mm" else self.forward_loop
+        return fn(x, experts, weights)
+
+    def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` as two grouped matrix products over all experts (``torch._grouped_mm``): the (token, slot)
+        rows sorted by expert, ``gate_up`` over every row in one product, one ``swiglu``, ``down`` in one product.
+        The groups' ends ``offs`` [E] int32 (cumulative rows, by ``searchsorted`` on the sorted ids) stay on the
+        device: no host read, and 5 + 2 ops for the dispatch whatever the number of experts. Inputs as ``forward``;
+        requires ``path(x) == "grouped_mm"`` (``torch._grouped_mm`` raises RuntimeError on fp64 or misaligned rows).
+        Reference: ``forward_loop`` (the same math, one ``expert_mlp`` per expert)."""
+        N, k = experts.shape
+        E, I = self.n_experts, self.intermediate_size
+        ids, order = experts.reshape(-1).sort(stable=True)  # [N*k]: slot j of token t is at t*k + j
+        offs = torch.searchsorted(ids, torch.arange(E, device=ids.device), right=True, out_int32=True)
+        xs = x[order // k]  # [N*k, D], grouped by expert
+        gu_w, dn_w = self.gate_up_proj, self.down_proj
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):  # what F.linear would run under autocast (the loop's dtype)
+            dt = torch.get_autocast_dtype(dev)
+            xs, gu_w, dn_w = xs.to(dt), gu_w.to(dt), dn_w.to(dt)
+        gu = torch._grouped_mm(xs, gu_w.transpose(-2, -1), offs=offs)  # [N*k, 2I]
+        h = swiglu(gu[:, :I], gu[:, I:], self.swiglu_limit)
+        ys = torch._grouped_mm(h, dn_w.transpose(-2, -1), offs=offs)  # [N*k, D]
+        weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
+        self.combine = combine_path()
+        return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
+
+    def forward_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` by one ``expert_mlp`` per expert with rows (the reference of ``forward_grouped``; the path
+        for fp64, LoRA adapters, fp8 experts, ``torch.compile`` and CUDA without the fused grouped kernel). One host
+        read per call: the experts' row counts that ``torch.split`` needs (``genoctx.model.host``, "moe.split")."""
         N, k = experts.shape
         flat = experts.reshape(-1)  # [N*k]: slot j of token t is at t*k + j
         order = torch.argsort(flat, stable=True)
@@ -357,6 +425,7 @@ class MoE(nn.Module):
             "tokens_per_expert": tokens_per_expert.detach(),
             "load_max_over_mean": host_number(ratio, float),
             "combine": getattr(self.experts, "combine", None),  # index_add / slot_sum (train.deterministic)
+            "experts": getattr(self.experts, "last_path", None),  # grouped_mm / loop (Experts.path)
         }
         self.aux_loss = self.last_selection = None
         if self.aux_coef > 0 and sels:
