@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import flop_counter
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -51,8 +52,65 @@ from .stats import host_number, read_numbers
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``Glm5NextTextExperts._apply_gate``); same dtype."""
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``Glm5NextTextExperts._apply_gate``); same dtype.
+    Plain autograd: the reference of ``swiglu_fused`` / ``swiglu_packed``."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _swiglu_grads(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float):
+    """(dL/dgate, dL/dup) of ``swiglu`` for its output gradient ``dh``: the values autograd computes for it (clamp's
+    gradient passes where the input is inside the limits, bounds included), in 10 aten ops."""
+    gc, uc = gate.clamp(max=limit), up.clamp(-limit, limit)
+    d_up = (dh * F.silu(gc)).masked_fill_(uc != up, 0)
+    d_gate = torch.ops.aten.silu_backward(dh * uc, gc).masked_fill_(gc != gate, 0)
+    return d_gate, d_up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``swiglu`` with a hand-written backward that saves only its inputs (2 tensors where autograd saves 5)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        return swiglu(gate, up, limit)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return *_swiglu_grads(dh, gate, up, ctx.limit), None
+
+
+class _SwiGLUPacked(torch.autograd.Function):
+    """``swiglu`` of the halves of one ``[..., 2I]`` tensor (gate first): saves that tensor, returns its gradient
+    as one tensor (one ``cat``), with no slice gradients to add."""
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gu)
+        ctx.limit = limit
+        gate, up = gu.chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=limit), inplace=True)  # in place: 2 [..., I] temporaries besides gu, not 3
+        return h.mul_(up.clamp(-limit, limit))
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        (gu,) = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        return torch.cat(_swiglu_grads(dh, gate, up, ctx.limit), dim=-1), None
+
+
+def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu(gate, up, limit)`` (same values, bit for bit, forward and backward) as one autograd Function: 4 aten
+    ops forward, 10 backward, 2 tensors saved (autograd's ``swiglu``: 11 backward, 5 saved; each saved tensor also
+    costs a checkpoint's recomputation two ``detach``). gate, up: [..., I], same shape and dtype -> [..., I]."""
+    return _SwiGLU.apply(gate, up, limit)
+
+
+def swiglu_packed(gu: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu(gu[..., :I], gu[..., I:], limit)`` for gu [..., 2I] (gate half first) -> [..., I], as one autograd
+    Function saving only ``gu`` (the experts' ``gate_up_proj`` output): same values as the reference, bit for bit."""
+    return _SwiGLUPacked.apply(gu, limit)
 
 
 class MLP(nn.Module):
@@ -76,7 +134,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D] (same dtype, or autocast's)."""
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return self.down_proj(swiglu_fused(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class TopkRouter(nn.Module):
@@ -152,6 +210,22 @@ def expert_mlp(
     if lora is not None and lora[2] is not None:
         y = y + lora[4] * F.linear(F.linear(h, lora[2]), lora[3])
     return y
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``torch._grouped_mm`` (``torch.utils.flop_counter`` has no formula for it): ``2 M K N`` summed over
+    the groups, i.e. ``2 x (output elements) x K`` with K the contraction length, except for 2D x 2D (the weights'
+    gradient, groups along K: ``2 M K_total N``). Rows past ``offs[-1]`` are counted (``Experts`` leaves none)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    out = 1
+    for d in out_shape:
+        out *= d
+    return 2 * out * a_shape[-1]
+
+
+if torch.ops.aten._grouped_mm not in flop_counter.flop_registry:  # FlopCounterMode (the planner's FLOP tests)
+    flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
 
 
 EXPERT_PATHS = ("grouped_mm", "loop")  # Experts.path: one grouped product per projection / one product per expert
@@ -271,7 +345,7 @@ class Experts(nn.Module):
         requires ``path(x) == "grouped_mm"`` (``torch._grouped_mm`` raises RuntimeError on fp64 or misaligned rows).
         Reference: ``forward_loop`` (the same math, one ``expert_mlp`` per expert)."""
         N, k = experts.shape
-        E, I = self.n_experts, self.intermediate_size
+        E = self.n_experts
         ids, order = experts.reshape(-1).sort(stable=True)  # [N*k]: slot j of token t is at t*k + j
         offs = torch.searchsorted(ids, torch.arange(E, device=ids.device), right=True, out_int32=True)
         xs = x[order // k]  # [N*k, D], grouped by expert
@@ -280,9 +354,13 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(dev):  # what F.linear would run under autocast (the loop's dtype)
             dt = torch.get_autocast_dtype(dev)
             xs, gu_w, dn_w = xs.to(dt), gu_w.to(dt), dn_w.to(dt)
+        # without grad each [N*k, ...] temporary goes as soon as the next exists (plan.sizes._moe_fwd's working set)
         gu = torch._grouped_mm(xs, gu_w.transpose(-2, -1), offs=offs)  # [N*k, 2I]
-        h = swiglu(gu[:, :I], gu[:, I:], self.swiglu_limit)
+        del xs
+        h = swiglu_packed(gu, self.swiglu_limit)  # [N*k, I]
+        del gu
         ys = torch._grouped_mm(h, dn_w.transpose(-2, -1), offs=offs)  # [N*k, D]
+        del h
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         self.combine = combine_path()
         return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
@@ -299,13 +377,16 @@ class Experts(nn.Module):
         counts = read(flat.new_zeros(self.n_experts).index_add_(0, flat, torch.ones_like(flat)), label="moe.split")
         token_of = order // k
         xs = x[token_of]  # [N*k, D], grouped by expert
-        outs = []
         gus, dns = self.expert_weights("gate_up_proj"), self.expert_weights("down_proj")
-        for e, xe in enumerate(torch.split(xs, counts)):
-            if xe.shape[0] == 0:
-                continue
-            outs.append(expert_mlp(xe, gus[e], dns[e], self.swiglu_limit, self.adapter(e)))
-        ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
+        outs = [
+            expert_mlp(xe, gus[e], dns[e], self.swiglu_limit, self.adapter(e))
+            for e, xe in enumerate(torch.split(xs, counts))
+            if xe.shape[0]
+        ]
+        empty = xs.new_zeros(0, self.hidden_size) if not outs else None
+        del xs  # without grad the rows go before the concatenation (the working set plan.sizes._moe_fwd counts)
+        ys = torch.cat(outs) if outs else empty
+        del outs
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         self.combine = combine_path()
         return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
