@@ -17,9 +17,14 @@ Design choices:
 - Weights as the reference stores them: ``experts.gate_up_proj`` [E, 2I, D] (gate rows first),
   ``experts.down_proj`` [E, D, I], router ``gate.weight`` [E, D] and buffer ``gate.e_score_correction_bias``
   [E] (fp32 island), ``shared_experts`` a SwiGLU MLP of width ``moe_intermediate_size * n_shared_experts``.
-- Dispatch sorts the (token, slot) pairs by expert, runs each expert once on its contiguous slice and
-  scatters back with ``index_add_`` (``train.deterministic``: a fixed-order sum over each token's slots,
-  ``combine_slots``; recorded in ``stats["combine"]``); the only python loop is over experts, never over tokens.
+- Dispatch sorts the (token, slot) pairs by expert and runs the routed experts as two grouped matrix products
+  over all experts (``torch._grouped_mm``: gate_up, one SwiGLU over every row, down; ``Experts.forward_grouped``),
+  or, where those cannot run (fp64, LoRA, fp8 experts, ``torch.compile``, CUDA without the bf16 sm90 kernel;
+  ``Experts.path``, recorded in ``stats["experts"]``), each expert once on its contiguous slice
+  (``forward_loop``, the reference); then scatters back with ``index_add_`` (``train.deterministic``: a fixed-order
+  sum over each token's slots, ``combine_slots``; recorded in ``stats["combine"]``). No python loop over tokens.
+- SwiGLU as one autograd Function (``swiglu_fused`` / ``swiglu_packed``): saves its inputs, hand-written backward,
+  the same bits as ``swiglu``.
 - Sequence-chunked dispatch: the [B·T] tokens go through in chunks of ``moe_chunk_tokens``; with grad enabled
   and ``recompute=True`` each chunk is checkpointed, so only one chunk's expert activations are alive.
 - Hooks for expert parallelism (``genoctx.parallel.experts``, applied from outside): ``MoE._local`` (router,
@@ -28,12 +33,14 @@ Design choices:
   ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
   ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
 - Optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) when ``moe_aux_loss_coef > 0``.
-- Aten ops (cpu-small's shape: fp32, grad on, training mode): ``19 + 47 n + 10 A`` forward and ``2 + 195 n + 50 A``
-  backward (recompute included) for ``n`` token chunks and ``A`` experts with rows summed over the chunks; each
-  dispatch reads the expert stacks by one ``unbind`` (``Experts.expert_weights``), not one select per expert.
-- Host reads (``genoctx.model.host``): one per token chunk, the experts' row counts that ``torch.split`` needs (in
-  training twice: forward and the checkpoint's recomputation). Loads and the load ratio stay on the device until
-  ``HybridLM.layer_stats`` / ``update_router_biases`` read every layer's in one copy.
+- Aten ops (cpu-small's shape: fp32, grad on, training mode) for ``n`` token chunks: grouped ``19 + 51 n`` forward,
+  ``2 + 183 n`` backward (recompute included), ``18 + 51 n`` no-grad eval, whatever the experts; the loop adds
+  ``10 A`` / ``50 A`` / ``10 A`` for ``A`` experts with rows summed over the chunks (``19 + 48 n + 10 A``,
+  ``2 + 189 n + 50 A``, ``18 + 48 n + 10 A``; ``tests/model/test_moe.py::test_op_counts_per_chunk``).
+- Host reads (``genoctx.model.host``): none on the grouped path (the groups' offsets stay on the device); the loop
+  reads once per token chunk the experts' row counts that ``torch.split`` needs (in training twice: forward and the
+  checkpoint's recomputation). Loads and the load ratio stay on the device until ``HybridLM.layer_stats`` /
+  ``update_router_biases`` read every layer's in one copy.
 """
 
 from __future__ import annotations
