@@ -9,7 +9,8 @@ piece serialises a step. The rules of genoctx's step path (``genoctx.model``, ``
 context/experts, ``genoctx.train`` loop/chunked; ``tests/model/test_syncs.py`` holds them):
 
 - A read the algorithm needs goes through ``read`` (it names itself by a label): the expert dispatch's split sizes
-  (one read per MoE token chunk: ``torch.split`` of the rows by expert needs host sizes; under expert parallelism
+  (one read per MoE token chunk on the per-expert loop, ``Experts.forward_loop``: ``torch.split`` of the rows by
+  expert needs host sizes; none on the grouped path, whose offsets stay on the device; under expert parallelism
   one read of the all-gathered counts per MoE forward, which sizes every ``all_to_all`` round), and the step's
   metrics, read once per step in one copy (loss sum, token count, auxiliary loss, gradient norm, every MoE layer's
   loads: ``genoctx.train.loop.train_step``; ``HybridLM.layer_stats`` reads every layer's statistics in one copy).

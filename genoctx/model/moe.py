@@ -17,9 +17,14 @@ Design choices:
 - Weights as the reference stores them: ``experts.gate_up_proj`` [E, 2I, D] (gate rows first),
   ``experts.down_proj`` [E, D, I], router ``gate.weight`` [E, D] and buffer ``gate.e_score_correction_bias``
   [E] (fp32 island), ``shared_experts`` a SwiGLU MLP of width ``moe_intermediate_size * n_shared_experts``.
-- Dispatch sorts the (token, slot) pairs by expert, runs each expert once on its contiguous slice and
-  scatters back with ``index_add_`` (``train.deterministic``: a fixed-order sum over each token's slots,
-  ``combine_slots``; recorded in ``stats["combine"]``); the only python loop is over experts, never over tokens.
+- Dispatch sorts the (token, slot) pairs by expert and runs the routed experts as two grouped matrix products
+  over all experts (``torch._grouped_mm``: gate_up, one SwiGLU over every row, down; ``Experts.forward_grouped``),
+  or, where those cannot run (fp64, LoRA, fp8 experts, ``torch.compile``, CUDA without the bf16 sm90 kernel;
+  ``Experts.path``, recorded in ``stats["experts"]``), each expert once on its contiguous slice
+  (``forward_loop``, the reference); then scatters back with ``index_add_`` (``train.deterministic``: a fixed-order
+  sum over each token's slots, ``combine_slots``; recorded in ``stats["combine"]``). No python loop over tokens.
+- SwiGLU as one autograd Function (``swiglu_fused`` / ``swiglu_packed``): saves its inputs, hand-written backward,
+  the same bits as ``swiglu``.
 - Sequence-chunked dispatch: the [B·T] tokens go through in chunks of ``moe_chunk_tokens``; with grad enabled
   and ``recompute=True`` each chunk is checkpointed, so only one chunk's expert activations are alive.
 - Hooks for expert parallelism (``genoctx.parallel.experts``, applied from outside): ``MoE._local`` (router,
@@ -28,12 +33,14 @@ Design choices:
   ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
   ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
 - Optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) when ``moe_aux_loss_coef > 0``.
-- Aten ops (cpu-small's shape: fp32, grad on, training mode): ``19 + 47 n + 10 A`` forward and ``2 + 195 n + 50 A``
-  backward (recompute included) for ``n`` token chunks and ``A`` experts with rows summed over the chunks; each
-  dispatch reads the expert stacks by one ``unbind`` (``Experts.expert_weights``), not one select per expert.
-- Host reads (``genoctx.model.host``): one per token chunk, the experts' row counts that ``torch.split`` needs (in
-  training twice: forward and the checkpoint's recomputation). Loads and the load ratio stay on the device until
-  ``HybridLM.layer_stats`` / ``update_router_biases`` read every layer's in one copy.
+- Aten ops (cpu-small's shape: fp32, grad on, training mode) for ``n`` token chunks: grouped ``19 + 51 n`` forward,
+  ``2 + 183 n`` backward (recompute included), ``18 + 51 n`` no-grad eval, whatever the experts; the loop adds
+  ``10 A`` / ``50 A`` / ``10 A`` for ``A`` experts with rows summed over the chunks (``19 + 48 n + 10 A``,
+  ``2 + 189 n + 50 A``, ``18 + 48 n + 10 A``; ``tests/model/test_moe.py::test_op_counts_per_chunk``).
+- Host reads (``genoctx.model.host``): none on the grouped path (the groups' offsets stay on the device); the loop
+  reads once per token chunk the experts' row counts that ``torch.split`` needs (in training twice: forward and the
+  checkpoint's recomputation). Loads and the load ratio stay on the device until ``HybridLM.layer_stats`` /
+  ``update_router_biases`` read every layer's in one copy.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils import flop_counter
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -51,8 +59,65 @@ from .stats import host_number, read_numbers
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``Glm5NextTextExperts._apply_gate``); same dtype."""
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``Glm5NextTextExperts._apply_gate``); same dtype.
+    Plain autograd: the reference of ``swiglu_fused`` / ``swiglu_packed``."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _swiglu_grads(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float):
+    """(dL/dgate, dL/dup) of ``swiglu`` for its output gradient ``dh``: the values autograd computes for it (clamp's
+    gradient passes where the input is inside the limits, bounds included), in 10 aten ops."""
+    gc, uc = gate.clamp(max=limit), up.clamp(-limit, limit)
+    d_up = (dh * F.silu(gc)).masked_fill_(uc != up, 0)
+    d_gate = torch.ops.aten.silu_backward(dh * uc, gc).masked_fill_(gc != gate, 0)
+    return d_gate, d_up
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``swiglu`` with a hand-written backward that saves only its inputs (2 tensors where autograd saves 5)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        return swiglu(gate, up, limit)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return *_swiglu_grads(dh, gate, up, ctx.limit), None
+
+
+class _SwiGLUPacked(torch.autograd.Function):
+    """``swiglu`` of the halves of one ``[..., 2I]`` tensor (gate first): saves that tensor, returns its gradient
+    as one tensor (one ``cat``), with no slice gradients to add."""
+
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.save_for_backward(gu)
+        ctx.limit = limit
+        gate, up = gu.chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=limit), inplace=True)  # in place: 2 [..., I] temporaries besides gu, not 3
+        return h.mul_(up.clamp(-limit, limit))
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        (gu,) = ctx.saved_tensors
+        gate, up = gu.chunk(2, dim=-1)
+        return torch.cat(_swiglu_grads(dh, gate, up, ctx.limit), dim=-1), None
+
+
+def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu(gate, up, limit)`` (same values, bit for bit, forward and backward) as one autograd Function: 4 aten
+    ops forward, 10 backward, 2 tensors saved (autograd's ``swiglu``: 11 backward, 5 saved; each saved tensor also
+    costs a checkpoint's recomputation two ``detach``). gate, up: [..., I], same shape and dtype -> [..., I]."""
+    return _SwiGLU.apply(gate, up, limit)
+
+
+def swiglu_packed(gu: torch.Tensor, limit: float) -> torch.Tensor:
+    """``swiglu(gu[..., :I], gu[..., I:], limit)`` for gu [..., 2I] (gate half first) -> [..., I], as one autograd
+    Function saving only ``gu`` (the experts' ``gate_up_proj`` output): same values as the reference, bit for bit."""
+    return _SwiGLUPacked.apply(gu, limit)
 
 
 class MLP(nn.Module):
@@ -76,7 +141,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D] (same dtype, or autocast's)."""
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return self.down_proj(swiglu_fused(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class TopkRouter(nn.Module):
@@ -154,6 +219,23 @@ def expert_mlp(
     return y
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``torch._grouped_mm`` (``torch.utils.flop_counter`` has no formula for it): ``2 M K N`` summed over
+    the groups, i.e. ``2 x (output elements) x K`` with K the contraction length, except for 2D x 2D (the weights'
+    gradient, groups along K: ``2 M K_total N``). Rows past ``offs[-1]`` are counted (``Experts`` leaves none)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    out = 1
+    for d in out_shape:
+        out *= d
+    return 2 * out * a_shape[-1]
+
+
+if torch.ops.aten._grouped_mm not in flop_counter.flop_registry:  # FlopCounterMode (the planner's FLOP tests)
+    flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
+EXPERT_PATHS = ("grouped_mm", "loop")  # Experts.path: one grouped product per projection / one product per expert
 COMBINES = ("index_add", "slot_sum")  # the MoE combine: float atomics on CUDA / a fixed-order sum (deterministic)
 
 
@@ -183,7 +265,13 @@ def combine_slots(weighted: torch.Tensor, slots: torch.Tensor, n_tokens: int, k:
 
 
 class Experts(nn.Module):
-    """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``)."""
+    """Routed experts stored as ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I] (``Glm5NextTextExperts``).
+
+    ``grouped`` (class attribute, True): take ``forward_grouped`` where ``path`` allows it; False runs the reference
+    ``forward_loop`` everywhere (tests set it to compare the two and to count the loop's host reads).
+    """
+
+    grouped = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -193,6 +281,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, D) * cfg.initializer_range)
         self.down_proj = nn.Parameter(torch.randn(E, D, I) * cfg.initializer_range)
         self.combine = "index_add"  # the combine the last forward ran (combine_path)
+        self.last_path = "grouped_mm"  # the dispatch the last forward ran (path)
         self.lora_scale: float | None = None  # alpha / rank once genoctx.model.lora.apply_lora adds adapters
 
     def adapter(self, e: int) -> tuple | None:
@@ -220,9 +309,73 @@ class Experts(nn.Module):
         h = held(self, name)
         return h if h is not None else getattr(self, name).unbind(0)
 
+    def path(self, x: torch.Tensor) -> str:
+        """The dispatch ``forward`` runs for tokens ``x`` (``EXPERT_PATHS``; recorded in ``MoE.stats["experts"]``).
+
+        ``"grouped_mm"`` (``forward_grouped``) where ``torch._grouped_mm`` takes the operands: compute dtype (x's, or
+        autocast's) fp32, bf16 or fp16 (it refuses fp64), rows of ``D`` and ``I`` elements a multiple of 16 bytes, no
+        LoRA adapter and no fp8 holder on the experts, not under ``torch.compile`` (its meta function admits bf16
+        only), and on CUDA only bf16 on sm90+ (torch's fused kernel; its fallback for other dtypes and GPUs loops
+        over the groups with the offsets copied to the host: a hidden sync, so the loop's labelled read is kept
+        there). Otherwise ``"loop"`` (``forward_loop``, the reference)."""
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) and x.dtype != torch.float64 else x.dtype
+        size = torch.empty((), dtype=dt).element_size() if dt.is_floating_point else 0
+        ok = (
+            dt in (torch.float32, torch.bfloat16, torch.float16)
+            and (self.hidden_size * size) % 16 == 0
+            and (self.intermediate_size * size) % 16 == 0
+            and self.lora_scale is None
+            and held(self, "gate_up_proj") is None
+            and held(self, "down_proj") is None
+            and not torch.compiler.is_compiling()
+            and (
+                dev == "cpu"
+                or (dev == "cuda" and dt == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+            )
+        )
+        return "grouped_mm" if ok and self.grouped else "loop"
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``Σ_slots weight · Expert(x)`` for [N, D] tokens routed to ``experts`` [N, k] -> [N, D] in x's dtype
-        (or autocast's); slots are combined in the weights' dtype (fp32)."""
+        (or autocast's); slots are combined in the weights' dtype (fp32). Runs ``forward_grouped`` or
+        ``forward_loop`` (``path``; the one that ran is ``self.last_path``): equal to fp32 rounding."""
+        self.last_path = self.path(x)
+        fn = self.forward_grouped if self.last_path == "grouped_mm" else self.forward_loop
+        return fn(x, experts, weights)
+
+    def forward_grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` as two grouped matrix products over all experts (``torch._grouped_mm``): the (token, slot)
+        rows sorted by expert, ``gate_up`` over every row in one product, one ``swiglu``, ``down`` in one product.
+        The groups' ends ``offs`` [E] int32 (cumulative rows, by ``searchsorted`` on the sorted ids) stay on the
+        device: no host read, and 5 + 2 ops for the dispatch whatever the number of experts. Inputs as ``forward``;
+        requires ``path(x) == "grouped_mm"`` (``torch._grouped_mm`` raises RuntimeError on fp64 or misaligned rows).
+        Reference: ``forward_loop`` (the same math, one ``expert_mlp`` per expert)."""
+        N, k = experts.shape
+        E = self.n_experts
+        ids, order = experts.reshape(-1).sort(stable=True)  # [N*k]: slot j of token t is at t*k + j
+        offs = torch.searchsorted(ids, torch.arange(E, device=ids.device), right=True, out_int32=True)
+        xs = x[order // k]  # [N*k, D], grouped by expert
+        gu_w, dn_w = self.gate_up_proj, self.down_proj
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):  # what F.linear would run under autocast (the loop's dtype)
+            dt = torch.get_autocast_dtype(dev)
+            xs, gu_w, dn_w = xs.to(dt), gu_w.to(dt), dn_w.to(dt)
+        # without grad each [N*k, ...] temporary goes as soon as the next exists (plan.sizes._moe_fwd's working set)
+        gu = torch._grouped_mm(xs, gu_w.transpose(-2, -1), offs=offs)  # [N*k, 2I]
+        del xs
+        h = swiglu_packed(gu, self.swiglu_limit)  # [N*k, I]
+        del gu
+        ys = torch._grouped_mm(h, dn_w.transpose(-2, -1), offs=offs)  # [N*k, D]
+        del h
+        weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
+        self.combine = combine_path()
+        return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
+
+    def forward_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``forward`` by one ``expert_mlp`` per expert with rows (the reference of ``forward_grouped``; the path
+        for fp64, LoRA adapters, fp8 experts, ``torch.compile`` and CUDA without the fused grouped kernel). One host
+        read per call: the experts' row counts that ``torch.split`` needs (``genoctx.model.host``, "moe.split")."""
         N, k = experts.shape
         flat = experts.reshape(-1)  # [N*k]: slot j of token t is at t*k + j
         order = torch.argsort(flat, stable=True)
@@ -231,13 +384,16 @@ class Experts(nn.Module):
         counts = read(flat.new_zeros(self.n_experts).index_add_(0, flat, torch.ones_like(flat)), label="moe.split")
         token_of = order // k
         xs = x[token_of]  # [N*k, D], grouped by expert
-        outs = []
         gus, dns = self.expert_weights("gate_up_proj"), self.expert_weights("down_proj")
-        for e, xe in enumerate(torch.split(xs, counts)):
-            if xe.shape[0] == 0:
-                continue
-            outs.append(expert_mlp(xe, gus[e], dns[e], self.swiglu_limit, self.adapter(e)))
-        ys = torch.cat(outs) if outs else xs.new_zeros(0, self.hidden_size)
+        outs = [
+            expert_mlp(xe, gus[e], dns[e], self.swiglu_limit, self.adapter(e))
+            for e, xe in enumerate(torch.split(xs, counts))
+            if xe.shape[0]
+        ]
+        empty = xs.new_zeros(0, self.hidden_size) if not outs else None
+        del xs  # without grad the rows go before the concatenation (the working set plan.sizes._moe_fwd counts)
+        ys = torch.cat(outs) if outs else empty
+        del outs
         weighted = island("moe.combine", ys * weights.reshape(-1)[order].unsqueeze(-1))
         self.combine = combine_path()
         return combine_slots(weighted, order, N, k, self.combine).to(ys.dtype)
@@ -357,6 +513,7 @@ class MoE(nn.Module):
             "tokens_per_expert": tokens_per_expert.detach(),
             "load_max_over_mean": host_number(ratio, float),
             "combine": getattr(self.experts, "combine", None),  # index_add / slot_sum (train.deterministic)
+            "experts": getattr(self.experts, "last_path", None),  # grouped_mm / loop (Experts.path)
         }
         self.aux_loss = self.last_selection = None
         if self.aux_coef > 0 and sels:

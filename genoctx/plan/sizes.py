@@ -391,9 +391,9 @@ def _indexer_tiles(cfg: ModelConfig, tokens: int, ctx: int) -> float:
 
 
 def _mlp(cfg: ModelConfig, s: _Sizes) -> float:
-    """Dense SwiGLU MLP with its input norm: ``_norm_in(D, 2) + 6 Id a`` (gate and up outputs, the clamped gate, SiLU
-    output, the clamped up, the down projection's input)."""
-    return _norm_in(s, cfg.hidden_size, INPUT_CASTS["mlp"]) + 6 * cfg.intermediate_size * s.a
+    """Dense SwiGLU MLP with its input norm: ``_norm_in(D, 2) + 3 Id a`` (gate and up outputs, which
+    ``moe.swiglu_fused`` saves instead of its internals, and the down projection's input)."""
+    return _norm_in(s, cfg.hidden_size, INPUT_CASTS["mlp"]) + 3 * cfg.intermediate_size * s.a
 
 
 def _moe(cfg: ModelConfig, s: _Sizes) -> float:
@@ -409,25 +409,28 @@ def _moe_rows(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
 
 
 def _moe_fwd(cfg: ModelConfig, s: _Sizes, tokens: int, ep: int) -> float:
-    """One dispatch chunk in forward (recomputed in backward): ``rows D (3a + f) + 16 rows`` (gathered rows,
-    expert outputs and their concatenation, weighted fp32 rows, sort indices) ``+ Nc D (f + c_a + a + c)``
-    (combined output and its cast, shared expert, router input) ``+ Nc (2E f + k (f + 8))`` (router);
-    ``+ 4 rows D a`` under EP (dispatch and combine, send and receive)."""
-    D, E, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    """One dispatch chunk in forward (recomputed in backward): ``rows (max(D (a + f), (D + 2I) a, 4 I a) + 24)``
+    (the largest phase of ``Experts.forward_grouped``, each temporary freed once the next exists: gathered rows and
+    the gate/up product; that product and the in-place SwiGLU's two ``I``-wide temporaries; expert outputs and the
+    weighted fp32 rows; the loop ``forward_loop`` holds the same; sort ids, order and token indices) ``+ Nc D (f +
+    c_a + a + c)`` (combined output and its cast, shared expert, router input) ``+ Nc (2E f + k (f + 8))``
+    (router); ``+ 4 rows D a`` under EP (dispatch and combine, send and receive)."""
+    D, E, k, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     Nc, rows = _moe_rows(cfg, tokens)
-    out = rows * D * (3 * s.a + s.f) + 16 * rows
+    out = rows * (max(D * (s.a + s.f), (D + 2 * I) * s.a, 4 * I * s.a) + 24)
     out += Nc * D * (s.f + s.ca + s.a + s.c) + Nc * (2 * E * s.f + k * (s.f + 8))
     return out + (4 * rows * D * s.a if ep > 1 else 0)
 
 
 def _moe_bwd(cfg: ModelConfig, s: _Sizes, tokens: int, ep: int) -> float:
-    """One chunk in backward: the recomputed chunk's saved tensors ``rows ((2D + 6I) a + f + 8) + Nc (c D + E f +
-    k (f + 8) + 6 Is a)`` (rows and expert outputs, the SwiGLU internals, routing weights; the router; the shared
-    expert) and the gradients ``rows D (f + 2a) + Nc D a``; ``+ 4 rows D a`` under EP."""
+    """One chunk in backward: the recomputed chunk's saved tensors ``rows ((2D + 3I) a + f + 8) + Nc (c D + E f +
+    k (f + 8) + 3 Is a)`` (rows and expert outputs, the SwiGLU's input and output (``moe.swiglu_packed`` /
+    ``swiglu_fused`` save only their inputs), routing weights; the router; the shared expert) and the gradients
+    ``rows D (f + 2a) + Nc D a``; ``+ 4 rows D a`` under EP."""
     D, E, k, I = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     Is = cfg.moe_intermediate_size * cfg.n_shared_experts
     Nc, rows = _moe_rows(cfg, tokens)
-    saved = rows * ((2 * D + 6 * I) * s.a + s.f + 8) + Nc * (s.c * D + E * s.f + k * (s.f + 8) + 6 * Is * s.a)
+    saved = rows * ((2 * D + 3 * I) * s.a + s.f + 8) + Nc * (s.c * D + E * s.f + k * (s.f + 8) + 3 * Is * s.a)
     out = saved + rows * D * (s.f + 2 * s.a) + Nc * D * s.a
     return out + (4 * rows * D * s.a if ep > 1 else 0)
 

@@ -18,6 +18,7 @@ from genoctx.model import load_hf
 from genoctx.model.config import preset
 from genoctx.model.fp8 import FP8Weight, dequant_fp8, fp8_bytes, freeze_to_fp8, holders, quantize_fp8
 from genoctx.model.model import HybridLM, cast_model
+from genoctx.model.moe import Experts
 
 
 def test_quantize_blocks_of_a_shape_the_block_does_not_divide():
@@ -74,11 +75,12 @@ def _frozen(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.dim() >= 2 and (".experts." in name or "proj.weight" in name)
 
 
-def test_model_forward_and_gradients_equal_the_dequantized_model():
+def test_model_forward_and_gradients_equal_the_dequantized_model(monkeypatch):
     """tiny preset with the experts and every block projection in fp8 ((8, 7) blocks): logits and the gradients of
     what still trains equal the model whose weights are the dequantized ones, bit for bit (MoE recomputes its
     chunks: the experts are dequantized again in backward); bytes of the frozen weights are 1 per element + 4 per
-    block."""
+    block. Both run the per-expert loop (fp8 experts always do; the grouped products round differently)."""
+    monkeypatch.setattr(Experts, "grouped", False)
     model = HybridLM(preset("tiny"), seed=0)
     ref = copy.deepcopy(model)
     held = freeze_to_fp8(model, _frozen, (8, 7))
@@ -111,8 +113,11 @@ def test_experts_dequantize_per_expert_per_use_and_keep_nothing(monkeypatch):
     """The experts' loop dequantizes one expert's weight at a time, per use: in forward once per projection of each
     routed expert (2-D ``[2I, D]`` / ``[D, I]``, never the ``[E, ...]`` stack: the holder's whole ``dequantize`` is
     never called), and again in backward; autograd keeps each expert's fp8 rows and scales (views), no dequantized
-    weight; the outputs and input gradients equal the experts with the dequantized weights bit for bit."""
+    weight; the outputs and input gradients equal the experts with the dequantized weights bit for bit (both on the
+    per-expert loop, which fp8 experts always run)."""
     import genoctx.model.fp8 as fp8
+
+    monkeypatch.setattr(Experts, "grouped", False)
 
     model = HybridLM(preset("tiny"), seed=0)
     experts = model.layers[1].mlp.experts

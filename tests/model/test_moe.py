@@ -303,14 +303,18 @@ def _count_ops(fn) -> int:
     return Count.n
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("chunk, T", [(4, 4), (4, 13), (64, 193)])
-def test_op_counts_per_chunk(chunk, T):
-    """cpu-small's MoE (8 experts, top-2, a shared expert; fp32, training mode, grad on) issues ``19 + 47 n + 10 A``
-    aten ops forward and ``2 + 195 n + 50 A`` backward (the checkpointed chunks recomputed in it), for ``n`` token
-    chunks and ``A`` experts with rows summed over the chunks: the per-chunk and per-expert formulas the planner
-    counts with."""
+def test_op_counts_per_chunk(chunk, T, grouped, monkeypatch):
+    """cpu-small's MoE (8 experts, top-2, a shared expert; fp32, grad on, training mode) issues, for ``n`` token
+    chunks: with the grouped products (``Experts.forward_grouped``) ``19 + 51 n`` aten ops forward, ``2 + 183 n``
+    backward (the checkpointed chunks recomputed in it) and ``18 + 51 n`` in a no-grad eval forward, whatever the
+    experts; with the per-expert loop (``forward_loop``) ``19 + 48 n + 10 A``, ``2 + 189 n + 50 A`` and
+    ``18 + 48 n + 10 A`` for ``A`` experts with rows summed over the chunks: the formulas the planner counts with."""
     from genoctx.model.config import preset
+    from genoctx.model.moe import Experts
 
+    monkeypatch.setattr(Experts, "grouped", grouped)
     cfg = preset("cpu-small", moe_chunk_tokens=chunk)
     torch.manual_seed(0)
     moe = MoE(cfg)
@@ -318,7 +322,13 @@ def test_op_counts_per_chunk(chunk, T):
     with torch.no_grad():
         active = [int(moe.gate(c)[0].flatten().unique().numel()) for c in x[0].split(chunk)]
     n, A = len(active), sum(active)
+    fwd, bwd, ev = (19 + 51 * n, 2 + 183 * n, 18 + 51 * n) if grouped else (19 + 48 * n + 10 * A, 2 + 189 * n + 50 * A,
+                                                                          18 + 48 * n + 10 * A)  # fmt: skip
     out = {}
-    assert _count_ops(lambda: out.update(y=moe(x))) == 19 + 47 * n + 10 * A
+    assert _count_ops(lambda: out.update(y=moe(x))) == fwd
+    assert moe.stats["experts"] == ("grouped_mm" if grouped else "loop")
     g = torch.randn_like(out["y"])
-    assert _count_ops(lambda: out["y"].backward(g)) == 2 + 195 * n + 50 * A
+    assert _count_ops(lambda: out["y"].backward(g)) == bwd
+    moe.eval()
+    with torch.no_grad():
+        assert _count_ops(lambda: moe(x)) == ev

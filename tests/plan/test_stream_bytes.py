@@ -28,8 +28,11 @@ BF16, FP32 = PS._Sizes(a=2), PS._Sizes(a=4)
 
 def _alive(fn) -> tuple[int, object]:
     """Bytes ``fn()``'s allocations leave alive (allocated minus freed, its output included) and its output."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
 
+    gc.collect()  # earlier tests' cyclic garbage is not freed inside the measurement (it would count as negative)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
     return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), out

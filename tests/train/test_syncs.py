@@ -17,7 +17,7 @@ from genoctx.model.config import preset
 from genoctx.model.head import head_token_losses
 from genoctx.model.host import SyncCounter, cpu_values, optimizer_steps, read, reads_free
 from genoctx.model.model import HybridLM
-from genoctx.model.moe import MoE
+from genoctx.model.moe import Experts, MoE
 from genoctx.model.stats import as_number
 from genoctx.recipes import TrainConfig
 from genoctx.train.loop import build_optimizer, forward_backward, train_step
@@ -116,18 +116,22 @@ STEP_CASES = {"dense2": (2, False, None, 0), "dense4-4chunks": (4, False, 16, 0)
               "moe4": (4, True, None, 2 * 2)}  # fmt: skip
 
 
+@pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("case", list(STEP_CASES))
-def test_step_syncs_do_not_grow_with_layers_or_chunks(case):
+def test_step_syncs_do_not_grow_with_layers_or_chunks(case, grouped, monkeypatch):
     """A step reads its metrics once, with 2 layers or 4, in one pass or in chunks. Beyond that only the expert
-    dispatch reads: one read of the split sizes per MoE token chunk and pass -- one pass: forward + its checkpoint's
+    dispatch's loop (``Experts.forward_loop``; the grouped path keeps its offsets on the device and reads nothing)
+    reads: one read of the split sizes per MoE token chunk and pass -- one pass: forward + its checkpoint's
     recomputation (2 per token chunk); chunked (``seq_chunk_tokens``): the no-grad forward sweep + the backward
     sweep's forward and recomputation (3 per chunk). Before the cut, with dense MLPs, a 2-layer step read 8 times,
     4 layers in 4 chunks 45 times."""
+    monkeypatch.setattr(Experts, "grouped", grouped)
     layers, moe, chunk, per_moe = STEP_CASES[case]
     tokens = torch.randint(0, 4, (1, 64), generator=torch.Generator().manual_seed(1))
     c, _ = _counted_step(_cfg(layers, moe), chunk, tokens)
     assert not c.ops, c.ops  # nothing read around the door
-    assert dict(c.reads) == {"step.metrics": 1, **({"moe.split": layers // 2 * per_moe} if moe else {})}
+    split = {"moe.split": layers // 2 * per_moe} if moe and not grouped else {}
+    assert dict(c.reads) == {"step.metrics": 1, **split}
 
 
 def test_step_syncs_under_expert_parallelism():
@@ -209,7 +213,7 @@ def test_head_reads_once_per_call_and_never_through_the_vocab_head():
     tokens = torch.randint(0, 4, (1, 32), generator=g)
     with SyncCounter() as c:
         head.token_losses(model, tokens, tokens, tokens < 4).sum().backward()
-    assert dict(c.reads) == {"moe.split": 2} and not c.ops  # the MoE layer's dispatch only
+    assert not c.reads and not c.ops  # the MoE layer's grouped dispatch keeps its offsets on the device
     assert head._ids_at(tokens.device) is head._ids_at(tokens.device)
 
 
