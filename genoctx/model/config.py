@@ -355,7 +355,9 @@ def _presets() -> dict[str, ModelConfig]:
             linear_num_heads=2,
             linear_head_dim=8,
             kda_chunk_size=16,
-            indexer_tile_tokens=4096,
+            # 256 query rows x 4096 pool columns per top-k tile (8 MiB at this width): 4096 starved the tile to one
+            # row once a window has 4096 pools (16k tokens), millions of tiny ops at 64k
+            indexer_tile_tokens=1 << 20,
             n_routed_experts=4,
             num_experts_per_tok=2,
             moe_chunk_tokens=64,

@@ -438,7 +438,7 @@ def test_init_takes_its_own_export_of_a_nucleotide_run(prepared, tmp_path):
         return train(prepared, rec, out)
 
     # config.json has no compute knobs: the tiny preset's, given as the recipe's, so both runs compute alike
-    knobs = ["model.kda_chunk_size=16", "model.indexer_tile_tokens=4096", "model.moe_chunk_tokens=64"]
+    knobs = ["model.kda_chunk_size=16", "model.indexer_tile_tokens=1048576", "model.moe_chunk_tokens=64"]
     a, b = one_step(hf, tmp_path / "from-export", *knobs), one_step(run, tmp_path / "from-run")
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-6)
     sa, sb = (load_model(tmp_path / x)[0].state_dict() for x in ("from-export", "from-run"))
