@@ -26,7 +26,8 @@ from genoctx.train.checkpoint import held_names, latest_checkpoint, load_model, 
 from genoctx.train.loop import train
 
 # config.json holds no compute knobs: the tiny preset's, so that runs from the export compute as tiny does
-KNOBS = ["model.preset=null", "model.kda_chunk_size=16", "model.indexer_tile_tokens=1048576", "model.moe_chunk_tokens=64"]
+KNOBS = ["model.preset=null", "model.kda_chunk_size=16", "model.indexer_tile_tokens=1048576",
+         "model.moe_chunk_tokens=64"]  # fmt: skip
 SPEC = "router,norms,lora"  # frozen groups, adapters and the routing biases (moving with the router) in one run
 RUN = ["train.seq_len=256", "train.steps=4", "train.checkpoint_every=2", "train.warmup_steps=1",
        "train.keep_checkpoints=0", "train.lr=1e-2", f"train.trainable={SPEC}", "train.lora_rank=2"]  # fmt: skip
