@@ -87,48 +87,59 @@ class _CausalDecayScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, b, G, *rows):
-        C = b.shape[-2]
-        sub, n, _, _, b_diag, row_decay, _, b_off = _decay_factors(b, G)
-        out = []
-        for a in rows:
-            ab = a.reshape(*a.shape[:-2], n, sub, a.shape[-1])
-            A = _block_diagonal((b_diag * ab.unsqueeze(-2)).sum(-1), C)  # [..., n, sub, C]
-            if n > 1:
-                A[..., 1:, :, :] += (ab[..., 1:, :, :] * row_decay) @ b_off.transpose(-1, -2)
-            out.append(A.reshape(*a.shape[:-1], C))
         ctx.save_for_backward(b, G, *rows)
-        return tuple(out)
+        return _causal_decay_scores_forward(b, G, rows)
 
     @staticmethod
     def backward(ctx, *dAs):
         b, G, *rows = ctx.saved_tensors
-        *lead, C, K = b.shape
-        sub, n, bb, Ed, b_diag, row_decay, e, b_off = _decay_factors(b, G)
-        g_bdiag = torch.zeros_like(b_diag) if any(d is not None for d in dAs) else None
-        g_boff = torch.zeros_like(b_off) if n > 1 else None
-        grads, dG = [], torch.zeros_like(G)
-        for a, dA in zip(rows, dAs, strict=True):
-            if dA is None:
-                grads.append(None)
-                continue
-            ab = a.reshape(*lead, n, sub, K)
-            dAr = dA.reshape(*lead, n, sub, n, sub)
-            dAd = dAr.diagonal(dim1=-4, dim2=-2).movedim(-1, -3).contiguous()  # [..., n, sub(i), sub(j)]
-            da = (dAd.unsqueeze(-1) * b_diag).sum(-2)  # [..., n, sub, K]
-            g_bdiag.add_(dAd.unsqueeze(-1) * ab.unsqueeze(-2))
-            if n > 1:
-                d_off = dA.reshape(*lead, n, sub, C)[..., 1:, :, :].contiguous()  # [..., n-1, sub, C]
-                a_dec = ab[..., 1:, :, :] * row_decay
-                da[..., 1:, :, :] += (d_off @ b_off) * row_decay
-                g_boff.add_(d_off.transpose(-1, -2) @ a_dec)
-            da = da.reshape(a.shape)
-            dG.add_(a * da)
-            grads.append(da)
-        db = (g_bdiag * Ed).sum(-3).reshape(b.shape)
+        return _causal_decay_scores_backward(b, G, rows, dAs)
+
+
+def _causal_decay_scores_forward(b: Tensor, G: Tensor, rows) -> tuple:
+    """The forward of ``_CausalDecayScores`` without autograd: one ``[..., C, C]`` score matrix per row tensor."""
+    C = b.shape[-2]
+    sub, n, _, _, b_diag, row_decay, _, b_off = _decay_factors(b, G)
+    out = []
+    for a in rows:
+        ab = a.reshape(*a.shape[:-2], n, sub, a.shape[-1])
+        A = _block_diagonal((b_diag * ab.unsqueeze(-2)).sum(-1), C)  # [..., n, sub, C]
         if n > 1:
-            db += (g_boff * e).sum(-3)
-        dG.sub_(b * db)
-        return (db, dG, *grads)
+            A[..., 1:, :, :] += (ab[..., 1:, :, :] * row_decay) @ b_off.transpose(-1, -2)
+        out.append(A.reshape(*a.shape[:-1], C))
+    return tuple(out)
+
+
+def _causal_decay_scores_backward(b: Tensor, G: Tensor, rows, dAs) -> tuple:
+    """The backward of ``_CausalDecayScores`` (its decay factors recomputed): ``(db, dG, *da)`` for the rows' score
+    gradients ``dAs`` (``[..., C, C]`` or None each); shapes as its forward's inputs."""
+    *lead, C, K = b.shape
+    sub, n, bb, Ed, b_diag, row_decay, e, b_off = _decay_factors(b, G)
+    g_bdiag = torch.zeros_like(b_diag) if any(d is not None for d in dAs) else None
+    g_boff = torch.zeros_like(b_off) if n > 1 else None
+    grads, dG = [], torch.zeros_like(G)
+    for a, dA in zip(rows, dAs, strict=True):
+        if dA is None:
+            grads.append(None)
+            continue
+        ab = a.reshape(*lead, n, sub, K)
+        dAr = dA.reshape(*lead, n, sub, n, sub)
+        dAd = dAr.diagonal(dim1=-4, dim2=-2).movedim(-1, -3).contiguous()  # [..., n, sub(i), sub(j)]
+        da = (dAd.unsqueeze(-1) * b_diag).sum(-2)  # [..., n, sub, K]
+        g_bdiag.add_(dAd.unsqueeze(-1) * ab.unsqueeze(-2))
+        if n > 1:
+            d_off = dA.reshape(*lead, n, sub, C)[..., 1:, :, :].contiguous()  # [..., n-1, sub, C]
+            a_dec = ab[..., 1:, :, :] * row_decay
+            da[..., 1:, :, :] += (d_off @ b_off) * row_decay
+            g_boff.add_(d_off.transpose(-1, -2) @ a_dec)
+        da = da.reshape(a.shape)
+        dG.add_(a * da)
+        grads.append(da)
+    db = (g_bdiag * Ed).sum(-3).reshape(b.shape)
+    if n > 1:
+        db += (g_boff * e).sum(-3)
+    dG.sub_(b * db)
+    return (db, dG, *grads)
 
 
 def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list[Tensor]:
@@ -229,79 +240,198 @@ def chunk_kda(
             S = S + initial_state.to(ct)
         if T == 0:
             return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
-        ckpt = recompute and torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S))
         outs = []
         # split once: slicing per block would make autograd write a full-size zero gradient of each input per
         # block (quadratic in T); split's backward concatenates the blocks' gradients once
         for qb, kb, vb, gb, bb in zip(*(x.split(block, dim=1) for x in (q, k, v, g, beta)), strict=True):
             args = (qb, kb, vb, gb, bb, S, scale, C)
-            fn = _kda_block_reference if reference_loop else _kda_block
-            o, S = checkpoint(fn, *args, use_reentrant=False) if ckpt else fn(*args)
+            if reference_loop and recompute and grad:
+                o, S = checkpoint(_kda_block_reference, *args, use_reentrant=False)
+            elif reference_loop:
+                o, S = _kda_block_reference(*args)
+            else:
+                o, S = _KDABlock.apply(*args, recompute) if grad else _kda_block(*args)
             outs.append(o)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return o, (S if output_final_state else None)
 
 
 def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
-    """One block of ``chunk_kda`` in the chunk-parallel form (its formulas; autocast already off): q, k, g
+    """One block of ``chunk_kda`` without autograd (eval, grad disabled; autocast already off): q, k, g
     ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
-    compute dtype) -> ``(o [B, T, H, V] in v's dtype, the leaving state)``. T is padded to whole chunks of C
-    (k = beta = g = 0) and the pad cut.
+    compute dtype) -> ``(o [B, T, H, V] in v's dtype, the leaving state)``: ``_block_forward``'s numbers (under
+    autograd ``chunk_kda`` runs ``_KDABlock``: the same forward and a hand-written backward)."""
+    o, S, _ = _block_forward(q, k, v, g, beta, S, scale, C, keep=False)
+    return o.to(v.dtype), S
+
+
+def _to_chunks(x: Tensor, N: int, C: int, ct: torch.dtype) -> Tensor:
+    """``[B, T, H, D]`` -> ``[N, B, H, C, D]`` in ``ct``, contiguous, T padded with zeros to ``N C``."""
+    B, T, H, D = x.shape
+    x = x.to(ct)
+    if N * C > T:
+        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
+    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).contiguous()
+
+
+def _from_chunks(x: Tensor, T: int, dtype: torch.dtype) -> Tensor:
+    """``[N, B, H, C, D]`` -> ``[B, T, H, D]`` in ``dtype`` (the inverse of ``_to_chunks``, the pad cut)."""
+    N, B, H, C, D = x.shape
+    x = x.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+    return (x[:, :T] if N * C > T else x).to(dtype)
+
+
+def _block_forward(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool):
+    """One block of ``chunk_kda`` in the chunk-parallel form, no autograd: ``(o [B, T, H, V] in the compute dtype,
+    S_out, terms)``; ``terms`` (with ``keep``, else None) is what ``_block_backward`` needs. Shapes as ``_kda_block``.
 
     Every chunk's intra-chunk terms (decay scores, triangular solve, decayed queries and keys) are batched over the
     block's N chunks in the layout ``[N, B, H, C, .]`` (contiguous, so ``[N B H, C, .]`` is a view); only the state
-    recurrence runs chunk by chunk, in ``_ChunkStateScan`` (3 aten ops per chunk forward and backward). The same math
-    as ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
+    recurrence runs chunk by chunk (``_scan_forward``, 3 aten ops per chunk). The same math as
+    ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     ct = S.dtype
-    out_dtype = v.dtype
     N = -(-T // C)
-    pad = N * C - T
-
-    def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [N, B, H, C, D], contiguous
-        x = x.to(ct)
-        if pad:
-            x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
-
-    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
-    beta = beta.to(ct)
-    if pad:
-        beta = F.pad(beta, (0, 0, 0, pad))
-    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1)  # [N, B, H, C, 1]
+    q, k, v, g = (_to_chunks(x, N, C, ct) for x in (q, k, v, g))
+    q = q * scale
+    beta = _to_chunks(beta.unsqueeze(-1), N, C, ct)  # [N, B, H, C, 1]
     G = g.cumsum(-2)
     eG = G.exp()
-    A_kk, A_qk = _causal_decay_scores((k, q), k, G)
-    A_kk = A_kk.tril(-1) * beta
-    eye = torch.eye(C, dtype=ct, device=q.device)
-    rhs = beta * torch.cat([eG * k, v], dim=-1)
-    WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    A_kk, A_qk = _causal_decay_scores_forward(k, G, (k, q))  # A_kk with its diagonal (the solve ignores it)
+    L = A_kk * beta if keep else A_kk.mul_(beta)  # strictly lower part of the unitriangular I + A_kk
+    X = torch.cat([eG * k, v], dim=-1)
+    WU = torch.linalg.solve_triangular(L, beta * X, upper=False, unitriangular=True)
     W, U = WU.split([K, V], dim=-1)
     q_dec = q * eG  # query against the state at the chunk start
     G_last = G[..., -1:, :]
-    k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
-    state_decay = G_last.exp().transpose(-1, -2)  # [N, B, H, K, 1]
-    flat = (x.flatten(0, 2) for x in (W, U, q_dec, k_dec, A_qk, state_decay))  # [N B H, ., .]
-    o, S = _ChunkStateScan.apply(*flat, S.reshape(B * H, K, V), N)
+    Ek = (G_last - G).exp_()
+    k_dec = k * Ek  # key decayed to the chunk end
+    decay = G_last.exp().transpose(-1, -2)  # [N, B, H, K, 1]
+    flat = [x.flatten(0, 2) for x in (W, U, q_dec, k_dec, A_qk, decay)]  # [N B H, ., .]
+    o, S, Sin, Vn = _scan_forward(*flat, S.reshape(B * H, K, V))
     S = S.view(B, H, K, V)
     island("kda.state", S)
-    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)
-    return (o[:, :T] if pad else o).to(out_dtype), S
+    terms = (q, k, G, eG, beta, A_kk, L, X, WU, A_qk, Ek, q_dec, k_dec, decay, Sin, Vn) if keep else None
+    return _from_chunks(o.view(N, B, H, C, V), T, ct), S, terms
 
 
-class _ChunkStateScan(torch.autograd.Function):
-    """The inter-chunk state recurrence of chunked KDA (the only sequential part), with a hand-written backward.
+def _block_backward(terms, scale: float, dO: Tensor | None, dSf: Tensor | None, need_S0: bool):
+    """Gradients of one block from ``_block_forward``'s ``terms``, dO ``[B, T, H, V]`` and dSf ``[B, H, K, V]`` (each
+    None when it got no gradient): ``(dq, dk, dv, dg, dbeta, dS0)``, the first five ``[N, B, H, C, .]`` (chunked, in
+    the compute dtype; dbeta ``[N, B, H, C, 1]``), dS0 ``[B, H, K, V]`` or None.
+
+    Written out from the forward (Kimi Linear, arXiv:2510.26692; fla ``chunk_kda_bwd``): the scan's backward
+    (``_scan_backward``) gives dW, dU, dQd, dKd, dA_qk, d decay and dS_0; ``WU = L^-1 Diag(beta) X`` gives
+    ``dR = L^-T dWU`` (one triangular solve), ``dL = -tril(dR WU^T, -1)``, ``dX = beta dR`` and
+    ``dbeta = sum_c dR X + sum_j dL A_kk``; ``Qd = q e^G``, ``Kd = k e^{G_C - G}``, ``decay = e^{G_C}`` and
+    ``X = [e^G k | v]`` are products; the decay scores' backward (``_causal_decay_scores_backward``) takes
+    ``dA_kk = beta dL`` and dA_qk; ``dg`` is the reverse cumulative sum of dG (``G = cumsum g``)."""
+    q, k, G, eG, beta, A_kk, L, X, WU, A_qk, Ek, q_dec, k_dec, decay, Sin, Vn = terms
+    N, B, H, C, K = q.shape
+    V = WU.shape[-1] - K
+    M = B * H
+    shape = (N, B, H, C)
+    dOc = None if dO is None else _to_chunks(dO, N, C, q.dtype).flatten(0, 2)
+    dSf = None if dSf is None else dSf.reshape(M, K, V)
+    flat = [x.flatten(0, 2) for x in (WU[..., :K], q_dec, k_dec, A_qk, decay)]
+    need = (True, True, True, True, True, True, need_S0)
+    dW, dU, dQd, dKd, dA_qk, dD, dS0 = _scan_backward(*flat, Sin, Vn, N, dOc, dSf, need)
+    dWU = torch.cat([dW.view(*shape, K), dU.view(*shape, V)], dim=-1)
+    dR = torch.linalg.solve_triangular(L.transpose(-1, -2), dWU, upper=True, unitriangular=True)
+    dL = (dR @ WU.transpose(-1, -2)).tril_(-1).neg_()
+    dbeta = (dR * X).sum(-1, keepdim=True).add_((dL * A_kk).sum(-1, keepdim=True))
+    dX = dR.mul_(beta)
+    dQd, dKd = dQd.view(*shape, K), (None if dKd is None else dKd.view(*shape, K))
+    dk = dX[..., :K] * eG
+    dG = dX[..., :K] * X[..., :K]
+    dG.addcmul_(dQd, q_dec)
+    dq = dQd * eG
+    if dKd is not None:
+        t = dKd * k_dec
+        dk.addcmul_(dKd, Ek)
+        dG.sub_(t)
+        dG_last = t.sum(-2, keepdim=True).addcmul_(dD.view(*shape[:3], 1, K), decay.view(*shape[:3], 1, K))
+        dG[..., -1:, :] += dG_last
+    db, dGs, dk_row, dq_row = _causal_decay_scores_backward(k, G, (k, q), (dL.mul_(beta), dA_qk.view(*shape, C)))
+    dk += db
+    dk += dk_row
+    dq += dq_row
+    dq *= scale
+    dG += dGs
+    dg = dG.flip(-2).cumsum(-2).flip(-2)
+    return dq, dk, dX[..., K:], dg, dbeta, dS0
+
+
+class _KDABlock(torch.autograd.Function):
+    """One block of ``chunk_kda`` as one autograd node: forward ``_block_forward``, backward ``_block_backward``
+    (hand-written; no autograd graph of the intra-chunk terms).
+
+    Inputs: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state ``S0 [B, H, K, V]``
+    (compute dtype), scale (float), C (int), recompute (bool). Outputs ``(o [B, T, H, V] in v's dtype, S [B, H, K,
+    V])``. With ``recompute`` the node saves only its inputs (q, k, v, g, beta as given, usually views of the layer's
+    tensors, and S0) and reruns ``_block_forward`` in backward (the block's working set, once), as
+    ``torch.utils.checkpoint`` did; without it, it saves the forward's terms (what autograd kept of
+    ``_kda_block_reference``'s intra-chunk terms).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, scale, C, recompute):
+        o, S, terms = _block_forward(q, k, v, g, beta, S0, scale, C, keep=not recompute)
+        ctx.set_materialize_grads(False)
+        ctx.scale, ctx.C, ctx.recompute = scale, C, recompute
+        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
+        ctx.T = q.shape[1]
+        ctx.save_for_backward(*((q, k, v, g, beta, S0) if recompute else terms))
+        return o.to(v.dtype), S
+
+    @staticmethod
+    def backward(ctx, dO, dS):
+        if dO is None and dS is None:
+            return (None,) * 9
+        saved = ctx.saved_tensors
+        if ctx.recompute:
+            _, _, terms = _block_forward(*saved, ctx.scale, ctx.C, keep=True)
+        else:
+            terms = saved
+        dq, dk, dv, dg, dbeta, dS0 = _block_backward(terms, ctx.scale, dO, dS, ctx.needs_input_grad[5])
+        T, dt = ctx.T, ctx.dtypes
+        grads = [_from_chunks(x, T, d) for x, d in zip((dq, dk, dv, dg, dbeta), dt, strict=True)]
+        grads[4] = grads[4].squeeze(-1)
+        dS0 = None if dS0 is None else dS0.view(dq.shape[1], dq.shape[2], *dS0.shape[1:])
+        return (*grads, dS0, None, None, None)
+
+
+def _scan_forward(W, U, Qd, Kd, A, decay, S0):
+    """``_ChunkStateScan``'s forward without autograd: ``(O, S_N, Sin, Vn)`` (the entering states and ``V'`` that its
+    backward uses); the number of chunks is ``W.shape[0] // S0.shape[0]``."""
+    M = S0.shape[0]
+    KdT = Kd.transpose(1, 2)
+    S, states, vs = S0, [], []
+    for W_n, U_n, KdT_n, d_n in zip(W.split(M), U.split(M), KdT.split(M), decay.split(M), strict=True):
+        states.append(S)
+        v_n = torch.baddbmm(U_n, W_n, S, alpha=-1)
+        vs.append(v_n)
+        S = torch.baddbmm(S * d_n, KdT_n, v_n)
+    Sin, Vn = torch.cat(states), torch.cat(vs)  # [N M, K, V], [N M, C, V]
+    O = torch.baddbmm(torch.bmm(Qd, Sin), A, Vn)
+    return O, S, Sin, Vn
+
+
+def _scan_backward(W, Qd, Kd, A, decay, Sin, Vn, N: int, dO, dSf, need):
+    """The backward of the inter-chunk state recurrence (``_scan_forward``), the only sequential part of chunked KDA.
 
     Inputs, one block of N chunks of C tokens on M = B H heads, each ``[N M, ., .]`` with chunk n at rows
     ``n M .. (n+1) M`` (fp32 or fp64): W ``[N M, C, K]``, U ``[N M, C, V]`` (the WY/UT terms), ``Qd = Q e^Gamma``
     ``[N M, C, K]``, ``Kd = e^{Gamma_C - Gamma} K`` ``[N M, C, K]``, ``A_qk`` ``[N M, C, C]``, ``decay = e^{Gamma_C}``
-    ``[N M, K, 1]``, the entering state ``S_0`` ``[M, K, V]``, and N (int). Forward, per chunk (3 aten ops)::
+    ``[N M, K, 1]``, the entering state ``S_0`` ``[M, K, V]``, and N (int). Forward (``_scan_forward``), per chunk
+    (3 aten ops)::
 
         V'_n = U_n - W_n S_n ;   S_{n+1} = decay_n * S_n + Kd_n^T V'_n
 
-    then for all chunks at once ``O = Qd S_n + A_qk V'`` (bmm, baddbmm). Returns ``(O [N M, C, V], S_N [M, K, V])``.
+    then for all chunks at once ``O = Qd S_n + A_qk V'`` (bmm, baddbmm): ``(O [N M, C, V], S_N [M, K, V])``.
     Backward, per chunk in reverse (3 aten ops, 2 when the final state got no gradient)::
 
         dV'_n = [A_qk^T dO]_n + Kd_n dS_{n+1} ;   dS_n = decay_n * dS_{n+1} + [Qd^T dO]_n - W_n^T dV'_n
@@ -312,70 +442,51 @@ class _ChunkStateScan(torch.autograd.Function):
     ``Qd^T dO`` and ``W^T dV'`` are skipped when ``S_0`` needs no gradient, the last chunk's ``Kd`` products when
     the final state gets none.
 
-    Memory: the forward saves the entering states ``S_n`` of the block's chunks (``N M K V`` elements: ``H K V / C``
-    per token, what the reference loop's graph kept too) and ``V'`` (``N M C V``) beside its inputs.
+    Memory: the backward needs the entering states ``S_n`` of the block's chunks (``N M K V`` elements: ``H K V / C``
+    per token, what the reference loop's graph kept too) and ``V'`` (``N M C V``) beside the forward's inputs.
     Math: Kimi Linear (arXiv:2510.26692) section 3 / fla ``chunk_kda`` (its ``chunk_gated_delta_rule_fwd_h`` and
     ``_bwd_dhu``).
+
+    ``need``: which of (W, U, Qd, Kd, A_qk, decay, S_0) need a gradient (7 bools); dO or dSf may be None (no
+    gradient). Returns ``(dW, dU, dQd, dKd, dA_qk, d decay, dS_0)``, None where not needed.
     """
-
-    @staticmethod
-    def forward(ctx, W, U, Qd, Kd, A, decay, S0, N):
-        M = S0.shape[0]
-        KdT = Kd.transpose(1, 2)
-        S, states, vs = S0, [], []
-        for W_n, U_n, KdT_n, d_n in zip(W.split(M), U.split(M), KdT.split(M), decay.split(M), strict=True):
-            states.append(S)
-            v_n = torch.baddbmm(U_n, W_n, S, alpha=-1)
-            vs.append(v_n)
-            S = torch.baddbmm(S * d_n, KdT_n, v_n)
-        Sin, Vn = torch.cat(states), torch.cat(vs)  # [N M, K, V], [N M, C, V]
-        O = torch.baddbmm(torch.bmm(Qd, Sin), A, Vn)
-        ctx.set_materialize_grads(False)
-        ctx.N = N
-        ctx.save_for_backward(W, Qd, Kd, A, decay, Sin, Vn)
-        return O, S
-
-    @staticmethod
-    def backward(ctx, dO, dSf):
-        W, Qd, Kd, A, decay, Sin, Vn = ctx.saved_tensors
-        N, M = ctx.N, Sin.shape[0] // ctx.N
-        need = ctx.needs_input_grad
-        if dO is None:
-            dO = torch.zeros_like(Vn)
-        first = 0 if need[6] else 1  # chunk 0's dS_0 only when S_0 needs a gradient
-        P = torch.bmm(A.transpose(1, 2), dO).split(M)  # [A_qk^T dO]_n
-        R = torch.bmm(Qd[M:].transpose(1, 2), dO[M:]) if first else torch.bmm(Qd.transpose(1, 2), dO)
-        R = (None,) * first + R.split(M)  # [Qd^T dO]_n
-        WT, Ks, Ds = W.transpose(1, 2).split(M), Kd.split(M), decay.split(M)
-        dv, dS = [None] * N, [None] * N + [dSf]
-        for n in range(N - 1, -1, -1):
-            dn = dS[n + 1]
-            dv[n] = P[n] if dn is None else torch.baddbmm(P[n], Ks[n], dn)
-            if n >= first:
-                r = R[n] if dn is None else torch.addcmul(R[n], Ds[n], dn)
-                dS[n] = torch.baddbmm(r, WT[n], dv[n], alpha=-1)
-        dV = torch.cat(dv)  # [N M, C, V]
-        dW = dQd = dKd = dA = dD = None
-        if need[0]:  # beta = 0: W only gives the shape (the product alone, negated)
-            dW = torch.baddbmm(W, dV, Sin.transpose(1, 2), beta=0, alpha=-1)
-        if need[2]:
-            dQd = torch.bmm(dO, Sin.transpose(1, 2))
-        if need[4]:
-            dA = torch.bmm(dO, Vn.transpose(1, 2))
-        if need[3] or need[5]:
-            # the states leaving chunks 0..N-1 got dS_1..dS_N; without a final-state gradient the last chunk's
-            # Kd and decay get none (zero rows)
-            last = N if dSf is not None else N - 1
-            if last:
-                dnext = torch.cat(dS[1 : last + 1])  # [last M, K, V]
-                if need[3]:
-                    dKd = torch.bmm(Vn[: last * M] if last < N else Vn, dnext.transpose(1, 2))
-                if need[5]:
-                    dD = (dnext * (Sin[: last * M] if last < N else Sin)).sum(-1, keepdim=True)
-                if last < N:
-                    dKd = None if dKd is None else F.pad(dKd, (0, 0, 0, 0, 0, M))
-                    dD = None if dD is None else F.pad(dD, (0, 0, 0, 0, 0, M))
-        return dW, dV if need[1] else None, dQd, dKd, dA, dD, dS[0] if need[6] else None, None
+    M = Sin.shape[0] // N
+    if dO is None:
+        dO = torch.zeros_like(Vn)
+    first = 0 if need[6] else 1  # chunk 0's dS_0 only when S_0 needs a gradient
+    P = torch.bmm(A.transpose(1, 2), dO).split(M)  # [A_qk^T dO]_n
+    R = torch.bmm(Qd[M:].transpose(1, 2), dO[M:]) if first else torch.bmm(Qd.transpose(1, 2), dO)
+    R = (None,) * first + R.split(M)  # [Qd^T dO]_n
+    WT, Ks, Ds = W.transpose(1, 2).split(M), Kd.split(M), decay.split(M)
+    dv, dS = [None] * N, [None] * N + [dSf]
+    for n in range(N - 1, -1, -1):
+        dn = dS[n + 1]
+        dv[n] = P[n] if dn is None else torch.baddbmm(P[n], Ks[n], dn)
+        if n >= first:
+            r = R[n] if dn is None else torch.addcmul(R[n], Ds[n], dn)
+            dS[n] = torch.baddbmm(r, WT[n], dv[n], alpha=-1)
+    dV = torch.cat(dv)  # [N M, C, V]
+    dW = dQd = dKd = dA = dD = None
+    if need[0]:  # beta = 0: W only gives the shape (the product alone, negated)
+        dW = torch.baddbmm(W, dV, Sin.transpose(1, 2), beta=0, alpha=-1)
+    if need[2]:
+        dQd = torch.bmm(dO, Sin.transpose(1, 2))
+    if need[4]:
+        dA = torch.bmm(dO, Vn.transpose(1, 2))
+    if need[3] or need[5]:
+        # the states leaving chunks 0..N-1 got dS_1..dS_N; without a final-state gradient the last chunk's
+        # Kd and decay get none (zero rows)
+        last = N if dSf is not None else N - 1
+        if last:
+            dnext = torch.cat(dS[1 : last + 1])  # [last M, K, V]
+            if need[3]:
+                dKd = torch.bmm(Vn[: last * M] if last < N else Vn, dnext.transpose(1, 2))
+            if need[5]:
+                dD = (dnext * (Sin[: last * M] if last < N else Sin)).sum(-1, keepdim=True)
+            if last < N:
+                dKd = None if dKd is None else F.pad(dKd, (0, 0, 0, 0, 0, M))
+                dD = None if dD is None else F.pad(dD, (0, 0, 0, 0, 0, M))
+    return dW, dV if need[1] else None, dQd, dKd, dA, dD, dS[0] if need[6] else None
 
 
 def _kda_block_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
