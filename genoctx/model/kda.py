@@ -266,142 +266,217 @@ def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
     return o.to(v.dtype), S
 
 
-def _to_chunks(x: Tensor, N: int, C: int, ct: torch.dtype) -> Tensor:
-    """``[B, T, H, D]`` -> ``[N, B, H, C, D]`` in ``ct``, contiguous, T padded with zeros to ``N C``."""
-    B, T, H, D = x.shape
-    x = x.to(ct)
-    if N * C > T:
-        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).contiguous()
-
-
-def _from_chunks(x: Tensor, T: int, dtype: torch.dtype) -> Tensor:
-    """``[N, B, H, C, D]`` -> ``[B, T, H, D]`` in ``dtype`` (the inverse of ``_to_chunks``, the pad cut)."""
+def _from_chunks(x: Tensor, T: int) -> Tensor:
+    """``[N, B, H, C, D]`` -> ``[B, T, H, D]`` (the block layout back to the token layout, the pad cut)."""
     N, B, H, C, D = x.shape
     x = x.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
-    return (x[:, :T] if N * C > T else x).to(dtype)
+    return x[:, :T] if N * C > T else x
+
+
+def _to_chunks(x: Tensor, N: int, C: int) -> Tensor:
+    """``[B, T, H, D]`` -> ``[N B H, C, D]`` (chunk n of head (b, h) at row ``(n B + b) H + h``), contiguous, T padded
+    with zeros to ``N C``."""
+    B, T, H, D = x.shape
+    if N * C > T:
+        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
+    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N * B * H, C, D)
+
+
+def _decay_factors_flat(b: Tensor, G: Tensor) -> tuple:
+    """The decay factors of ``_fused_scores`` (every exponent <= 0), b, G ``[P, C, K]``: ``(sub, n, Ed, b_diag, rd, e,
+    b_off)``: ``Ed [P, n, sub, sub, K] = exp(G_i - G_j)`` inside sub-chunks of ``sub`` tokens (0 above the diagonal),
+    ``b_diag = b_j Ed``; with ``n > 1`` sub-chunks the anchors ``r_s`` (G at the last token of sub-chunk ``s - 1``, 0
+    for ``s = 0``), ``rd [P, n, sub, K] = exp(G_i - r_s)``, ``e [P, n, C, K] = exp(r_s - G_j)`` for columns in earlier
+    sub-chunks (else 0) and ``b_off = b e`` (else None). Sub-chunk 0's row of ``e`` is all 0: its product costs
+    ``1 / n`` more FLOPs and saves every slice."""
+    P, C, K = b.shape
+    sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
+    n = C // sub
+    Gb = G.view(P, n, sub, K)
+    upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [sub(i), sub(j), 1]: j > i
+    Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(upper, float("-inf")).exp_()
+    b_diag = b.view(P, n, 1, sub, K) * Ed
+    if n == 1:
+        return sub, n, Ed, b_diag, None, None, None
+    r = F.pad(Gb[:, :-1, -1], (0, 0, 1, 0))  # [P, n, K]
+    rd = (Gb - r.unsqueeze(2)).exp_()
+    later = torch.ones(n, n, dtype=torch.bool, device=b.device).triu_().view(n, n, 1, 1)  # [n(s), n(t), 1, 1]: t >= s
+    e = (r.view(P, n, 1, 1, K) - Gb.unsqueeze(1)).masked_fill_(later, float("-inf")).exp_().view(P, n, C, K)
+    return sub, n, Ed, b_diag, rd, e, b.unsqueeze(1) * e
+
+
+def _fused_scores(a: Tensor, fac: tuple) -> Tensor:
+    """``A[p, i, r, j] = sum_d a[p, i, r, d] b[p, j, d] exp(G[p, i, d] - G[p, j, d])`` for ``j <= i`` (else 0), for R
+    rows ``a [P, C, R, K]`` at once (KDA's ``A_kk`` and ``A_qk``: one product for both), b and G (non-increasing along
+    C) given by their ``_decay_factors_flat`` ``fac``. Inside sub-chunks ``a (b_j e^{G_i - G_j})`` (one bmm); between
+    sub-chunks ``(a e^{G_i - r_s}) (b e^{r_s - G_j})^T`` (one bmm), every factor <= 1. Returns ``[P, C, R, C]``.
+    The math of ``_causal_decay_scores`` (its slow twin, one row at a time)."""
+    sub, n, Ed, b_diag, rd, e, b_off = fac
+    P, C, R, K = a.shape
+    diag = torch.bmm(a.view(P * C, R, K), b_diag.view(P * C, sub, K).transpose(1, 2))  # [P C, R, sub]
+    if n == 1:
+        return diag.view(P, C, R, C)
+    a_dec = (a.view(P, n, sub, R, K) * rd.view(P, n, sub, 1, K)).view(P * n, sub * R, K)
+    A = torch.bmm(a_dec, b_off.view(P * n, C, K).transpose(1, 2))  # [P n, sub R, C]
+    A.view(P, n, sub, R, n, sub).diagonal(dim1=1, dim2=4).add_(diag.view(P, n, sub, R, sub).permute(0, 2, 3, 4, 1))
+    return A.view(P, C, R, C)
+
+
+def _fused_scores_backward(a: Tensor, b: Tensor, fac: tuple, dA: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``_fused_scores`` (a ``[P, C, R, K]``, b ``[P, C, K]``, dA ``[P, C, R, C]``, zero above the
+    diagonal): ``(da [P, C, R, K], db [P, C, K], dG [P, C, K])`` from ``da_i = sum_j dA_ij b_j e^{G_i - G_j}``,
+    ``db_j = sum_i dA_ij a_i e^{G_i - G_j}`` (the same decayed products, transposed) and
+    ``dG = sum_r a da - b db`` (A depends on G only through G_i - G_j)."""
+    sub, n, Ed, b_diag, rd, e, b_off = fac
+    P, C, R, K = a.shape
+    dAd = dA.view(P, n, sub, R, n, sub).diagonal(dim1=1, dim2=4) if n > 1 else dA.view(P, 1, sub, R, sub, 1)[..., 0]
+    dAd = dAd.permute(0, 4, 1, 2, 3) if n > 1 else dAd  # [P, n, sub(i), R, sub(j)]
+    dAd = dAd.reshape(P * C, R, sub)
+    da = torch.bmm(dAd, b_diag.view(P * C, sub, K))  # [P C, R, K]
+    g_bdiag = torch.bmm(dAd.transpose(1, 2), a.view(P * C, R, K))  # [P C, sub(j), K]
+    db = (g_bdiag.view(P, n, sub, sub, K) * Ed).sum(2).view(P, C, K)
+    if n > 1:
+        dAo = dA.view(P * n, sub * R, C)
+        rd5 = rd.view(P, n, sub, 1, K)
+        da.view(P, n, sub, R, K).addcmul_(torch.bmm(dAo, b_off.view(P * n, C, K)).view(P, n, sub, R, K), rd5)
+        a_dec = (a.view(P, n, sub, R, K) * rd5).view(P * n, sub * R, K)
+        g_boff = torch.bmm(dAo.transpose(1, 2), a_dec)  # [P n, C, K]
+        db += (g_boff.view(P, n, C, K) * e).sum(1)
+    da = da.view(P, C, R, K)
+    dG = (a * da).sum(2).sub_(b * db)
+    return da, db, dG
 
 
 def _block_forward(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool):
     """One block of ``chunk_kda`` in the chunk-parallel form, no autograd: ``(o [B, T, H, V] in the compute dtype,
     S_out, terms)``; ``terms`` (with ``keep``, else None) is what ``_block_backward`` needs. Shapes as ``_kda_block``.
 
-    Every chunk's intra-chunk terms (decay scores, triangular solve, decayed queries and keys) are batched over the
-    block's N chunks in the layout ``[N, B, H, C, .]`` (contiguous, so ``[N B H, C, .]`` is a view); only the state
-    recurrence runs chunk by chunk (``_scan_forward``, 3 aten ops per chunk). The same math as
-    ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
+    The inputs are packed into one ``[k | q | g | v | beta]`` tensor in the block layout ``[N B H, C, 3K + V + 1]``;
+    every chunk's intra-chunk terms (the decay scores of k and q in one ``_fused_scores``, the triangular solve,
+    decayed queries and keys) are batched over the block's N chunks; only the state recurrence runs chunk by chunk
+    (``_scan_forward``, 3 aten ops per chunk). q enters unscaled: the output is scaled at the end (``O`` is linear
+    in q). The same math as ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     ct = S.dtype
     N = -(-T // C)
-    q, k, v, g = (_to_chunks(x, N, C, ct) for x in (q, k, v, g))
-    q = q * scale
-    beta = _to_chunks(beta.unsqueeze(-1), N, C, ct)  # [N, B, H, C, 1]
-    G = g.cumsum(-2)
+    X = _to_chunks(torch.cat([k, q, g, v, beta.unsqueeze(-1)], dim=-1).to(ct), N, C)  # [P, C, 3K + V + 1]
+    P = X.shape[0]
+    k, q, g, v, beta = X.split([K, K, K, V, 1], dim=-1)
+    a = X[..., : 2 * K].view(P, C, 2, K)  # rows k | q
+    G = g.cumsum(1)
     eG = G.exp()
-    A_kk, A_qk = _causal_decay_scores_forward(k, G, (k, q))  # A_kk with its diagonal (the solve ignores it)
-    L = A_kk * beta if keep else A_kk.mul_(beta)  # strictly lower part of the unitriangular I + A_kk
-    X = torch.cat([eG * k, v], dim=-1)
-    WU = torch.linalg.solve_triangular(L, beta * X, upper=False, unitriangular=True)
+    fac = _decay_factors_flat(k, G)
+    A = _fused_scores(a, fac)  # [P, C, 2, C]: A_kk (with its diagonal, which the solve ignores) | A_qk
+    A_kk, A_qk = A.unbind(2)
+    L = A_kk * beta  # the strictly lower part of the unitriangular I + A_kk
+    X0 = torch.cat([eG * k, v], dim=-1)
+    WU = torch.linalg.solve_triangular(L, beta * X0, upper=False, unitriangular=True)
     W, U = WU.split([K, V], dim=-1)
     q_dec = q * eG  # query against the state at the chunk start
-    G_last = G[..., -1:, :]
+    G_last = G[:, -1:]
     Ek = (G_last - G).exp_()
     k_dec = k * Ek  # key decayed to the chunk end
-    decay = G_last.exp().transpose(-1, -2)  # [N, B, H, K, 1]
-    flat = [x.flatten(0, 2) for x in (W, U, q_dec, k_dec, A_qk, decay)]  # [N B H, ., .]
-    o, S, Sin, Vn = _scan_forward(*flat, S.reshape(B * H, K, V))
+    decay = G_last.exp().transpose(1, 2)  # [P, K, 1]
+    o, S, Sin, Vn = _scan_forward(W, U, q_dec, k_dec, A_qk, decay, S.reshape(B * H, K, V))
     S = S.view(B, H, K, V)
     island("kda.state", S)
-    terms = (q, k, G, eG, beta, A_kk, L, X, WU, A_qk, Ek, q_dec, k_dec, decay, Sin, Vn) if keep else None
-    return _from_chunks(o.view(N, B, H, C, V), T, ct), S, terms
+    terms = (X, G, eG, fac, A, L, X0, WU, Ek, q_dec, k_dec, decay, Sin, Vn) if keep else None
+    return _from_chunks(o.mul_(scale).view(N, B, H, C, V), T), S, terms
 
 
-def _block_backward(terms, scale: float, dO: Tensor | None, dSf: Tensor | None, need_S0: bool):
-    """Gradients of one block from ``_block_forward``'s ``terms``, dO ``[B, T, H, V]`` and dSf ``[B, H, K, V]`` (each
-    None when it got no gradient): ``(dq, dk, dv, dg, dbeta, dS0)``, the first five ``[N, B, H, C, .]`` (chunked, in
-    the compute dtype; dbeta ``[N, B, H, C, 1]``), dS0 ``[B, H, K, V]`` or None.
+def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: Tensor | None, need_S0: bool):
+    """Gradients of one block from ``_block_forward``'s ``terms``, ``shape = (B, T, H, K)``, dO ``[B, T, H, V]``
+    and dSf ``[B, H, K, V]`` (each None when it got no gradient): ``(dX [B, T, H, 3K + V + 1], dS0)``: the packed
+    gradient ``[dk | dq | dg | dv | dbeta]`` in the compute dtype and dS0 ``[B H, K, V]`` or None.
 
     Written out from the forward (Kimi Linear, arXiv:2510.26692; fla ``chunk_kda_bwd``): the scan's backward
-    (``_scan_backward``) gives dW, dU, dQd, dKd, dA_qk, d decay and dS_0; ``WU = L^-1 Diag(beta) X`` gives
-    ``dR = L^-T dWU`` (one triangular solve), ``dL = -tril(dR WU^T, -1)``, ``dX = beta dR`` and
-    ``dbeta = sum_c dR X + sum_j dL A_kk``; ``Qd = q e^G``, ``Kd = k e^{G_C - G}``, ``decay = e^{G_C}`` and
-    ``X = [e^G k | v]`` are products; the decay scores' backward (``_causal_decay_scores_backward``) takes
+    (``_scan_backward``, fed ``scale dO``) gives dW, dU, dQd, dKd, dA_qk, d decay and dS_0; ``WU = L^-1 Diag(beta)
+    X0`` gives ``dR = L^-T dWU`` (one triangular solve), ``dL = -tril(dR WU^T, -1)``, ``dX0 = beta dR`` and
+    ``dbeta = sum_c dR X0 + sum_j dL A_kk``; ``Qd = q e^G``, ``Kd = k e^{G_C - G}``, ``decay = e^{G_C}`` and
+    ``X0 = [e^G k | v]`` are products; the decay scores' backward (``_fused_scores_backward``) takes
     ``dA_kk = beta dL`` and dA_qk; ``dg`` is the reverse cumulative sum of dG (``G = cumsum g``)."""
-    q, k, G, eG, beta, A_kk, L, X, WU, A_qk, Ek, q_dec, k_dec, decay, Sin, Vn = terms
-    N, B, H, C, K = q.shape
+    X, G, eG, fac, A, L, X0, WU, Ek, q_dec, k_dec, decay, Sin, Vn = terms
+    B, T, H, K = shape
+    P, C, F_ = X.shape
     V = WU.shape[-1] - K
+    k, q, g, v, beta = X.split([K, K, K, V, 1], dim=-1)
+    a = X[..., : 2 * K].view(P, C, 2, K)
     M = B * H
-    shape = (N, B, H, C)
-    dOc = None if dO is None else _to_chunks(dO, N, C, q.dtype).flatten(0, 2)
+    N = P // M
+    dOc = None if dO is None else _to_chunks(dO, N, C).mul_(scale)
     dSf = None if dSf is None else dSf.reshape(M, K, V)
-    flat = [x.flatten(0, 2) for x in (WU[..., :K], q_dec, k_dec, A_qk, decay)]
+    A_kk, A_qk = A.unbind(2)
     need = (True, True, True, True, True, True, need_S0)
-    dW, dU, dQd, dKd, dA_qk, dD, dS0 = _scan_backward(*flat, Sin, Vn, N, dOc, dSf, need)
-    dWU = torch.cat([dW.view(*shape, K), dU.view(*shape, V)], dim=-1)
-    dR = torch.linalg.solve_triangular(L.transpose(-1, -2), dWU, upper=True, unitriangular=True)
-    dL = (dR @ WU.transpose(-1, -2)).tril_(-1).neg_()
-    dbeta = (dR * X).sum(-1, keepdim=True).add_((dL * A_kk).sum(-1, keepdim=True))
-    dX = dR.mul_(beta)
-    dQd, dKd = dQd.view(*shape, K), (None if dKd is None else dKd.view(*shape, K))
-    dk = dX[..., :K] * eG
-    dG = dX[..., :K] * X[..., :K]
+    dW, dU, dQd, dKd, dA_qk, dD, dS0 = _scan_backward(WU[..., :K], q_dec, k_dec, A_qk, decay, Sin, Vn, N, dOc, dSf,
+                                                      need)  # fmt: skip
+    dR = torch.linalg.solve_triangular(L.transpose(1, 2), torch.cat([dW, dU], dim=-1), upper=True, unitriangular=True)
+    dL = torch.bmm(dR, WU.transpose(1, 2)).tril_(-1).neg_()
+    dbeta = (dR * X0).sum(-1, keepdim=True).add_((dL * A_kk).sum(-1, keepdim=True))
+    dek, dv = dR.mul_(beta).split([K, V], dim=-1)
+    dk = dek * eG
+    dG = dek * X0[..., :K]
     dG.addcmul_(dQd, q_dec)
     dq = dQd * eG
     if dKd is not None:
         t = dKd * k_dec
         dk.addcmul_(dKd, Ek)
         dG.sub_(t)
-        dG_last = t.sum(-2, keepdim=True).addcmul_(dD.view(*shape[:3], 1, K), decay.view(*shape[:3], 1, K))
-        dG[..., -1:, :] += dG_last
-    db, dGs, dk_row, dq_row = _causal_decay_scores_backward(k, G, (k, q), (dL.mul_(beta), dA_qk.view(*shape, C)))
+        dG[:, -1:] += t.sum(1, keepdim=True).addcmul_(dD.transpose(1, 2), decay.transpose(1, 2))
+    if fac is None:
+        fac = _decay_factors_flat(k, G)
+    da, db, dGs = _fused_scores_backward(a, k, fac, torch.stack([dL.mul_(beta), dA_qk], dim=2))
     dk += db
-    dk += dk_row
-    dq += dq_row
-    dq *= scale
     dG += dGs
-    dg = dG.flip(-2).cumsum(-2).flip(-2)
-    return dq, dk, dX[..., K:], dg, dbeta, dS0
+    dkq = da.view(P, C, 2 * K).add_(torch.cat([dk, dq], dim=-1))
+    dg = dG.flip(1).cumsum(1).flip(1)
+    dX = torch.cat([dkq, dg, dv, dbeta], dim=-1)
+    return _from_chunks(dX.view(N, B, H, C, F_), T), dS0
 
 
 class _KDABlock(torch.autograd.Function):
     """One block of ``chunk_kda`` as one autograd node: forward ``_block_forward``, backward ``_block_backward``
-    (hand-written; no autograd graph of the intra-chunk terms).
+    (hand-written; no autograd graph of the intra-chunk terms, no ``torch.utils.checkpoint``).
 
     Inputs: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state ``S0 [B, H, K, V]``
     (compute dtype), scale (float), C (int), recompute (bool). Outputs ``(o [B, T, H, V] in v's dtype, S [B, H, K,
     V])``. With ``recompute`` the node saves only its inputs (q, k, v, g, beta as given, usually views of the layer's
-    tensors, and S0) and reruns ``_block_forward`` in backward (the block's working set, once), as
-    ``torch.utils.checkpoint`` did; without it, it saves the forward's terms (what autograd kept of
-    ``_kda_block_reference``'s intra-chunk terms).
+    tensors, and S0) and reruns ``_block_forward`` in backward (one block's working set at a time, the decay factors
+    of the rerun kept for the scores' backward), as ``torch.utils.checkpoint`` did; without it, it saves the
+    forward's terms (about what autograd kept of ``_kda_block_reference``'s intra-chunk terms) and recomputes only
+    the decay factors.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, scale, C, recompute):
-        o, S, terms = _block_forward(q, k, v, g, beta, S0, scale, C, keep=not recompute)
+        o, S, terms = _block_forward(q, k, v, g, beta, S0, scale, C, keep=True)
         ctx.set_materialize_grads(False)
         ctx.scale, ctx.C, ctx.recompute = scale, C, recompute
-        ctx.dtypes = tuple(x.dtype for x in (q, k, v, g, beta))
-        ctx.T = q.shape[1]
-        ctx.save_for_backward(*((q, k, v, g, beta, S0) if recompute else terms))
+        ctx.dtypes = tuple(x.dtype for x in (k, q, g, v, beta))
+        ctx.shape, ctx.V = tuple(q.shape), v.shape[-1]
+        if recompute:
+            ctx.save_for_backward(q, k, v, g, beta, S0)
+        else:
+            ctx.fac = None
+            ctx.save_for_backward(*(t for i, t in enumerate(terms) if i != 3))
         return o.to(v.dtype), S
 
     @staticmethod
     def backward(ctx, dO, dS):
         if dO is None and dS is None:
             return (None,) * 9
-        saved = ctx.saved_tensors
         if ctx.recompute:
-            _, _, terms = _block_forward(*saved, ctx.scale, ctx.C, keep=True)
+            _, _, terms = _block_forward(*ctx.saved_tensors, ctx.scale, ctx.C, keep=True)
         else:
-            terms = saved
-        dq, dk, dv, dg, dbeta, dS0 = _block_backward(terms, ctx.scale, dO, dS, ctx.needs_input_grad[5])
-        T, dt = ctx.T, ctx.dtypes
-        grads = [_from_chunks(x, T, d) for x, d in zip((dq, dk, dv, dg, dbeta), dt, strict=True)]
-        grads[4] = grads[4].squeeze(-1)
-        dS0 = None if dS0 is None else dS0.view(dq.shape[1], dq.shape[2], *dS0.shape[1:])
-        return (*grads, dS0, None, None, None)
+            terms = list(ctx.saved_tensors)
+            terms.insert(3, None)
+        B, T, H, K = ctx.shape
+        dX, dS0 = _block_backward(terms, ctx.shape, ctx.scale, dO, dS, ctx.needs_input_grad[5])
+        dk, dq, dg, dv, dbeta = (
+            x.to(d) for x, d in zip(dX.split([K, K, K, ctx.V, 1], dim=-1), ctx.dtypes, strict=True)
+        )
+        return dq, dk, dv, dg, dbeta.squeeze(-1), None if dS0 is None else dS0.view(B, H, K, -1), None, None, None
 
 
 def _scan_forward(W, U, Qd, Kd, A, decay, S0):
