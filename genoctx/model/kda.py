@@ -235,16 +235,17 @@ def chunk_kda(
     C = chunk_size
     block = T if block_tokens is None else max(C, block_tokens // C * C)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        S = q.new_zeros(B, H, K, V, dtype=ct)
-        if initial_state is not None:
-            S = S + initial_state.to(ct)
+        # the entering state as given (in ct): every block returns a new state, so the caller's is never written
+        S = q.new_zeros(B, H, K, V, dtype=ct) if initial_state is None else initial_state.to(ct)
         if T == 0:
-            return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
+            return v.new_zeros(B, 0, H, V), (S.clone() if output_final_state else None)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S))
         outs = []
         # split once: slicing per block would make autograd write a full-size zero gradient of each input per
-        # block (quadratic in T); split's backward concatenates the blocks' gradients once
-        for qb, kb, vb, gb, bb in zip(*(x.split(block, dim=1) for x in (q, k, v, g, beta)), strict=True):
+        # block (quadratic in T); split's backward concatenates the blocks' gradients once (one block: no split)
+        parts = [x.split(block, dim=1) for x in (q, k, v, g, beta)] if block < T else [(x,) for x in (q, k, v, g, beta)]
+        blocks = zip(*parts, strict=True)
+        for qb, kb, vb, gb, bb in blocks:
             args = (qb, kb, vb, gb, bb, S, scale, C)
             if reference_loop and recompute and grad:
                 o, S = checkpoint(_kda_block_reference, *args, use_reentrant=False)
@@ -279,7 +280,7 @@ def _to_chunks(x: Tensor, N: int, C: int) -> Tensor:
     B, T, H, D = x.shape
     if N * C > T:
         x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N * B * H, C, D)
+    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(N * B * H, C, D)
 
 
 def _decay_factors_flat(b: Tensor, G: Tensor) -> tuple:
@@ -293,7 +294,7 @@ def _decay_factors_flat(b: Tensor, G: Tensor) -> tuple:
     sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
     n = C // sub
     Gb = G.view(P, n, sub, K)
-    upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [sub(i), sub(j), 1]: j > i
+    upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [i, j, 1]: j > i
     Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(upper, float("-inf")).exp_()
     b_diag = b.view(P, n, 1, sub, K) * Ed
     if n == 1:
@@ -426,7 +427,11 @@ def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: T
         dG[:, -1:] += t.sum(1, keepdim=True).addcmul_(dD.transpose(1, 2), decay.transpose(1, 2))
     if fac is None:
         fac = _decay_factors_flat(k, G)
-    da, db, dGs = _fused_scores_backward(a, k, fac, torch.stack([dL.mul_(beta), dA_qk], dim=2))
+    dA = torch.empty_like(A)  # [P, C, 2, C]: dA_kk | dA_qk
+    dA_kk, dA_qk_ = dA.unbind(2)
+    torch.mul(dL, beta, out=dA_kk)
+    dA_qk_.copy_(dA_qk)
+    da, db, dGs = _fused_scores_backward(a, k, fac, dA)
     dk += db
     dG += dGs
     dkq = da.view(P, C, 2 * K).add_(torch.cat([dk, dq], dim=-1))
