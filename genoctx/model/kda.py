@@ -9,16 +9,19 @@ Design choices:
 
 - ``chunk_kda`` is the training and evaluation form: the WY/UT chunked algorithm of fla ``fla/ops/kda``
   written in plain PyTorch (CPU and CUDA), in its chunk-parallel form: intra-chunk work is batched over all
-  chunks of a block (differentiated by autograd); only the inter-chunk state recurrence is sequential, in
-  ``_ChunkStateScan`` (an autograd Function with a hand-written backward, 3 aten ops per chunk each way), so
-  memory is linear in the sequence length. ``_kda_block_reference`` (the per-chunk loop under autograd,
-  ``chunk_kda(reference_loop=True)``) is its slow reference.
+  chunks of a block; only the inter-chunk state recurrence is sequential (3 aten ops per chunk each way), so
+  memory is linear in the sequence length. Under autograd each block is one autograd Function, ``_KDABlock``, with a
+  hand-written backward (no autograd graph of the intra-chunk terms) and its recompute built in: it keeps only the
+  block's inputs and entering state and reruns the block in backward. A block costs a constant number of aten ops
+  (87 forward, 206 backward with its rerun, fp32) plus 3 per chunk each way (6 in the backward with the rerun).
+  ``_kda_block_reference`` (the per-chunk loop under autograd, ``chunk_kda(reference_loop=True)``) is its slow
+  reference.
 - Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
   Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
-  sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
-- The layer recomputes the core in backward (``recompute=True``): only q, k, v, g, beta and the initial
-  state are kept per layer; ``_CausalDecayScores`` has a hand-written backward that recomputes its decay
-  factors, so even the core's own graph keeps nothing of size ``T x sub x K``.
+  sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow. The scores of k and q
+  share their decay factors and products (``_fused_scores``).
+- The layer recomputes the core in backward (``recompute=True``): only q, k, v, g, beta and the state entering
+  each block are kept per layer; the decay factors are recomputed, so nothing of size ``T x sub x K`` is kept.
 - The slow token-by-token reference is ``genoctx.model.reference.recurrent_kda``.
 - The layer follows the chunk contract: ``forward(x, cache) -> (y, cache)``; ``KDACache`` carries the
   recurrent state and the last ``conv_size - 1`` pre-convolution inputs, so k chunks of L/k tokens equal
@@ -184,10 +187,10 @@ def chunk_kda(
 
     The sequence runs in blocks of ``block_tokens`` tokens (whole chunks), the state S passed from block to
     block; the intra-chunk work of a block is batched over its chunks, so the working set (forward, and the
-    backward's recomputed decay factors) is bounded by the block, not the sequence. With ``recompute`` (and
-    grad enabled) each block is a ``torch.utils.checkpoint`` of its own: the graph keeps only the block inputs
-    (views of q, k, v, g, beta) and the state entering each block; backward recomputes one block at a time, last
-    block first, each taking the gradient its successor sent into its outgoing state.
+    backward's recomputed decay factors) is bounded by the block, not the sequence. Under autograd each block is one
+    node (``_KDABlock``, a hand-written backward). With ``recompute`` the graph keeps only the block inputs (views
+    of q, k, v, g, beta) and the state entering each block; backward recomputes one block at a time, last block
+    first, each taking the gradient its successor sent into its outgoing state.
 
     Args:
         q, k: ``[B, T, H, K]`` queries and keys.
@@ -200,7 +203,8 @@ def chunk_kda(
         chunk_size: tokens per chunk C. T need not be a multiple (padded internally with k = 0, beta = 0,
             g = 0, which leave the state unchanged, then cut).
         block_tokens: tokens per block (rounded down to a multiple of C, at least C); None = one block.
-        recompute: checkpoint each block (only when grad is enabled).
+        recompute: keep only each block's inputs and rerun it in backward (only when grad is enabled; the reference
+            loop as a ``torch.utils.checkpoint``).
         reference_loop: run each block as ``_kda_block_reference`` (the per-chunk loop differentiated by autograd,
             the slow reference of the chunk-parallel ``_kda_block``; same numbers to rounding).
 
@@ -251,20 +255,14 @@ def chunk_kda(
                 o, S = checkpoint(_kda_block_reference, *args, use_reentrant=False)
             elif reference_loop:
                 o, S = _kda_block_reference(*args)
+            elif grad:
+                o, S = _KDABlock.apply(*args, recompute)
             else:
-                o, S = _KDABlock.apply(*args, recompute) if grad else _kda_block(*args)
+                o, S, _ = _kda_block(*args, False)
+                o = o.to(v.dtype)
             outs.append(o)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return o, (S if output_final_state else None)
-
-
-def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
-    """One block of ``chunk_kda`` without autograd (eval, grad disabled; autocast already off): q, k, g
-    ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
-    compute dtype) -> ``(o [B, T, H, V] in v's dtype, the leaving state)``: ``_block_forward``'s numbers (under
-    autograd ``chunk_kda`` runs ``_KDABlock``: the same forward and a hand-written backward)."""
-    o, S, _ = _block_forward(q, k, v, g, beta, S, scale, C, keep=False)
-    return o.to(v.dtype), S
 
 
 def _from_chunks(x: Tensor, T: int) -> Tensor:
@@ -283,44 +281,52 @@ def _to_chunks(x: Tensor, N: int, C: int) -> Tensor:
     return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(N * B * H, C, D)
 
 
-def _decay_factors_flat(b: Tensor, G: Tensor) -> tuple:
+def _decay_factors_flat(b: Tensor, G: Tensor, part: str = "both") -> tuple:
     """The decay factors of ``_fused_scores`` (every exponent <= 0), b, G ``[P, C, K]``: ``(sub, n, Ed, b_diag, rd, e,
     b_off)``: ``Ed [P, n, sub, sub, K] = exp(G_i - G_j)`` inside sub-chunks of ``sub`` tokens (0 above the diagonal),
     ``b_diag = b_j Ed``; with ``n > 1`` sub-chunks the anchors ``r_s`` (G at the last token of sub-chunk ``s - 1``, 0
     for ``s = 0``), ``rd [P, n, sub, K] = exp(G_i - r_s)``, ``e [P, n, C, K] = exp(r_s - G_j)`` for columns in earlier
     sub-chunks (else 0) and ``b_off = b e`` (else None). Sub-chunk 0's row of ``e`` is all 0: its product costs
-    ``1 / n`` more FLOPs and saves every slice."""
+    ``1 / n`` more FLOPs and saves every slice. ``part``: "diag" (the last three None), "off" (Ed, b_diag None) or
+    "both"."""
     P, C, K = b.shape
     sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
     n = C // sub
     Gb = G.view(P, n, sub, K)
-    upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [i, j, 1]: j > i
-    Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(upper, float("-inf")).exp_()
-    b_diag = b.view(P, n, 1, sub, K) * Ed
-    if n == 1:
-        return sub, n, Ed, b_diag, None, None, None
-    r = F.pad(Gb[:, :-1, -1], (0, 0, 1, 0))  # [P, n, K]
-    rd = (Gb - r.unsqueeze(2)).exp_()
-    later = torch.ones(n, n, dtype=torch.bool, device=b.device).triu_().view(n, n, 1, 1)  # [n(s), n(t), 1, 1]: t >= s
-    e = (r.view(P, n, 1, 1, K) - Gb.unsqueeze(1)).masked_fill_(later, float("-inf")).exp_().view(P, n, C, K)
-    return sub, n, Ed, b_diag, rd, e, b.unsqueeze(1) * e
+    Ed = b_diag = rd = e = b_off = None
+    if part != "off":
+        upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [i, j, 1]: j > i
+        Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(upper, float("-inf")).exp_()
+        b_diag = b.view(P, n, 1, sub, K) * Ed
+    if n > 1 and part != "diag":
+        r = F.pad(Gb[:, :-1, -1], (0, 0, 1, 0))  # [P, n, K]
+        rd = (Gb - r.unsqueeze(2)).exp_()
+        later = torch.ones(n, n, dtype=torch.bool, device=b.device).triu_().view(n, n, 1, 1)  # [s, t, 1, 1]: t >= s
+        e = (r.view(P, n, 1, 1, K) - Gb.unsqueeze(1)).masked_fill_(later, float("-inf")).exp_().view(P, n, C, K)
+        b_off = b.unsqueeze(1) * e
+    return sub, n, Ed, b_diag, rd, e, b_off
 
 
-def _fused_scores(a: Tensor, fac: tuple) -> Tensor:
+def _fused_scores(a: Tensor, b: Tensor, G: Tensor, keep: bool) -> tuple[Tensor, tuple | None]:
     """``A[p, i, r, j] = sum_d a[p, i, r, d] b[p, j, d] exp(G[p, i, d] - G[p, j, d])`` for ``j <= i`` (else 0), for R
-    rows ``a [P, C, R, K]`` at once (KDA's ``A_kk`` and ``A_qk``: one product for both), b and G (non-increasing along
-    C) given by their ``_decay_factors_flat`` ``fac``. Inside sub-chunks ``a (b_j e^{G_i - G_j})`` (one bmm); between
-    sub-chunks ``(a e^{G_i - r_s}) (b e^{r_s - G_j})^T`` (one bmm), every factor <= 1. Returns ``[P, C, R, C]``.
-    The math of ``_causal_decay_scores`` (its slow twin, one row at a time)."""
-    sub, n, Ed, b_diag, rd, e, b_off = fac
+    rows ``a [P, C, R, K]`` at once (KDA's ``A_kk`` and ``A_qk``: one product for both); b, G ``[P, C, K]``, G
+    non-increasing along C. Inside sub-chunks ``a (b_j e^{G_i - G_j})`` (one bmm); between sub-chunks
+    ``(a e^{G_i - r_s}) (b e^{r_s - G_j})^T`` (one bmm), every factor <= 1 (``_decay_factors_flat``). Returns
+    ``(A [P, C, R, C], the decay factors if keep else None)``; without ``keep`` the factors inside sub-chunks are
+    freed before those between them are made. The math of ``_causal_decay_scores`` (its slow twin, one row at a
+    time)."""
     P, C, R, K = a.shape
+    sub, n, Ed, b_diag, *_ = _decay_factors_flat(b, G, "diag")
     diag = torch.bmm(a.view(P * C, R, K), b_diag.view(P * C, sub, K).transpose(1, 2))  # [P C, R, sub]
+    if not keep:
+        Ed = b_diag = None
     if n == 1:
-        return diag.view(P, C, R, C)
+        return diag.view(P, C, R, C), ((sub, n, Ed, b_diag, None, None, None) if keep else None)
+    _, _, _, _, rd, e, b_off = _decay_factors_flat(b, G, "off")
     a_dec = (a.view(P, n, sub, R, K) * rd.view(P, n, sub, 1, K)).view(P * n, sub * R, K)
     A = torch.bmm(a_dec, b_off.view(P * n, C, K).transpose(1, 2))  # [P n, sub R, C]
     A.view(P, n, sub, R, n, sub).diagonal(dim1=1, dim2=4).add_(diag.view(P, n, sub, R, sub).permute(0, 2, 3, 4, 1))
-    return A.view(P, C, R, C)
+    return A.view(P, C, R, C), ((sub, n, Ed, b_diag, rd, e, b_off) if keep else None)
 
 
 def _fused_scores_backward(a: Tensor, b: Tensor, fac: tuple, dA: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -348,9 +354,11 @@ def _fused_scores_backward(a: Tensor, b: Tensor, fac: tuple, dA: Tensor) -> tupl
     return da, db, dG
 
 
-def _block_forward(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool):
-    """One block of ``chunk_kda`` in the chunk-parallel form, no autograd: ``(o [B, T, H, V] in the compute dtype,
-    S_out, terms)``; ``terms`` (with ``keep``, else None) is what ``_block_backward`` needs. Shapes as ``_kda_block``.
+def _kda_block(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool):
+    """One block of ``chunk_kda`` in the chunk-parallel form, no autograd (autocast already off): q, k, g
+    ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
+    compute dtype) -> ``(o [B, T, H, V] in the compute dtype, the leaving state, terms)``; ``terms`` (with ``keep``,
+    else None) is what ``_block_backward`` needs. T is padded to whole chunks of C (k = beta = g = 0) and the pad cut.
 
     The inputs are packed into one ``[k | q | g | v | beta]`` tensor in the block layout ``[N B H, C, 3K + V + 1]``;
     every chunk's intra-chunk terms (the decay scores of k and q in one ``_fused_scores``, the triangular solve,
@@ -368,8 +376,7 @@ def _block_forward(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool
     a = X[..., : 2 * K].view(P, C, 2, K)  # rows k | q
     G = g.cumsum(1)
     eG = G.exp()
-    fac = _decay_factors_flat(k, G)
-    A = _fused_scores(a, fac)  # [P, C, 2, C]: A_kk (with its diagonal, which the solve ignores) | A_qk
+    A, fac = _fused_scores(a, k, G, keep)  # [P, C, 2, C]: A_kk (with its diagonal, which the solve ignores) | A_qk
     A_kk, A_qk = A.unbind(2)
     L = A_kk * beta  # the strictly lower part of the unitriangular I + A_kk
     X0 = torch.cat([eG * k, v], dim=-1)
@@ -388,7 +395,7 @@ def _block_forward(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool
 
 
 def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: Tensor | None, need_S0: bool):
-    """Gradients of one block from ``_block_forward``'s ``terms``, ``shape = (B, T, H, K)``, dO ``[B, T, H, V]``
+    """Gradients of one block from ``_kda_block``'s ``terms``, ``shape = (B, T, H, K)``, dO ``[B, T, H, V]``
     and dSf ``[B, H, K, V]`` (each None when it got no gradient): ``(dX [B, T, H, 3K + V + 1], dS0)``: the packed
     gradient ``[dk | dq | dg | dv | dbeta]`` in the compute dtype and dS0 ``[B H, K, V]`` or None.
 
@@ -406,7 +413,7 @@ def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: T
     a = X[..., : 2 * K].view(P, C, 2, K)
     M = B * H
     N = P // M
-    dOc = None if dO is None else _to_chunks(dO, N, C).mul_(scale)
+    dOc = None if dO is None else _to_chunks(dO.to(X.dtype), N, C).mul_(scale)
     dSf = None if dSf is None else dSf.reshape(M, K, V)
     A_kk, A_qk = A.unbind(2)
     need = (True, True, True, True, True, True, need_S0)
@@ -441,13 +448,13 @@ def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: T
 
 
 class _KDABlock(torch.autograd.Function):
-    """One block of ``chunk_kda`` as one autograd node: forward ``_block_forward``, backward ``_block_backward``
+    """One block of ``chunk_kda`` as one autograd node: forward ``_kda_block``, backward ``_block_backward``
     (hand-written; no autograd graph of the intra-chunk terms, no ``torch.utils.checkpoint``).
 
     Inputs: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state ``S0 [B, H, K, V]``
     (compute dtype), scale (float), C (int), recompute (bool). Outputs ``(o [B, T, H, V] in v's dtype, S [B, H, K,
     V])``. With ``recompute`` the node saves only its inputs (q, k, v, g, beta as given, usually views of the layer's
-    tensors, and S0) and reruns ``_block_forward`` in backward (one block's working set at a time, the decay factors
+    tensors, and S0) and reruns ``_kda_block`` in backward (one block's working set at a time, the decay factors
     of the rerun kept for the scores' backward), as ``torch.utils.checkpoint`` did; without it, it saves the
     forward's terms (about what autograd kept of ``_kda_block_reference``'s intra-chunk terms) and recomputes only
     the decay factors.
@@ -455,7 +462,7 @@ class _KDABlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, scale, C, recompute):
-        o, S, terms = _block_forward(q, k, v, g, beta, S0, scale, C, keep=True)
+        o, S, terms = _kda_block(q, k, v, g, beta, S0, scale, C, not recompute)
         ctx.set_materialize_grads(False)
         ctx.scale, ctx.C, ctx.recompute = scale, C, recompute
         ctx.dtypes = tuple(x.dtype for x in (k, q, g, v, beta))
@@ -472,7 +479,7 @@ class _KDABlock(torch.autograd.Function):
         if dO is None and dS is None:
             return (None,) * 9
         if ctx.recompute:
-            _, _, terms = _block_forward(*ctx.saved_tensors, ctx.scale, ctx.C, keep=True)
+            _, _, terms = _kda_block(*ctx.saved_tensors, ctx.scale, ctx.C, True)
         else:
             terms = list(ctx.saved_tensors)
             terms.insert(3, None)
@@ -485,8 +492,8 @@ class _KDABlock(torch.autograd.Function):
 
 
 def _scan_forward(W, U, Qd, Kd, A, decay, S0):
-    """``_ChunkStateScan``'s forward without autograd: ``(O, S_N, Sin, Vn)`` (the entering states and ``V'`` that its
-    backward uses); the number of chunks is ``W.shape[0] // S0.shape[0]``."""
+    """The inter-chunk state recurrence, forward (shapes and math in ``_scan_backward``): ``(O, S_N, Sin, Vn)``, with
+    the entering states and ``V'`` that the backward uses; the number of chunks is ``W.shape[0] // S0.shape[0]``."""
     M = S0.shape[0]
     KdT = Kd.transpose(1, 2)
     S, states, vs = S0, [], []

@@ -91,7 +91,7 @@ class _Count(TorchDispatchMode):
 # gradient and the splits' 5 cats. The test's own backward adds LOSS (the loss below, the leaves' gradient
 # accumulation: a detach each and a copy of each strided gradient), 2 fewer without an initial state (chunk 0's state
 # products skipped).
-FWD, BWD, RERUN, PAD, LOSS = 86, 147, 58, 2, 15
+FWD, BWD, RERUN, PAD, LOSS = 87, 147, 59, 2, 15
 
 
 def _expected(T, C, block, recompute, init=True):
