@@ -434,10 +434,7 @@ def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: T
         dG[:, -1:] += t.sum(1, keepdim=True).addcmul_(dD.transpose(1, 2), decay.transpose(1, 2))
     if fac is None:
         fac = _decay_factors_flat(k, G)
-    dA = torch.empty_like(A)  # [P, C, 2, C]: dA_kk | dA_qk
-    dA_kk, dA_qk_ = dA.unbind(2)
-    torch.mul(dL, beta, out=dA_kk)
-    dA_qk_.copy_(dA_qk)
+    dA = torch.cat([dL.mul_(beta).unsqueeze(2), dA_qk.unsqueeze(2)], dim=2)  # [P, C, 2, C]: dA_kk | dA_qk
     da, db, dGs = _fused_scores_backward(a, k, fac, dA)
     dk += db
     dG += dGs
