@@ -9,16 +9,19 @@ Design choices:
 
 - ``chunk_kda`` is the training and evaluation form: the WY/UT chunked algorithm of fla ``fla/ops/kda``
   written in plain PyTorch (CPU and CUDA), in its chunk-parallel form: intra-chunk work is batched over all
-  chunks of a block (differentiated by autograd); only the inter-chunk state recurrence is sequential, in
-  ``_ChunkStateScan`` (an autograd Function with a hand-written backward, 3 aten ops per chunk each way), so
-  memory is linear in the sequence length. ``_kda_block_reference`` (the per-chunk loop under autograd,
-  ``chunk_kda(reference_loop=True)``) is its slow reference.
+  chunks of a block; only the inter-chunk state recurrence is sequential (3 aten ops per chunk each way), so
+  memory is linear in the sequence length. Under autograd each block is one autograd Function, ``_KDABlock``, with a
+  hand-written backward (no autograd graph of the intra-chunk terms) and its recompute built in: it keeps only the
+  block's inputs and entering state and reruns the block in backward. A block costs a constant number of aten ops
+  (87 forward, 206 backward with its rerun, fp32) plus 3 per chunk each way (6 in the backward with the rerun).
+  ``_kda_block_reference`` (the per-chunk loop under autograd, ``chunk_kda(reference_loop=True)``) is its slow
+  reference.
 - Every exponent is <= 0: intra-chunk decays are written as differences of cumulative log decays
   Gamma_i - Gamma_j taken only on the causal part (pairwise inside sub-chunks of 8 tokens, through a
-  sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow.
-- The layer recomputes the core in backward (``recompute=True``): only q, k, v, g, beta and the initial
-  state are kept per layer; ``_CausalDecayScores`` has a hand-written backward that recomputes its decay
-  factors, so even the core's own graph keeps nothing of size ``T x sub x K``.
+  sub-chunk anchor between sub-chunks), so strong gates (g = -50 per step) cannot overflow. The scores of k and q
+  share their decay factors and products (``_fused_scores``).
+- The layer recomputes the core in backward (``recompute=True``): only q, k, v, g, beta and the state entering
+  each block are kept per layer; the decay factors are recomputed, so nothing of size ``T x sub x K`` is kept.
 - The slow token-by-token reference is ``genoctx.model.reference.recurrent_kda``.
 - The layer follows the chunk contract: ``forward(x, cache) -> (y, cache)``; ``KDACache`` carries the
   recurrent state and the last ``conv_size - 1`` pre-convolution inputs, so k chunks of L/k tokens equal
@@ -87,48 +90,59 @@ class _CausalDecayScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, b, G, *rows):
-        C = b.shape[-2]
-        sub, n, _, _, b_diag, row_decay, _, b_off = _decay_factors(b, G)
-        out = []
-        for a in rows:
-            ab = a.reshape(*a.shape[:-2], n, sub, a.shape[-1])
-            A = _block_diagonal((b_diag * ab.unsqueeze(-2)).sum(-1), C)  # [..., n, sub, C]
-            if n > 1:
-                A[..., 1:, :, :] += (ab[..., 1:, :, :] * row_decay) @ b_off.transpose(-1, -2)
-            out.append(A.reshape(*a.shape[:-1], C))
         ctx.save_for_backward(b, G, *rows)
-        return tuple(out)
+        return _causal_decay_scores_forward(b, G, rows)
 
     @staticmethod
     def backward(ctx, *dAs):
         b, G, *rows = ctx.saved_tensors
-        *lead, C, K = b.shape
-        sub, n, bb, Ed, b_diag, row_decay, e, b_off = _decay_factors(b, G)
-        g_bdiag = torch.zeros_like(b_diag) if any(d is not None for d in dAs) else None
-        g_boff = torch.zeros_like(b_off) if n > 1 else None
-        grads, dG = [], torch.zeros_like(G)
-        for a, dA in zip(rows, dAs, strict=True):
-            if dA is None:
-                grads.append(None)
-                continue
-            ab = a.reshape(*lead, n, sub, K)
-            dAr = dA.reshape(*lead, n, sub, n, sub)
-            dAd = dAr.diagonal(dim1=-4, dim2=-2).movedim(-1, -3).contiguous()  # [..., n, sub(i), sub(j)]
-            da = (dAd.unsqueeze(-1) * b_diag).sum(-2)  # [..., n, sub, K]
-            g_bdiag.add_(dAd.unsqueeze(-1) * ab.unsqueeze(-2))
-            if n > 1:
-                d_off = dA.reshape(*lead, n, sub, C)[..., 1:, :, :].contiguous()  # [..., n-1, sub, C]
-                a_dec = ab[..., 1:, :, :] * row_decay
-                da[..., 1:, :, :] += (d_off @ b_off) * row_decay
-                g_boff.add_(d_off.transpose(-1, -2) @ a_dec)
-            da = da.reshape(a.shape)
-            dG.add_(a * da)
-            grads.append(da)
-        db = (g_bdiag * Ed).sum(-3).reshape(b.shape)
+        return _causal_decay_scores_backward(b, G, rows, dAs)
+
+
+def _causal_decay_scores_forward(b: Tensor, G: Tensor, rows) -> tuple:
+    """The forward of ``_CausalDecayScores`` without autograd: one ``[..., C, C]`` score matrix per row tensor."""
+    C = b.shape[-2]
+    sub, n, _, _, b_diag, row_decay, _, b_off = _decay_factors(b, G)
+    out = []
+    for a in rows:
+        ab = a.reshape(*a.shape[:-2], n, sub, a.shape[-1])
+        A = _block_diagonal((b_diag * ab.unsqueeze(-2)).sum(-1), C)  # [..., n, sub, C]
         if n > 1:
-            db += (g_boff * e).sum(-3)
-        dG.sub_(b * db)
-        return (db, dG, *grads)
+            A[..., 1:, :, :] += (ab[..., 1:, :, :] * row_decay) @ b_off.transpose(-1, -2)
+        out.append(A.reshape(*a.shape[:-1], C))
+    return tuple(out)
+
+
+def _causal_decay_scores_backward(b: Tensor, G: Tensor, rows, dAs) -> tuple:
+    """The backward of ``_CausalDecayScores`` (its decay factors recomputed): ``(db, dG, *da)`` for the rows' score
+    gradients ``dAs`` (``[..., C, C]`` or None each); shapes as its forward's inputs."""
+    *lead, C, K = b.shape
+    sub, n, bb, Ed, b_diag, row_decay, e, b_off = _decay_factors(b, G)
+    g_bdiag = torch.zeros_like(b_diag) if any(d is not None for d in dAs) else None
+    g_boff = torch.zeros_like(b_off) if n > 1 else None
+    grads, dG = [], torch.zeros_like(G)
+    for a, dA in zip(rows, dAs, strict=True):
+        if dA is None:
+            grads.append(None)
+            continue
+        ab = a.reshape(*lead, n, sub, K)
+        dAr = dA.reshape(*lead, n, sub, n, sub)
+        dAd = dAr.diagonal(dim1=-4, dim2=-2).movedim(-1, -3).contiguous()  # [..., n, sub(i), sub(j)]
+        da = (dAd.unsqueeze(-1) * b_diag).sum(-2)  # [..., n, sub, K]
+        g_bdiag.add_(dAd.unsqueeze(-1) * ab.unsqueeze(-2))
+        if n > 1:
+            d_off = dA.reshape(*lead, n, sub, C)[..., 1:, :, :].contiguous()  # [..., n-1, sub, C]
+            a_dec = ab[..., 1:, :, :] * row_decay
+            da[..., 1:, :, :] += (d_off @ b_off) * row_decay
+            g_boff.add_(d_off.transpose(-1, -2) @ a_dec)
+        da = da.reshape(a.shape)
+        dG.add_(a * da)
+        grads.append(da)
+    db = (g_bdiag * Ed).sum(-3).reshape(b.shape)
+    if n > 1:
+        db += (g_boff * e).sum(-3)
+    dG.sub_(b * db)
+    return (db, dG, *grads)
 
 
 def _causal_decay_scores(rows: tuple[Tensor, ...], b: Tensor, G: Tensor) -> list[Tensor]:
@@ -173,10 +187,10 @@ def chunk_kda(
 
     The sequence runs in blocks of ``block_tokens`` tokens (whole chunks), the state S passed from block to
     block; the intra-chunk work of a block is batched over its chunks, so the working set (forward, and the
-    backward's recomputed decay factors) is bounded by the block, not the sequence. With ``recompute`` (and
-    grad enabled) each block is a ``torch.utils.checkpoint`` of its own: the graph keeps only the block inputs
-    (views of q, k, v, g, beta) and the state entering each block; backward recomputes one block at a time, last
-    block first, each taking the gradient its successor sent into its outgoing state.
+    backward's recomputed decay factors) is bounded by the block, not the sequence. Under autograd each block is one
+    node (``_KDABlock``, a hand-written backward). With ``recompute`` the graph keeps only the block inputs (views
+    of q, k, v, g, beta) and the state entering each block; backward recomputes one block at a time, last block
+    first, each taking the gradient its successor sent into its outgoing state.
 
     Args:
         q, k: ``[B, T, H, K]`` queries and keys.
@@ -189,7 +203,8 @@ def chunk_kda(
         chunk_size: tokens per chunk C. T need not be a multiple (padded internally with k = 0, beta = 0,
             g = 0, which leave the state unchanged, then cut).
         block_tokens: tokens per block (rounded down to a multiple of C, at least C); None = one block.
-        recompute: checkpoint each block (only when grad is enabled).
+        recompute: keep only each block's inputs and rerun it in backward (only when grad is enabled; the reference
+            loop as a ``torch.utils.checkpoint``).
         reference_loop: run each block as ``_kda_block_reference`` (the per-chunk loop differentiated by autograd,
             the slow reference of the chunk-parallel ``_kda_block``; same numbers to rounding).
 
@@ -224,84 +239,283 @@ def chunk_kda(
     C = chunk_size
     block = T if block_tokens is None else max(C, block_tokens // C * C)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        S = q.new_zeros(B, H, K, V, dtype=ct)
-        if initial_state is not None:
-            S = S + initial_state.to(ct)
+        # the entering state as given (in ct): every block returns a new state, so the caller's is never written
+        S = q.new_zeros(B, H, K, V, dtype=ct) if initial_state is None else initial_state.to(ct)
         if T == 0:
-            return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
-        ckpt = recompute and torch.is_grad_enabled()
+            return v.new_zeros(B, 0, H, V), (S.clone() if output_final_state else None)
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, S))
         outs = []
         # split once: slicing per block would make autograd write a full-size zero gradient of each input per
-        # block (quadratic in T); split's backward concatenates the blocks' gradients once
-        for qb, kb, vb, gb, bb in zip(*(x.split(block, dim=1) for x in (q, k, v, g, beta)), strict=True):
+        # block (quadratic in T); split's backward concatenates the blocks' gradients once (one block: no split)
+        parts = [x.split(block, dim=1) for x in (q, k, v, g, beta)] if block < T else [(x,) for x in (q, k, v, g, beta)]
+        blocks = zip(*parts, strict=True)
+        for qb, kb, vb, gb, bb in blocks:
             args = (qb, kb, vb, gb, bb, S, scale, C)
-            fn = _kda_block_reference if reference_loop else _kda_block
-            o, S = checkpoint(fn, *args, use_reentrant=False) if ckpt else fn(*args)
+            if reference_loop and recompute and grad:
+                o, S = checkpoint(_kda_block_reference, *args, use_reentrant=False)
+            elif reference_loop:
+                o, S = _kda_block_reference(*args)
+            elif grad:
+                o, S = _KDABlock.apply(*args, recompute)
+            else:
+                o, S, _ = _kda_block(*args, False)
+                o = o.to(v.dtype)
             outs.append(o)
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return o, (S if output_final_state else None)
 
 
-def _kda_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):
-    """One block of ``chunk_kda`` in the chunk-parallel form (its formulas; autocast already off): q, k, g
-    ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
-    compute dtype) -> ``(o [B, T, H, V] in v's dtype, the leaving state)``. T is padded to whole chunks of C
-    (k = beta = g = 0) and the pad cut.
+def _from_chunks(x: Tensor, T: int) -> Tensor:
+    """``[N, B, H, C, D]`` -> ``[B, T, H, D]`` (the block layout back to the token layout, the pad cut)."""
+    N, B, H, C, D = x.shape
+    x = x.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+    return x[:, :T] if N * C > T else x
 
-    Every chunk's intra-chunk terms (decay scores, triangular solve, decayed queries and keys) are batched over the
-    block's N chunks in the layout ``[N, B, H, C, .]`` (contiguous, so ``[N B H, C, .]`` is a view); only the state
-    recurrence runs chunk by chunk, in ``_ChunkStateScan`` (3 aten ops per chunk forward and backward). The same math
-    as ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
+
+def _to_chunks(x: Tensor, N: int, C: int) -> Tensor:
+    """``[B, T, H, D]`` -> ``[N B H, C, D]`` (chunk n of head (b, h) at row ``(n B + b) H + h``), contiguous, T padded
+    with zeros to ``N C``."""
+    B, T, H, D = x.shape
+    if N * C > T:
+        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
+    return x.view(B, N, C, H, D).permute(1, 0, 3, 2, 4).contiguous().view(N * B * H, C, D)
+
+
+def _decay_factors_flat(b: Tensor, G: Tensor, part: str = "both") -> tuple:
+    """The decay factors of ``_fused_scores`` (every exponent <= 0), b, G ``[P, C, K]``: ``(sub, n, Ed, b_diag, rd, e,
+    b_off)``: ``Ed [P, n, sub, sub, K] = exp(G_i - G_j)`` inside sub-chunks of ``sub`` tokens (0 above the diagonal),
+    ``b_diag = b_j Ed``; with ``n > 1`` sub-chunks the anchors ``r_s`` (G at the last token of sub-chunk ``s - 1``, 0
+    for ``s = 0``), ``rd [P, n, sub, K] = exp(G_i - r_s)``, ``e [P, n, C, K] = exp(r_s - G_j)`` for columns in earlier
+    sub-chunks (else 0) and ``b_off = b e`` (else None). Sub-chunk 0's row of ``e`` is all 0: its product costs
+    ``1 / n`` more FLOPs and saves every slice. ``part``: "diag" (the last three None), "off" (Ed, b_diag None) or
+    "both"."""
+    P, C, K = b.shape
+    sub = _SUB_CHUNK if C % _SUB_CHUNK == 0 else C
+    n = C // sub
+    Gb = G.view(P, n, sub, K)
+    Ed = b_diag = rd = e = b_off = None
+    if part != "off":
+        upper = torch.ones(sub, sub, dtype=torch.bool, device=b.device).triu_(1).unsqueeze_(-1)  # [i, j, 1]: j > i
+        Ed = (Gb.unsqueeze(-2) - Gb.unsqueeze(-3)).masked_fill_(upper, float("-inf")).exp_()
+        b_diag = b.view(P, n, 1, sub, K) * Ed
+    if n > 1 and part != "diag":
+        r = F.pad(Gb[:, :-1, -1], (0, 0, 1, 0))  # [P, n, K]
+        rd = (Gb - r.unsqueeze(2)).exp_()
+        later = torch.ones(n, n, dtype=torch.bool, device=b.device).triu_().view(n, n, 1, 1)  # [s, t, 1, 1]: t >= s
+        e = (r.view(P, n, 1, 1, K) - Gb.unsqueeze(1)).masked_fill_(later, float("-inf")).exp_().view(P, n, C, K)
+        b_off = b.unsqueeze(1) * e
+    return sub, n, Ed, b_diag, rd, e, b_off
+
+
+def _fused_scores(a: Tensor, b: Tensor, G: Tensor, keep: bool) -> tuple[Tensor, tuple | None]:
+    """``A[p, i, r, j] = sum_d a[p, i, r, d] b[p, j, d] exp(G[p, i, d] - G[p, j, d])`` for ``j <= i`` (else 0), for R
+    rows ``a [P, C, R, K]`` at once (KDA's ``A_kk`` and ``A_qk``: one product for both); b, G ``[P, C, K]``, G
+    non-increasing along C. Inside sub-chunks ``a (b_j e^{G_i - G_j})`` (one bmm); between sub-chunks
+    ``(a e^{G_i - r_s}) (b e^{r_s - G_j})^T`` (one bmm), every factor <= 1 (``_decay_factors_flat``). Returns
+    ``(A [P, C, R, C], the decay factors if keep else None)``; without ``keep`` the factors inside sub-chunks are
+    freed before those between them are made. The math of ``_causal_decay_scores`` (its slow twin, one row at a
+    time)."""
+    P, C, R, K = a.shape
+    sub, n, Ed, b_diag, *_ = _decay_factors_flat(b, G, "diag")
+    diag = torch.bmm(a.view(P * C, R, K), b_diag.view(P * C, sub, K).transpose(1, 2))  # [P C, R, sub]
+    if not keep:
+        Ed = b_diag = None
+    if n == 1:
+        return diag.view(P, C, R, C), ((sub, n, Ed, b_diag, None, None, None) if keep else None)
+    _, _, _, _, rd, e, b_off = _decay_factors_flat(b, G, "off")
+    a_dec = (a.view(P, n, sub, R, K) * rd.view(P, n, sub, 1, K)).view(P * n, sub * R, K)
+    A = torch.bmm(a_dec, b_off.view(P * n, C, K).transpose(1, 2))  # [P n, sub R, C]
+    A.view(P, n, sub, R, n, sub).diagonal(dim1=1, dim2=4).add_(diag.view(P, n, sub, R, sub).permute(0, 2, 3, 4, 1))
+    return A.view(P, C, R, C), ((sub, n, Ed, b_diag, rd, e, b_off) if keep else None)
+
+
+def _fused_scores_backward(a: Tensor, b: Tensor, fac: tuple, dA: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of ``_fused_scores`` (a ``[P, C, R, K]``, b ``[P, C, K]``, dA ``[P, C, R, C]``, zero above the
+    diagonal): ``(da [P, C, R, K], db [P, C, K], dG [P, C, K])`` from ``da_i = sum_j dA_ij b_j e^{G_i - G_j}``,
+    ``db_j = sum_i dA_ij a_i e^{G_i - G_j}`` (the same decayed products, transposed) and
+    ``dG = sum_r a da - b db`` (A depends on G only through G_i - G_j)."""
+    sub, n, Ed, b_diag, rd, e, b_off = fac
+    P, C, R, K = a.shape
+    dAd = dA.view(P, n, sub, R, n, sub).diagonal(dim1=1, dim2=4) if n > 1 else dA.view(P, 1, sub, R, sub, 1)[..., 0]
+    dAd = dAd.permute(0, 4, 1, 2, 3) if n > 1 else dAd  # [P, n, sub(i), R, sub(j)]
+    dAd = dAd.reshape(P * C, R, sub)
+    da = torch.bmm(dAd, b_diag.view(P * C, sub, K))  # [P C, R, K]
+    g_bdiag = torch.bmm(dAd.transpose(1, 2), a.view(P * C, R, K))  # [P C, sub(j), K]
+    db = (g_bdiag.view(P, n, sub, sub, K) * Ed).sum(2).view(P, C, K)
+    if n > 1:
+        dAo = dA.view(P * n, sub * R, C)
+        rd5 = rd.view(P, n, sub, 1, K)
+        da.view(P, n, sub, R, K).addcmul_(torch.bmm(dAo, b_off.view(P * n, C, K)).view(P, n, sub, R, K), rd5)
+        a_dec = (a.view(P, n, sub, R, K) * rd5).view(P * n, sub * R, K)
+        g_boff = torch.bmm(dAo.transpose(1, 2), a_dec)  # [P n, C, K]
+        db += (g_boff.view(P, n, C, K) * e).sum(1)
+    da = da.view(P, C, R, K)
+    dG = (a * da).sum(2).sub_(b * db)
+    return da, db, dG
+
+
+def _kda_block(q, k, v, g, beta, S: Tensor, scale: float, C: int, keep: bool):
+    """One block of ``chunk_kda`` in the chunk-parallel form, no autograd (autocast already off): q, k, g
+    ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state S ``[B, H, K, V]`` (fp32 or fp64: the
+    compute dtype) -> ``(o [B, T, H, V] in the compute dtype, the leaving state, terms)``; ``terms`` (with ``keep``,
+    else None) is what ``_block_backward`` needs. T is padded to whole chunks of C (k = beta = g = 0) and the pad cut.
+
+    The inputs are packed into one ``[k | q | g | v | beta]`` tensor in the block layout ``[N B H, C, 3K + V + 1]``;
+    every chunk's intra-chunk terms (the decay scores of k and q in one ``_fused_scores``, the triangular solve,
+    decayed queries and keys) are batched over the block's N chunks; only the state recurrence runs chunk by chunk
+    (``_scan_forward``, 3 aten ops per chunk). q enters unscaled: the output is scaled at the end (``O`` is linear
+    in q). The same math as ``_kda_block_reference`` (the per-chunk loop under autograd), in another order of sums.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     ct = S.dtype
-    out_dtype = v.dtype
     N = -(-T // C)
-    pad = N * C - T
-
-    def chunks(x: Tensor) -> Tensor:  # [B, T, H, D] -> [N, B, H, C, D], contiguous
-        x = x.to(ct)
-        if pad:
-            x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
-
-    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
-    beta = beta.to(ct)
-    if pad:
-        beta = F.pad(beta, (0, 0, 0, pad))
-    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1)  # [N, B, H, C, 1]
-    G = g.cumsum(-2)
+    X = _to_chunks(torch.cat([k, q, g, v, beta.unsqueeze(-1)], dim=-1).to(ct), N, C)  # [P, C, 3K + V + 1]
+    P = X.shape[0]
+    k, q, g, v, beta = X.split([K, K, K, V, 1], dim=-1)
+    a = X[..., : 2 * K].view(P, C, 2, K)  # rows k | q
+    G = g.cumsum(1)
     eG = G.exp()
-    A_kk, A_qk = _causal_decay_scores((k, q), k, G)
-    A_kk = A_kk.tril(-1) * beta
-    eye = torch.eye(C, dtype=ct, device=q.device)
-    rhs = beta * torch.cat([eG * k, v], dim=-1)
-    WU = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+    A, fac = _fused_scores(a, k, G, keep)  # [P, C, 2, C]: A_kk (with its diagonal, which the solve ignores) | A_qk
+    A_kk, A_qk = A.unbind(2)
+    L = A_kk * beta  # the strictly lower part of the unitriangular I + A_kk
+    X0 = torch.cat([eG * k, v], dim=-1)
+    WU = torch.linalg.solve_triangular(L, beta * X0, upper=False, unitriangular=True)
     W, U = WU.split([K, V], dim=-1)
     q_dec = q * eG  # query against the state at the chunk start
-    G_last = G[..., -1:, :]
-    k_dec = k * (G_last - G).exp()  # key decayed to the chunk end
-    state_decay = G_last.exp().transpose(-1, -2)  # [N, B, H, K, 1]
-    flat = (x.flatten(0, 2) for x in (W, U, q_dec, k_dec, A_qk, state_decay))  # [N B H, ., .]
-    o, S = _ChunkStateScan.apply(*flat, S.reshape(B * H, K, V), N)
+    G_last = G[:, -1:]
+    Ek = (G_last - G).exp_()
+    k_dec = k * Ek  # key decayed to the chunk end
+    decay = G_last.exp().transpose(1, 2)  # [P, K, 1]
+    o, S, Sin, Vn = _scan_forward(W, U, q_dec, k_dec, A_qk, decay, S.reshape(B * H, K, V))
     S = S.view(B, H, K, V)
     island("kda.state", S)
-    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)
-    return (o[:, :T] if pad else o).to(out_dtype), S
+    terms = (X, G, eG, fac, A, L, X0, WU, Ek, q_dec, k_dec, decay, Sin, Vn) if keep else None
+    return _from_chunks(o.mul_(scale).view(N, B, H, C, V), T), S, terms
 
 
-class _ChunkStateScan(torch.autograd.Function):
-    """The inter-chunk state recurrence of chunked KDA (the only sequential part), with a hand-written backward.
+def _block_backward(terms, shape: tuple, scale: float, dO: Tensor | None, dSf: Tensor | None, need_S0: bool):
+    """Gradients of one block from ``_kda_block``'s ``terms``, ``shape = (B, T, H, K)``, dO ``[B, T, H, V]``
+    and dSf ``[B, H, K, V]`` (each None when it got no gradient): ``(dX [B, T, H, 3K + V + 1], dS0)``: the packed
+    gradient ``[dk | dq | dg | dv | dbeta]`` in the compute dtype and dS0 ``[B H, K, V]`` or None.
+
+    Written out from the forward (Kimi Linear, arXiv:2510.26692; fla ``chunk_kda_bwd``): the scan's backward
+    (``_scan_backward``, fed ``scale dO``) gives dW, dU, dQd, dKd, dA_qk, d decay and dS_0; ``WU = L^-1 Diag(beta)
+    X0`` gives ``dR = L^-T dWU`` (one triangular solve), ``dL = -tril(dR WU^T, -1)``, ``dX0 = beta dR`` and
+    ``dbeta = sum_c dR X0 + sum_j dL A_kk``; ``Qd = q e^G``, ``Kd = k e^{G_C - G}``, ``decay = e^{G_C}`` and
+    ``X0 = [e^G k | v]`` are products; the decay scores' backward (``_fused_scores_backward``) takes
+    ``dA_kk = beta dL`` and dA_qk; ``dg`` is the reverse cumulative sum of dG (``G = cumsum g``)."""
+    X, G, eG, fac, A, L, X0, WU, Ek, q_dec, k_dec, decay, Sin, Vn = terms
+    B, T, H, K = shape
+    P, C, F_ = X.shape
+    V = WU.shape[-1] - K
+    k, q, g, v, beta = X.split([K, K, K, V, 1], dim=-1)
+    a = X[..., : 2 * K].view(P, C, 2, K)
+    M = B * H
+    N = P // M
+    dOc = None if dO is None else _to_chunks(dO.to(X.dtype), N, C).mul_(scale)
+    dSf = None if dSf is None else dSf.reshape(M, K, V)
+    A_kk, A_qk = A.unbind(2)
+    need = (True, True, True, True, True, True, need_S0)
+    dW, dU, dQd, dKd, dA_qk, dD, dS0 = _scan_backward(WU[..., :K], q_dec, k_dec, A_qk, decay, Sin, Vn, N, dOc, dSf,
+                                                      need)  # fmt: skip
+    dR = torch.linalg.solve_triangular(L.transpose(1, 2), torch.cat([dW, dU], dim=-1), upper=True, unitriangular=True)
+    dL = torch.bmm(dR, WU.transpose(1, 2)).tril_(-1).neg_()
+    dbeta = (dR * X0).sum(-1, keepdim=True).add_((dL * A_kk).sum(-1, keepdim=True))
+    dek, dv = dR.mul_(beta).split([K, V], dim=-1)
+    dk = dek * eG
+    dG = dek * X0[..., :K]
+    dG.addcmul_(dQd, q_dec)
+    dq = dQd * eG
+    if dKd is not None:
+        t = dKd * k_dec
+        dk.addcmul_(dKd, Ek)
+        dG.sub_(t)
+        dG[:, -1:] += t.sum(1, keepdim=True).addcmul_(dD.transpose(1, 2), decay.transpose(1, 2))
+    if fac is None:
+        fac = _decay_factors_flat(k, G)
+    dA = torch.cat([dL.mul_(beta).unsqueeze(2), dA_qk.unsqueeze(2)], dim=2)  # [P, C, 2, C]: dA_kk | dA_qk
+    da, db, dGs = _fused_scores_backward(a, k, fac, dA)
+    dk += db
+    dG += dGs
+    dkq = da.view(P, C, 2 * K).add_(torch.cat([dk, dq], dim=-1))
+    dg = dG.flip(1).cumsum(1).flip(1)
+    dX = torch.cat([dkq, dg, dv, dbeta], dim=-1)
+    return _from_chunks(dX.view(N, B, H, C, F_), T), dS0
+
+
+class _KDABlock(torch.autograd.Function):
+    """One block of ``chunk_kda`` as one autograd node: forward ``_kda_block``, backward ``_block_backward``
+    (hand-written; no autograd graph of the intra-chunk terms, no ``torch.utils.checkpoint``).
+
+    Inputs: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``, the entering state ``S0 [B, H, K, V]``
+    (compute dtype), scale (float), C (int), recompute (bool). Outputs ``(o [B, T, H, V] in v's dtype, S [B, H, K,
+    V])``. With ``recompute`` the node saves only its inputs (q, k, v, g, beta as given, usually views of the layer's
+    tensors, and S0) and reruns ``_kda_block`` in backward (one block's working set at a time, the decay factors
+    of the rerun kept for the scores' backward), as ``torch.utils.checkpoint`` did; without it, it saves the
+    forward's terms (about what autograd kept of ``_kda_block_reference``'s intra-chunk terms) and recomputes only
+    the decay factors.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, scale, C, recompute):
+        o, S, terms = _kda_block(q, k, v, g, beta, S0, scale, C, not recompute)
+        ctx.set_materialize_grads(False)
+        ctx.scale, ctx.C, ctx.recompute = scale, C, recompute
+        ctx.dtypes = tuple(x.dtype for x in (k, q, g, v, beta))
+        ctx.shape, ctx.V = tuple(q.shape), v.shape[-1]
+        if recompute:
+            ctx.save_for_backward(q, k, v, g, beta, S0)
+        else:
+            ctx.fac = None
+            ctx.save_for_backward(*(t for i, t in enumerate(terms) if i != 3))
+        return o.to(v.dtype), S
+
+    @staticmethod
+    def backward(ctx, dO, dS):
+        if dO is None and dS is None:
+            return (None,) * 9
+        if ctx.recompute:
+            _, _, terms = _kda_block(*ctx.saved_tensors, ctx.scale, ctx.C, True)
+        else:
+            terms = list(ctx.saved_tensors)
+            terms.insert(3, None)
+        B, T, H, K = ctx.shape
+        dX, dS0 = _block_backward(terms, ctx.shape, ctx.scale, dO, dS, ctx.needs_input_grad[5])
+        dk, dq, dg, dv, dbeta = (
+            x.to(d) for x, d in zip(dX.split([K, K, K, ctx.V, 1], dim=-1), ctx.dtypes, strict=True)
+        )
+        return dq, dk, dv, dg, dbeta.squeeze(-1), None if dS0 is None else dS0.view(B, H, K, -1), None, None, None
+
+
+def _scan_forward(W, U, Qd, Kd, A, decay, S0):
+    """The inter-chunk state recurrence, forward (shapes and math in ``_scan_backward``): ``(O, S_N, Sin, Vn)``, with
+    the entering states and ``V'`` that the backward uses; the number of chunks is ``W.shape[0] // S0.shape[0]``."""
+    M = S0.shape[0]
+    KdT = Kd.transpose(1, 2)
+    S, states, vs = S0, [], []
+    for W_n, U_n, KdT_n, d_n in zip(W.split(M), U.split(M), KdT.split(M), decay.split(M), strict=True):
+        states.append(S)
+        v_n = torch.baddbmm(U_n, W_n, S, alpha=-1)
+        vs.append(v_n)
+        S = torch.baddbmm(S * d_n, KdT_n, v_n)
+    Sin, Vn = torch.cat(states), torch.cat(vs)  # [N M, K, V], [N M, C, V]
+    O = torch.baddbmm(torch.bmm(Qd, Sin), A, Vn)
+    return O, S, Sin, Vn
+
+
+def _scan_backward(W, Qd, Kd, A, decay, Sin, Vn, N: int, dO, dSf, need):
+    """The backward of the inter-chunk state recurrence (``_scan_forward``), the only sequential part of chunked KDA.
 
     Inputs, one block of N chunks of C tokens on M = B H heads, each ``[N M, ., .]`` with chunk n at rows
     ``n M .. (n+1) M`` (fp32 or fp64): W ``[N M, C, K]``, U ``[N M, C, V]`` (the WY/UT terms), ``Qd = Q e^Gamma``
     ``[N M, C, K]``, ``Kd = e^{Gamma_C - Gamma} K`` ``[N M, C, K]``, ``A_qk`` ``[N M, C, C]``, ``decay = e^{Gamma_C}``
-    ``[N M, K, 1]``, the entering state ``S_0`` ``[M, K, V]``, and N (int). Forward, per chunk (3 aten ops)::
+    ``[N M, K, 1]``, the entering state ``S_0`` ``[M, K, V]``, and N (int). Forward (``_scan_forward``), per chunk
+    (3 aten ops)::
 
         V'_n = U_n - W_n S_n ;   S_{n+1} = decay_n * S_n + Kd_n^T V'_n
 
-    then for all chunks at once ``O = Qd S_n + A_qk V'`` (bmm, baddbmm). Returns ``(O [N M, C, V], S_N [M, K, V])``.
+    then for all chunks at once ``O = Qd S_n + A_qk V'`` (bmm, baddbmm): ``(O [N M, C, V], S_N [M, K, V])``.
     Backward, per chunk in reverse (3 aten ops, 2 when the final state got no gradient)::
 
         dV'_n = [A_qk^T dO]_n + Kd_n dS_{n+1} ;   dS_n = decay_n * dS_{n+1} + [Qd^T dO]_n - W_n^T dV'_n
@@ -312,70 +526,51 @@ class _ChunkStateScan(torch.autograd.Function):
     ``Qd^T dO`` and ``W^T dV'`` are skipped when ``S_0`` needs no gradient, the last chunk's ``Kd`` products when
     the final state gets none.
 
-    Memory: the forward saves the entering states ``S_n`` of the block's chunks (``N M K V`` elements: ``H K V / C``
-    per token, what the reference loop's graph kept too) and ``V'`` (``N M C V``) beside its inputs.
+    Memory: the backward needs the entering states ``S_n`` of the block's chunks (``N M K V`` elements: ``H K V / C``
+    per token, what the reference loop's graph kept too) and ``V'`` (``N M C V``) beside the forward's inputs.
     Math: Kimi Linear (arXiv:2510.26692) section 3 / fla ``chunk_kda`` (its ``chunk_gated_delta_rule_fwd_h`` and
     ``_bwd_dhu``).
+
+    ``need``: which of (W, U, Qd, Kd, A_qk, decay, S_0) need a gradient (7 bools); dO or dSf may be None (no
+    gradient). Returns ``(dW, dU, dQd, dKd, dA_qk, d decay, dS_0)``, None where not needed.
     """
-
-    @staticmethod
-    def forward(ctx, W, U, Qd, Kd, A, decay, S0, N):
-        M = S0.shape[0]
-        KdT = Kd.transpose(1, 2)
-        S, states, vs = S0, [], []
-        for W_n, U_n, KdT_n, d_n in zip(W.split(M), U.split(M), KdT.split(M), decay.split(M), strict=True):
-            states.append(S)
-            v_n = torch.baddbmm(U_n, W_n, S, alpha=-1)
-            vs.append(v_n)
-            S = torch.baddbmm(S * d_n, KdT_n, v_n)
-        Sin, Vn = torch.cat(states), torch.cat(vs)  # [N M, K, V], [N M, C, V]
-        O = torch.baddbmm(torch.bmm(Qd, Sin), A, Vn)
-        ctx.set_materialize_grads(False)
-        ctx.N = N
-        ctx.save_for_backward(W, Qd, Kd, A, decay, Sin, Vn)
-        return O, S
-
-    @staticmethod
-    def backward(ctx, dO, dSf):
-        W, Qd, Kd, A, decay, Sin, Vn = ctx.saved_tensors
-        N, M = ctx.N, Sin.shape[0] // ctx.N
-        need = ctx.needs_input_grad
-        if dO is None:
-            dO = torch.zeros_like(Vn)
-        first = 0 if need[6] else 1  # chunk 0's dS_0 only when S_0 needs a gradient
-        P = torch.bmm(A.transpose(1, 2), dO).split(M)  # [A_qk^T dO]_n
-        R = torch.bmm(Qd[M:].transpose(1, 2), dO[M:]) if first else torch.bmm(Qd.transpose(1, 2), dO)
-        R = (None,) * first + R.split(M)  # [Qd^T dO]_n
-        WT, Ks, Ds = W.transpose(1, 2).split(M), Kd.split(M), decay.split(M)
-        dv, dS = [None] * N, [None] * N + [dSf]
-        for n in range(N - 1, -1, -1):
-            dn = dS[n + 1]
-            dv[n] = P[n] if dn is None else torch.baddbmm(P[n], Ks[n], dn)
-            if n >= first:
-                r = R[n] if dn is None else torch.addcmul(R[n], Ds[n], dn)
-                dS[n] = torch.baddbmm(r, WT[n], dv[n], alpha=-1)
-        dV = torch.cat(dv)  # [N M, C, V]
-        dW = dQd = dKd = dA = dD = None
-        if need[0]:  # beta = 0: W only gives the shape (the product alone, negated)
-            dW = torch.baddbmm(W, dV, Sin.transpose(1, 2), beta=0, alpha=-1)
-        if need[2]:
-            dQd = torch.bmm(dO, Sin.transpose(1, 2))
-        if need[4]:
-            dA = torch.bmm(dO, Vn.transpose(1, 2))
-        if need[3] or need[5]:
-            # the states leaving chunks 0..N-1 got dS_1..dS_N; without a final-state gradient the last chunk's
-            # Kd and decay get none (zero rows)
-            last = N if dSf is not None else N - 1
-            if last:
-                dnext = torch.cat(dS[1 : last + 1])  # [last M, K, V]
-                if need[3]:
-                    dKd = torch.bmm(Vn[: last * M] if last < N else Vn, dnext.transpose(1, 2))
-                if need[5]:
-                    dD = (dnext * (Sin[: last * M] if last < N else Sin)).sum(-1, keepdim=True)
-                if last < N:
-                    dKd = None if dKd is None else F.pad(dKd, (0, 0, 0, 0, 0, M))
-                    dD = None if dD is None else F.pad(dD, (0, 0, 0, 0, 0, M))
-        return dW, dV if need[1] else None, dQd, dKd, dA, dD, dS[0] if need[6] else None, None
+    M = Sin.shape[0] // N
+    if dO is None:
+        dO = torch.zeros_like(Vn)
+    first = 0 if need[6] else 1  # chunk 0's dS_0 only when S_0 needs a gradient
+    P = torch.bmm(A.transpose(1, 2), dO).split(M)  # [A_qk^T dO]_n
+    R = torch.bmm(Qd[M:].transpose(1, 2), dO[M:]) if first else torch.bmm(Qd.transpose(1, 2), dO)
+    R = (None,) * first + R.split(M)  # [Qd^T dO]_n
+    WT, Ks, Ds = W.transpose(1, 2).split(M), Kd.split(M), decay.split(M)
+    dv, dS = [None] * N, [None] * N + [dSf]
+    for n in range(N - 1, -1, -1):
+        dn = dS[n + 1]
+        dv[n] = P[n] if dn is None else torch.baddbmm(P[n], Ks[n], dn)
+        if n >= first:
+            r = R[n] if dn is None else torch.addcmul(R[n], Ds[n], dn)
+            dS[n] = torch.baddbmm(r, WT[n], dv[n], alpha=-1)
+    dV = torch.cat(dv)  # [N M, C, V]
+    dW = dQd = dKd = dA = dD = None
+    if need[0]:  # beta = 0: W only gives the shape (the product alone, negated)
+        dW = torch.baddbmm(W, dV, Sin.transpose(1, 2), beta=0, alpha=-1)
+    if need[2]:
+        dQd = torch.bmm(dO, Sin.transpose(1, 2))
+    if need[4]:
+        dA = torch.bmm(dO, Vn.transpose(1, 2))
+    if need[3] or need[5]:
+        # the states leaving chunks 0..N-1 got dS_1..dS_N; without a final-state gradient the last chunk's
+        # Kd and decay get none (zero rows)
+        last = N if dSf is not None else N - 1
+        if last:
+            dnext = torch.cat(dS[1 : last + 1])  # [last M, K, V]
+            if need[3]:
+                dKd = torch.bmm(Vn[: last * M] if last < N else Vn, dnext.transpose(1, 2))
+            if need[5]:
+                dD = (dnext * (Sin[: last * M] if last < N else Sin)).sum(-1, keepdim=True)
+            if last < N:
+                dKd = None if dKd is None else F.pad(dKd, (0, 0, 0, 0, 0, M))
+                dD = None if dD is None else F.pad(dD, (0, 0, 0, 0, 0, M))
+    return dW, dV if need[1] else None, dQd, dKd, dA, dD, dS[0] if need[6] else None
 
 
 def _kda_block_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int):

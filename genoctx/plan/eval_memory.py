@@ -82,17 +82,18 @@ def _eval_params(cfg: ModelConfig, layout: Layout, s: _Sizes, device: str) -> di
 
 def _kda_core_eval(cfg: ModelConfig, V: int) -> float:
     """``chunk_kda`` under ``torch.no_grad`` (fp32 whatever the model's dtype), values of width V: bytes per token above
-    its inputs at its peak, in ``_CausalDecayScores.forward`` (``s = 8`` tokens per sub-chunk, ``m = C / s - 1``):
-    ``f H (3K + V + 2K)`` (padded q, k, g and v; cumulative and exponentiated decays) plus, at the end of
-    ``_decay_factors``, ``K (2s + m / (m + 1) + 2m)`` (``Ed``, ``b_diag``, row decays, ``e``, ``b_off``), or, at the
-    second score matrix (``Ed`` freed), ``K (s + m / (m + 1) + 2m) + C + s K + s`` (the first ``C x C`` matrix, the
-    ``b_diag a`` product and its sum), whichever is larger (measured on tiny and cpu-small within 1%). The later
-    steps (triangular solve, per-chunk state loop) hold less."""
+    its inputs at its peak, in ``genoctx.model.kda._fused_scores`` (``s = 8`` tokens per sub-chunk, ``n = C / s``):
+    ``f H (F + 2K)`` (the packed block ``[k | q | g | v | beta]``, ``F = 3K + V + 1``; cumulative and exponentiated
+    decays) plus, inside sub-chunks, ``2 s K + 2 s`` (``Ed``, ``b_diag``, the two rows' scores), or, between them
+    (``n > 1``, the factors inside freed), ``2 s + 3K + 2 n K + 2C`` (the scores inside, row decays, ``e``, ``b_off``,
+    the decayed rows, the fused ``C x 2C`` scores), whichever is larger (measured on tiny and cpu-small within 1%).
+    The later steps (triangular solve, per-chunk state loop) hold less."""
     H, K, C = cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_chunk_size
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
-    m = C // sub - 1
-    base = 3 * K + V + 2 * K + K * (m / (m + 1) + 2 * m)
-    return F32 * H * max(base + K * 2 * sub, base + K * sub + C + sub * K + sub)
+    n = C // sub
+    base = 3 * K + V + 1 + 2 * K + 2 * sub
+    off = base + 3 * K + 2 * n * K + 2 * C if n > 1 else 0
+    return F32 * H * max(base + 2 * sub * K, off)
 
 
 def _kda_eval(cfg: ModelConfig, s: _Sizes, rows: int, T: int, V: int | None = None) -> float:

@@ -289,17 +289,18 @@ def _kda_core(cfg: ModelConfig, rows: int, T: int, V: int, grad: bool, *, state_
     """``chunk_kda`` over ``rows`` sequences of ``T`` tokens, values ``V`` wide (``[v | 0]``: ``V + K`` in the CP
     state pass): (forward, backward, one recomputation) FLOPs.
 
-    Per head and chunk of ``C`` (``n = C / sub`` sub-chunks): the decay scores of two rows (``A_kk``, ``A_qk``)
-    between sub-chunks ``2 x 2 (C - sub) C K``; ``[W; Q] S`` ``2 (2C) K V``; ``A_qk V'`` ``2 C^2 V``; ``K^T V'``
-    ``2 K C V``. Backward: each twice, plus the solve's ``-G_B X^T`` ``2 C^2 (K + V)``; the first chunk's ``S``
-    product once when the initial state needs no gradient, the last chunk's state update not at all when the final
-    state is not used (``genoctx.model.kda._ChunkStateScan``'s backward skips them). A block's recomputation reruns the
-    whole block (the state recurrence is one autograd Function, its last state update ``K^T V'`` included)."""
+    Per head and chunk of ``C`` (``n = C / sub`` sub-chunks): the decay scores of two rows (``A_kk``, ``A_qk``,
+    ``genoctx.model.kda._fused_scores``) inside sub-chunks ``2 x 2 C sub K`` and, with ``n > 1``, between sub-chunks
+    ``2 x 2 C C K`` (sub-chunk 0's row block, all zero, included); ``[W; Q] S`` ``2 (2C) K V``; ``A_qk V'``
+    ``2 C^2 V``; ``K^T V'`` ``2 K C V``. Backward: each twice, plus the solve's ``-G_B X^T`` ``2 C^2 (K + V)``; the
+    first chunk's ``S`` product once when the initial state needs no gradient, the last chunk's state update not at
+    all when the final state is not used (``genoctx.model.kda._scan_backward`` skips them). A block's recomputation
+    reruns the whole block (``_KDABlock``, its last state update ``K^T V'`` included)."""
     C, K, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     sub = SUB_CHUNK if C % SUB_CHUNK == 0 else C
     block = max(C, cfg.kda_block_tokens // C * C)
     chunks = T // block * (block // C) + -(-(T % block) // C)
-    scores = 4.0 * (C - sub) * C * K
+    scores = 4.0 * C * K * (sub + (C if C > sub else 0))
     ws, av, kv = 4.0 * C * K * V, 2.0 * C * C * V, 2.0 * K * C * V
     fwd = chunks * (scores + ws + av + kv)
     bwd = 0.0

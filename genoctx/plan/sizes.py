@@ -214,7 +214,7 @@ def _kda_out_part(cfg: ModelConfig, s: _Sizes) -> float:
 def _kda_core_saved(cfg: ModelConfig, V: int) -> float:
     """``chunk_kda`` under autograd (fp32 whatever the model's dtype), values of width V:
     ``f H (9K + 3V + K V / C + 3C)`` (padded q, k; cumulative and exponentiated decays; ``[eG k | v]``, ``W|U``,
-    ``Q eG``, decayed keys and their decay factors, ``V'``; the per-chunk states that ``_ChunkStateScan`` keeps;
+    ``Q eG``, decayed keys and their decay factors, ``V'``; the per-chunk states that ``_KDABlock`` keeps;
     three ``C x C`` matrices per chunk; measured within 1% on tiny and cpu-small)."""
     H, K, C = cfg.linear_num_heads, cfg.linear_head_dim, cfg.kda_chunk_size
     return F32 * H * (9 * K + 3 * V + K * V / C + 3 * C)

@@ -83,39 +83,50 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-# aten ops of one block of N >= 2 whole chunks (fp32, B H > 1, grad enabled): forward FWD + 3 N, the checkpointed
-# forward FWD - 4 + 3 N (no outputs detached for autograd), its rerun in backward RERUN + 3 N (the checkpoint's
-# unpacking included), backward BWD + 3 N; a padded last block PAD more each way (PAD - 1 in the rerun, which stops
-# before the output's cut). Per call: the 5 splits into blocks and the zero state (+ the initial state's add), a cat
-# of the blocks' outputs with several blocks, and in backward the splits' cats, the inputs' gradient accumulation and
-# the loss below.
-FWD, RERUN, BWD, PAD = 140, 175, 227, 6
+# aten ops of one block of N whole chunks (fp32; grad enabled or not, the forward is the same): forward FWD + 3 N,
+# backward BWD + 3 N with its forward rerun in it (recompute, as the model runs it: RERUN + 3 N more), a block of one
+# chunk one op fewer per layout change back to tokens (its output, its rerun's output, its packed gradient: a view,
+# not a copy); a padded block PAD more each way (2 PAD with recompute). Per call: the zero state without an initial
+# state; with several blocks the 5 splits into blocks and a cat of the outputs, in backward the split of the output's
+# gradient and the splits' 5 cats. The test's own backward adds LOSS (the loss below, the leaves' gradient
+# accumulation: a detach each and a copy of each strided gradient), 2 fewer without an initial state (chunk 0's state
+# products skipped).
+FWD, BWD, RERUN, PAD, LOSS = 87, 147, 59, 2, 15
 
 
-def _expected(T, C, block, recompute):
-    chunks = [min(block, T - s) for s in range(0, T, block)]
-    n = [-(-t // C) for t in chunks]
+def _expected(T, C, block, recompute, init=True):
+    sizes = [min(block, T - s) for s in range(0, T, block)]
+    n = [-(-t // C) for t in sizes]
     pad = 1 if T % C else 0
-    several = 1 if len(n) > 1 else 0
-    fwd = 7 + several + sum(FWD - 4 * recompute + 3 * x for x in n) + PAD * pad
-    bwd = 15 + several + sum(BWD + 3 * x for x in n) + PAD * pad
+    several = len(n) > 1
+    per = [3 * x - (x == 1) for x in n]  # a block of one chunk: one op fewer per return to the token layout
+    fwd = (0 if init else 1) + 6 * several + sum(FWD + p for p in per) + PAD * pad
+    # several blocks: the gradient's split and the 5 cats, less the 5 copies LOSS counts of strided leaf gradients
+    bwd = LOSS - (0 if init else 2) + (6 - 5) * several + sum(BWD + p for p in per) + PAD * pad
     if recompute:
-        bwd += sum(RERUN + 3 * x for x in n) + (PAD - 1) * pad
+        bwd += sum(RERUN + p for p in per) + PAD * pad
     return fwd, bwd
 
 
-@pytest.mark.parametrize("T,block,recompute", [(32, None, False), (88, None, False), (96, 32, False),
-                                               (128, 64, True), (120, 48, True)])  # fmt: skip
-def test_op_count_is_a_constant_plus_three_per_chunk(T, block, recompute):
+@pytest.mark.parametrize("T,block,recompute,init", [(32, None, False, True), (88, None, False, True),
+                                                    (96, 32, False, True), (128, 64, True, True),
+                                                    (120, 48, True, True), (80, 32, True, False),
+                                                    (16, None, True, True), (40, None, True, False)])  # fmt: skip
+def test_op_count_is_a_constant_plus_three_per_chunk(T, block, recompute, init):
     """The aten ops ``chunk_kda`` issues (a TorchDispatchMode) are ``_expected``'s formula exactly: a constant per
-    block and 3 per chunk in the forward, 3 per chunk in the backward (the per-chunk loop made ~20 and ~40)."""
+    block (one autograd node, ``_KDABlock``) and 3 per chunk in the forward, 3 per chunk in the backward (6 with the
+    forward rerun). The same forward without gradients."""
     C = 16
-    xs, do, dS = _inputs(1, T, 2, 8, 8, torch.float32, True)
+    xs, do, dS = _inputs(1, T, 2, 8, 8, torch.float32, init)
+    s0 = xs[5] if init else None
     with _Count() as fwd:
-        o, S = chunk_kda(*xs[:5], initial_state=xs[5], chunk_size=C, block_tokens=block, recompute=recompute)
+        o, S = chunk_kda(*xs[:5], initial_state=s0, chunk_size=C, block_tokens=block, recompute=recompute)
     loss = (o * do).sum() + (S * dS).sum()
     with _Count() as bwd:
         loss.backward()
     per_chunk = sum(-(-min(block or T, T - s) // C) for s in range(0, T, block or T))
     assert fwd.ops["aten.baddbmm"] == 2 * per_chunk + len(range(0, T, block or T))  # the loop and A_qk V'
-    assert (sum(fwd.ops.values()), sum(bwd.ops.values())) == _expected(T, C, block or T, recompute)
+    assert (sum(fwd.ops.values()), sum(bwd.ops.values())) == _expected(T, C, block or T, recompute, init)
+    with torch.no_grad(), _Count() as eval_:
+        chunk_kda(*xs[:5], initial_state=s0, chunk_size=C, block_tokens=block)
+    assert sum(eval_.ops.values()) == sum(fwd.ops.values())

@@ -279,8 +279,9 @@ def test_context_and_expert_parallel_accounting():
     idx = [x["components"]["dsa_indexer"]["forward"] for x in (one, two, first_half)]
     assert idx[1] == scoring + kl and idx[1] > idx[2] and idx[1] > idx[0] / 2
     # KDA under CP: the layer's core over 128 tokens, the [L | M] state pass (values V + K wide), the fold of 2 pieces
-    chunk = 4 * 8 * 16 * 8 + 4 * 16 * 8 * 8 + 2 * 16 * 16 * 8 + 2 * 8 * 16 * 8  # C 16, sub 8, K = V = 8
-    chunk_lm = 4 * 8 * 16 * 8 + 4 * 16 * 8 * 16 + 2 * 16 * 16 * 16 + 2 * 8 * 16 * 16  # V + K = 16
+    # C 16, sub 8, K = V = 8; the two rows' scores inside sub-chunks 4 C sub K, between them 4 C C K
+    chunk = 4 * 16 * 8 * (8 + 16) + 4 * 16 * 8 * 8 + 2 * 16 * 16 * 8 + 2 * 8 * 16 * 8
+    chunk_lm = 4 * 16 * 8 * (8 + 16) + 4 * 16 * 8 * 16 + 2 * 16 * 16 * 16 + 2 * 8 * 16 * 16  # V + K = 16
     fold = 2 * 2 * (2 * 8 * 8 * 8)  # 2 pieces x [K, K] @ [K, V] x 2 heads
     assert one["components"]["kda_core"]["forward"] == 16 * 2 * chunk
     assert two["components"]["kda_core"]["forward"] == 8 * 2 * chunk + 8 * 2 * chunk_lm + fold
