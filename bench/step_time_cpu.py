@@ -6,11 +6,13 @@
 Prints one JSON line per hardware profile (``"kind": "profile"``), one per measured case::
 
     {"bench": "step_time_cpu", "kind": "case", "layout": "fsdp2-cp2", "seq_len": 4096, "ranks": 4,
-     "predicted_s": ..., "measured_s": ..., "ratio": ..., "bound": "compute", "predicted_tokens_per_s": ...,
+     "predicted_s": ..., "predicted_no_launch_s": ..., "launch_s": ..., "planned_ops": ..., "aten_ops": ...,
+     "measured_s": ..., "ratio": ..., "ratio_no_launch": ..., "bound": "compute", "predicted_tokens_per_s": ...,
      "measured_tokens_per_s": ..., "compute_s": ..., "memory_bound_s": ..., "exposed_comm_s": ...,
      "comm_s": ..., "predicted_no_overlap_s": ..., "steps_s": [...], ...}
 
-and a final ``"kind": "summary"`` line: the error band (min / max ``ratio`` = predicted / measured), whether the cases
+and a final ``"kind": "summary"`` line: the error band (min / max ``ratio`` = predicted / measured, and of
+``ratio_no_launch``: the prediction without the launch term), whether the cases
 ranked by step seconds agree between prediction and measurement, and whether the one-process vs FSDP x CP choice at
 each length (by tokens/s) agrees. Progress and the runs' logs go to stderr. The default run (3 lengths x 2 layouts,
 5 steps each) is the one the README's table comes from: about 5 minutes on the 2-core dev machine at a load average
@@ -29,6 +31,9 @@ Method:
      (the runs are fp32; the CPU has no faster bf16 path that genoctx uses).
    - ``hbm_bytes_per_s``: ``torch.add(a, b, out=c)`` of three ``--mem-mib`` fp32 tensors (larger than the caches):
      3 x the tensor bytes per call.
+   - ``op_host_s``: seconds per aten op of a 64-op autograd chain on 16 values (forward, backward, an update: the
+     host's cost of an op with no work), ``host_overlaps_device`` false (the host is the device): the launch term of
+     ``genoctx.plan.time`` adds ``planned_ops x op_host_s`` to the step (``genoctx.plan.ops`` counts the ops).
    - ``intra_node_bytes_per_s`` (and ``inter_node``, unused: ``gpus_per_node`` = R, one machine): a gloo
      ``all_gather`` of ``--comm-mib`` per rank in pairs of processes (every pair at once, max(2, R) processes):
      wire bytes (``genoctx.plan.comms``' convention: ``(g - 1)`` x the input) over seconds; the all_reduce's rate
@@ -300,6 +305,8 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
         "intra_node_bytes_per_s": ag,
         "inter_node_bytes_per_s": ag,
         "collective_latency_s": lat,
+        "op_host_s": op_s,
+        "host_overlaps_device": False,
         "efficiency": {"matmul": 1.0, "memory": 1.0, "collective": 1.0, "attention": min(1.0, bmm / mm)},
         "sources": {
             "dtype_flops": f"torch.mm over the model's GEMM shapes, total FLOPs / total seconds; {where}; bf16 = fp32",
@@ -307,6 +314,9 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
             "intra_node_bytes_per_s": f"gloo all_gather in pairs ({meas['comm_threads']} thread(s) each), wire bytes "
             f"(g - 1) x input / s; all_reduce 2 (g - 1) / g x buffer / s = {ar:.3e}",
             "collective_latency_s": "gloo all_reduce of 4 bytes in pairs, seconds per call",
+            "op_host_s": f"seconds per aten op of a 64-op autograd chain on 16 values, its backward and an update; "
+            f"{where}",
+            "host_overlaps_device": "false: on a CPU the host is the device, each op's host time adds to the step",
             "efficiency.attention": f"torch.bmm at the KDA chunk shapes {comp[0]['bmm']['shape']} over the GEMM rate "
             f"({bmm:.3e} / {mm:.3e} FLOP/s)",
             "efficiency.matmul/memory/collective": "1.0: the microbenchmarks are the achieved rates",
@@ -473,6 +483,8 @@ def summary(cases: list[dict]) -> dict:
         "cases": len(done),
         "ratio_min": min(ratios) if ratios else None,
         "ratio_max": max(ratios) if ratios else None,
+        "ratio_no_launch_min": min((c["ratio_no_launch"] for c in done if c.get("ratio_no_launch")), default=None),
+        "ratio_no_launch_max": max((c["ratio_no_launch"] for c in done if c.get("ratio_no_launch")), default=None),
         "rank_by_predicted_s": by_pred,
         "rank_by_measured_s": by_meas,
         "ranking_agrees": by_pred == by_meas,
@@ -550,14 +562,14 @@ def main() -> None:
                 host = ops[n] * op_s[layout.world]
                 line = {"bench": "step_time_cpu", "kind": "case", "layout": name, "seq_len": L,
                         "ranks": layout.world, "dtype": recipe.train.dtype, "predicted_s": p["step_s"],
-                        "measured_s": None, "ratio": None, "bound": p["bound"],
+                        "predicted_no_launch_s": p["device_s"], "launch_s": p["launch_s"], "planned_ops": p["ops"],
+                        "measured_s": None, "ratio": None, "ratio_no_launch": None, "bound": p["bound"],
                         "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": None,
                         "compute_s": p["compute_s"], "memory_bound_s": p["memory_bound_s"],
                         "exposed_comm_s": sum(p["exposed_comm_s"].values()), "comm_s": sum(p["comm_s"].values()),
                         "predicted_no_overlap_s": p["no_overlap_s"],
                         "compute_by_component_s": p["compute_by_component_s"], "flops": p["flops"],
-                        "comm_bytes": p["comm_bytes"], "aten_ops": ops[n], "host_s": host,
-                        "predicted_plus_host_s": p["step_s"] + host}  # fmt: skip
+                        "comm_bytes": p["comm_bytes"], "aten_ops": ops[n], "host_s": host}  # fmt: skip
                 if not a.predict_only:
                     out = work / "runs" / f"{name}-{L}"
                     shutil.rmtree(out, ignore_errors=True)
@@ -571,6 +583,7 @@ def main() -> None:
                     measured = statistics.median(steps[1:])
                     tokens = recipe.train.batch_size * L * layout.dp
                     line.update(measured_s=measured, ratio=p["step_s"] / measured,
+                                ratio_no_launch=p["device_s"] / measured,
                                 measured_tokens_per_s=tokens / measured, steps_s=steps,
                                 wall_s=time.perf_counter() - t0, loadavg_1m=os.getloadavg()[0])  # fmt: skip
                 cases.append(line)

@@ -186,7 +186,8 @@ def test_cli_plan_times_each_layout_and_ranks_by_throughput(tmp_path):
     by = {json.dumps(p["layout"]): p["time"]["step_s"] for p in mem["layouts"]}
     for p in skewed["layouts"]:  # a skew slows a layout with EP (the busiest rank's experts), never speeds one up
         slower = p["time"]["step_s"] > by[json.dumps(p["layout"])]
-        assert slower if p["layout"]["ep"] > 1 else p["time"]["step_s"] >= by[json.dumps(p["layout"])]
+        launch_bound = p["time"]["bound"] == "launch"  # (the host's op issue outlasts the device: skew hidden)
+        assert (slower or launch_bound) if p["layout"]["ep"] > 1 else p["time"]["step_s"] >= by[json.dumps(p["layout"])]
     table = _plan("--gpu-memory-gib", "8", "--hardware", "h100")
     assert table.exit_code == 0 and "tokens/s" in table.stdout and "time model on H100" in table.stdout
     # the profile's memory when --gpu-memory-gib is not given

@@ -7,7 +7,8 @@ a kernel launch) is one count. ``OpCounter`` is a ``TorchDispatchMode`` that sor
   on the module stack (forward pre/post hooks of ``KimiDeltaAttention`` -> ``kda``, ``Indexer`` -> ``dsa_indexer``,
   the rest of ``DeepSeekSparseAttention`` -> ``dsa_attention``, ``MoE`` -> ``moe``, a decoder layer's dense ``MLP``
   -> ``dense_mlp``, ``HyperConnection`` -> ``mhc``, the decoder layers' ``RMSNorm``s -> ``norms``); ops outside them
-  (embedding, stream expansion and collapse, the final norm, the head and the loss) are ``head_loss``. Components
+  (embedding, stream expansion and collapse, the final norm, the head and the loss, the step's glue and the parallel
+  runtime: FSDP2's gathers, copies and reduce-scatters, CP's and EP's exchanges) are ``other``. Components
   that run as methods rather than ``forward`` are entered around those methods while counting
   (``HyperConnection.pre``/``post``; ``Indexer.keys``/``queries``/``extend``, the DSA layer's ``_indexer_loss`` and
   the indexer top-k, ``genoctx.model.dsa.indexer_topk``). Backward ops
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .host import _counters
 
-OP_COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", "norms", "head_loss")
+OP_COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", "norms", "other")
 OP_PASSES = ("forward", "recompute", "backward", "optimizer")
 
 
@@ -164,7 +165,7 @@ class OpCounter(TorchDispatchMode):
         def hook(module, args, kwargs):
             roots: list = []
             _grad_fns((args, kwargs), roots)
-            self._label(roots, self._stack[-1] if self._stack else "head_loss")
+            self._label(roots, self._stack[-1] if self._stack else "other")
             self._stack.append(comp)
 
         return hook
@@ -215,10 +216,10 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = torch._C._current_autograd_node()
         if node is None:
-            comp = self._stack[-1] if self._stack else "head_loss"
+            comp = self._stack[-1] if self._stack else "other"
             ps = self._phase or "forward"
         else:
-            comp = self._labels.get(node, self._stack[-1] if self._stack else "head_loss")
+            comp = self._labels.get(node, self._stack[-1] if self._stack else "other")
             ps = self._phase or ("recompute" if torch.is_grad_enabled() else "backward")
         self.counts[comp][ps] += 1
         return func(*args, **(kwargs or {}))

@@ -27,12 +27,17 @@ The model (every term is a place where a measurement can disagree):
   compute is exposed, plus one unit's gather and one reduce-scatter at the ends of the step that nothing hides.
   Expert-parallel all-to-all, context-parallel exchanges and the loss/statistics reductions sit between the
   computations that need them (genoctx issues them synchronously): all exposed.
-- **Step.** ``step_s = compute + memory-bound + exposed communication``; what bounds the layout is the largest
-  of compute, memory-bound kernels, intra-node and inter-node exposed communication. ``tokens_per_s`` counts the
+- **Launch.** Every eager aten op costs the host ``op_host_s`` (Python, autograd, the dispatcher, a kernel launch):
+  ``launch_s = ops x op_host_s`` with ``ops`` the step's aten ops on the rank (``genoctx.plan.ops``). On a GPU
+  (``host_overlaps_device``) the host queues ops while the device runs earlier ones: the step takes the longer of
+  the device's time and the host's. On a CPU the host is the device: the two add.
+- **Step.** ``step_s = compute + memory-bound + exposed communication`` (the device's time, ``device_s``), then the
+  launch term as above; what bounds the layout is the largest of compute, memory-bound kernels, intra-node and
+  inter-node exposed communication and ``launch``. ``tokens_per_s`` counts the
   step's tokens over all data-parallel ranks; ``mfu`` is the model FLOPs of those tokens (``flops_per_token``'s
   training total, no recompute) over ``world x peak(bf16) x step_s``.
 
-Not modelled: kernel launch gaps, host overheads, the optimizer step (a few memory-bound passes over the shard),
+Not modelled: host overheads beyond the per-op cost, the optimizer step's memory passes over the shard,
 contention between NCCL and compute kernels for SMs and memory bandwidth, stragglers beyond the routing skew.
 """
 
@@ -43,7 +48,7 @@ from ..parallel.layout import Layout
 from .hardware import Hardware
 from .sizes import DTYPE_BYTES, _dsa, _hc, _kda, _mlp, _moe, _Sizes
 
-BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node", "host")
+BOUNDS = ("compute", "memory-bound kernels", "intra-node", "inter-node", "host", "launch")
 OVERLAPPED_PREFIXES = ("fsdp_", "dp_")  # collectives FSDP2 / HSDP run beside compute (module docstring)
 
 
@@ -167,8 +172,8 @@ def compute_seconds(flops: dict, cfg: ModelConfig, hw: Hardware, dtype: str) -> 
 
 
 def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, hw: Hardware, *, dtype: str,
-              seq_len: int, batch_size: int, model_flops_per_token: float) -> dict:  # fmt: skip
-    """Seconds of one step on the busiest rank from its FLOPs and collectives (module docstring: the model).
+              seq_len: int, batch_size: int, model_flops_per_token: float, ops: float = 0.0) -> dict:  # fmt: skip
+    """Seconds of one step on the busiest rank from its FLOPs, collectives and aten ops (module docstring: the model).
 
     Args:
         flops: ``genoctx.plan.flops.step_flops`` (or ``eval_flops``) of the layout.
@@ -177,12 +182,14 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
         dtype: the run's compute dtype ("bf16" or "fp32").
         seq_len, batch_size: tokens per window and windows per data-parallel rank.
         model_flops_per_token: training (or forward) FLOPs per token without recompute, for MFU.
+        ops: aten ops of the step on the rank (``genoctx.plan.ops``; 0: no launch term).
 
     Returns:
         ``{"step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "comm_s": {"intra-node",
         "inter-node"} (all communication), "exposed_comm_s": {...}, "compute_by_component_s": {...},
         "compute_by_dtype_s": {peak: s} (compute seconds at each peak of ``hw``), "comm_by_collective_s": {name: s},
-        "hbm_bytes"}``; seconds, tokens/s, MFU a fraction.
+        "hbm_bytes", "ops", "launch_s", "device_s"}``; seconds, tokens/s, MFU a fraction. ``device_s``: the step
+        without the launch term.
     """
     comp = compute_seconds(flops, cfg, hw, dtype)
     comp_by = {k: v for k, v in comp.items() if k not in ("by_class", "by_dtype")}
@@ -210,9 +217,11 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
     for link in exposed:
         share = hidden[link] / overlapped if overlapped else 0.0
         exposed[link] += spill * share + first[link]
-    step_s = busy + sum(exposed.values())
+    device_s = busy + sum(exposed.values())
+    launch_s = ops * hw.op_host_s
+    step_s = max(device_s, launch_s) if hw.host_overlaps_device else device_s + launch_s
     tokens = batch_size * seq_len * layout.dp
-    parts = {"compute": compute_s, "memory-bound kernels": memory_s, **exposed}
+    parts = {"compute": compute_s, "memory-bound kernels": memory_s, **exposed, "launch": launch_s}
     return {
         "step_s": step_s,
         "tokens_per_s": tokens / step_s if step_s else float("inf"),
@@ -226,6 +235,9 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
         "compute_by_dtype_s": comp["by_dtype"],
         "comm_by_collective_s": by_name,
         "hbm_bytes": hbm,
+        "ops": ops,
+        "launch_s": launch_s,
+        "device_s": device_s,
     }
 
 
@@ -264,20 +276,25 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
     """
     from .comms import step_comms
     from .flops import eval_flops, flops_per_token, step_flops
+    from .ops import eval_ops, step_ops
 
     if mode not in ("train", "eval"):
         raise ValueError(f"mode must be train or eval, got {mode!r}")
     if mode == "train":
         fl = step_flops(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
                         seq_chunk_tokens=seq_chunk_tokens, skew=skew, trainable=trainable)  # fmt: skip
+        ops = step_ops(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
+                       seq_chunk_tokens=seq_chunk_tokens, trainable=trainable)["total"]  # fmt: skip
     else:
         fl = eval_flops(cfg, seq_len, layout)
+        ops = eval_ops(cfg, seq_len, layout)["total"]
     comms = step_comms(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute, dtype=dtype, skew=skew,
                        seq_chunk_tokens=seq_chunk_tokens, mode=mode,
                        trainable=trainable if mode == "train" else None)  # fmt: skip
     per_token = flops_per_token(cfg, seq_len)["train" if mode == "train" else "forward"]["total"]
     out = step_time(fl, comms, cfg, layout, hw, dtype=dtype, seq_len=seq_len,
-                    batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token)  # fmt: skip
+                    batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token,
+                    ops=ops)  # fmt: skip
     out.update(hardware=hw.name, skew=skew, flops=fl["total"], comm_bytes=sum(e["wire_bytes"] for e in comms),
                forward_share=fl["forward"] / fl["total"] if fl["total"] else 1.0)  # fmt: skip
     return out
@@ -338,7 +355,7 @@ def gpu_hours(step_s: float, steps: int, world: int) -> float:
 
 
 TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "compute_by_dtype_s", "memory_bound_s",
-             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s")  # fmt: skip
+             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s", "ops", "launch_s")  # fmt: skip
 
 
 def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:
@@ -376,7 +393,7 @@ def with_host_time(t: dict, plan: dict | None, hw: Hardware) -> dict:
         t["step_s"] += extra
         t["tokens_per_s"] *= scale
         t["mfu"] *= scale
-        if extra > max(t["compute_s"], t["memory_bound_s"], *t["exposed_comm_s"].values()):
+        if extra > max(t["compute_s"], t["memory_bound_s"], *t["exposed_comm_s"].values(), t.get("launch_s", 0.0)):
             t["bound"] = "host"
     return t
 

@@ -1,0 +1,217 @@
+"""Aten ops of a training step and of scoring a window, per component and pass: planned like FLOPs and bytes.
+
+Why count them: every eager aten op costs the host a few microseconds (Python, autograd, the dispatcher and, on a
+GPU, a kernel launch), whatever its size. A step whose op count grows with the tokens a rank holds becomes
+launch-bound once those ops are small: ``genoctx.plan.time`` turns ``ops x op_host_s`` into the ``launch`` term.
+
+What is counted: what ``genoctx.model.opcount.OpCounter`` counts (a ``TorchDispatchMode``: every aten op, views
+included, in ``forward``, ``recompute``, ``backward`` and ``optimizer``; per component of
+``genoctx.model.opcount.OP_COMPONENTS``), on genoctx's PyTorch path (``kda_kernel: torch``, ``kernels: torch``) with
+the accelerator's choices (no host-read pruning in the indexer top-k). ``tests/plan/test_ops.py`` holds the counts
+equal to OpCounter's on real steps.
+
+Method. The code of each component is a few loops: per call (a layer's forward), per KDA block and chunk, per DSA
+query tile and indexer tile, per MoE token chunk and routed expert, per parameter tensor of the optimizer. Every loop
+body issues a fixed number of ops in each pass: ``OPS[component][unit] = (forward, recompute, backward)``, copied
+from the code by counting one body (``bench/op_count.py --fit`` derives the table from OpCounter's counts at a few
+lengths; the test checks it at others). ``units`` counts how many times each body runs for a config, a length, a
+layout and a chunk: the formulas of the loops' bounds, written out below.
+
+Units: ops (ints). ``tokens``: tokens the rank processes per forward call (``seq_len / cp`` or the chunk).
+"""
+
+from __future__ import annotations
+
+from ..model.config import DSA, KDA, ModelConfig
+from ..parallel.layout import Layout
+
+PASSES = ("forward", "recompute", "backward", "optimizer")
+COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", "norms", "other")
+
+# (forward, recompute, backward) ops of one loop body (module docstring), fp32, one process; counted from the code by
+# OpCounter at several lengths (tests/plan/test_ops.py holds them). A KDA block's recompute runs inside its backward
+# (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``).
+OPS: dict = {
+    "kda": {"call": (86, 0, 169), "block": (90, 0, 209), "chunk": (3, 0, 6)},
+    "dsa_attention": {"call": (110, 0, 142), "attn_tile": (21, 0, 33)},
+    "dsa_indexer": {
+        "call": (63, 0, 42),
+        "kl_tile": (59, 0, 2),
+        "topk_call": (21, 0, 0),
+        "topk_tile": (19, 0, 0),
+        "topk_block": (19, 0, 0),
+        "topk_masked": (5, 0, 0),
+    },  # fmt: skip
+    "moe": {"call": (19, 0, 1), "chunk": (51, 35, 148)},
+    "dense_mlp": {"call": (16, 0, 38)},
+    "mhc": {"call": (43, 0, 78), "sinkhorn_iter": (4, 0, 6)},
+    "norms": {"call": (8, 0, 18)},
+    "other": {"call": (43, 0, 43)},
+}
+# forward ops of one loop body under torch.no_grad (scoring): the top-k as in training, no indexer KL, no checkpoints
+EVAL_OPS: dict = {
+    "kda": {"call": (79,), "block": (91,), "chunk": (3,)},
+    "dsa_attention": {"call": (103,), "attn_tile": (21,)},
+    "dsa_indexer": {"call": (19,), "topk_call": (21,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
+    "moe": {"call": (18,), "chunk": (51,)},
+    "dense_mlp": {"call": (16,)},
+    "mhc": {"call": (39,), "sinkhorn_iter": (4,)},
+    "norms": {"call": (7,)},
+    "other": {"call": (17,)},
+}
+# the chunked backward (genoctx.train.chunked): its loop per chunk, and a full DSA layer's cache joins per later chunk
+CHUNKED_OPS: dict = {"other": {"chunk": (22, 0, 2)}, "dsa_indexer": {"cached": (0, 0, 14)}}
+# the optimizer pass: gradient clip, foreach AdamW (two host reads of each tensor's step count), schedule, the router
+# biases' update and the step's metric read: per step, per trained parameter tensor, per MoE layer
+OPTIMIZER_OPS = {"step": 60, "tensor": 2, "moe_layer": 20}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kda_units(cfg: ModelConfig, T: int) -> dict:
+    """Loop bodies of one KDA layer's forward over ``T`` tokens: ``call``, ``block`` (``chunk_kda``'s blocks of
+    ``kda_block_tokens`` rounded down to whole chunks) and ``chunk`` (chunks of ``kda_chunk_size``, each block padded
+    to whole chunks)."""
+    C = cfg.kda_chunk_size
+    block = T if cfg.kda_block_tokens is None else max(C, cfg.kda_block_tokens // C * C)
+    full, rest = divmod(T, block)
+    return {"call": 1, "block": full + (1 if rest else 0), "chunk": full * _cdiv(block, C) + _cdiv(rest, C)}
+
+
+def moe_units(cfg: ModelConfig, rows: int) -> dict:
+    """Loop bodies of one MoE layer's forward over ``rows`` tokens (``B x T``): ``call`` and ``chunk`` (token chunks
+    of ``moe_chunk_tokens``; the routed experts run as two grouped products per chunk, whatever their number)."""
+    return {"call": 1, "chunk": _cdiv(rows, cfg.moe_chunk_tokens)}
+
+
+def dsa_units(cfg: ModelConfig, T: int, B: int = 1) -> dict:
+    """Loop bodies of one DSA layer's forward over ``T`` queries (a window's start; ``B`` windows): ``call``, the
+    sparse attention's query tiles (``attn_tile``: ``_SparseMLA``'s, as many for the sparse-stage indexer KL,
+    ``kl_tile``) and the indexer top-k's row tiles (``topk_tile``), key blocks (``topk_block``) and the blocks that
+    cross the causal boundary (``topk_masked``): ``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning)."""
+    from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE, attn_tile_tokens
+
+    kp = cfg.index_kpool
+    n_pools = T // kp
+    K = min(cfg.index_topk // kp, n_pools)
+    width = K * kp + (kp - 1 if cfg.index_kpool_always_select_tail else 0)
+    rows = B * max(1, attn_tile_tokens(cfg.kv_lora_rank, cfg.num_attention_heads) // max(1, width))
+    tiles = _cdiv(B * T, rows)
+    out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "topk_call": 0, "topk_tile": 0, "topk_block": 0,
+           "topk_masked": 0}  # fmt: skip
+    if K == 0 or T == 0:
+        return out
+    g, tile = INDEX_GROUP, cfg.indexer_tile_tokens
+    vis = lambda t: (t + 1) // kp  # noqa: E731 (keys visible to query t: its complete pools)
+    C = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
+    C = max(g, min(C, _cdiv(n_pools, g) * g))
+    R = max(1, min(INDEX_ROW_TILE, T, tile // C))
+    row_tiles = blocks = masked = 0
+    for r0 in range(0, T, R):
+        r1 = min(T, r0 + R)
+        n_vis, first = vis(r1 - 1), vis(r0)
+        row_tiles += 1
+        nb = _cdiv(n_vis, C)
+        blocks += nb
+        # a block needs the causal mask when it ends past the first row's visible keys (min(n_vis, c0 + C) > first)
+        masked += nb - first // C - (1 if n_vis == first and n_vis % C else 0)
+    out.update(topk_call=1, topk_tile=B * row_tiles, topk_block=B * blocks, topk_masked=B * masked)
+    return out
+
+
+def _add(out: dict, comp: str, table: dict, units: dict, times: int = 1, passes=("forward", "recompute",
+                                                                               "backward")) -> None:  # fmt: skip
+    for unit, n in units.items():
+        per = table.get(comp, {}).get(unit)
+        if per is None or not n:
+            continue
+        for p, v in zip(passes, per, strict=False):
+            out[comp][p] += v * n * times
+
+
+def _empty() -> dict:
+    return {c: dict.fromkeys(PASSES, 0) for c in COMPONENTS}
+
+
+def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes) -> None:
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == KDA:
+            _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
+        elif kind == DSA:
+            u = dsa_units(cfg, tokens, batch)
+            _add(out, "dsa_attention", table, {"call": 1, "attn_tile": u["attn_tile"]}, 1, passes)
+            if cfg.indexer_types[i] == "full":
+                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in ("attn_tile",)}, 1, passes)
+        if cfg.mlp_layer_types[i] == "sparse":
+            _add(out, "moe", table, moe_units(cfg, batch * tokens), 1, passes)
+        else:
+            _add(out, "dense_mlp", table, {"call": 1}, 1, passes)
+        _add(out, "mhc", table, {"call": 2, "sinkhorn_iter": 2 * cfg.hc_sinkhorn_iters}, 1, passes)
+        _add(out, "norms", table, {"call": 2}, 1, passes)
+    _add(out, "other", table, {"call": 1}, 1, passes)
+
+
+def _totals(out: dict) -> dict:
+    by_pass = {p: sum(out[c][p] for c in COMPONENTS) for p in PASSES}
+    return {"components": out, "by_pass": by_pass, "total": sum(by_pass.values())}
+
+
+def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, batch_size: int = 1,
+             recompute: bool = False, seq_chunk_tokens: int | None = None, trainable=None,
+             trainable_tensors: int | None = None) -> dict:  # fmt: skip
+    """Aten ops of one training step on a rank (``genoctx.train.loop.train_step``), per component and pass.
+
+    Args:
+        cfg: the architecture and its compute knobs; seq_len: tokens per window; batch_size: windows per rank.
+        layout: the parallel layout (``cp`` splits the window; other dimensions add no model ops here).
+        recompute: activation checkpointing (``apply_ac``): every decoder layer's forward runs once more in
+            backward, planned as the layers' forward ops again in ``recompute`` (not yet checked against a count).
+        seq_chunk_tokens: the chunked backward's chunk, or None (one pass).
+        trainable, trainable_tensors: the optimizer's parameter tensors (None: every parameter tensor of the model).
+
+    Returns:
+        ``{"components": {component: {pass: ops}}, "by_pass": {pass: ops}, "total": ops}`` (``COMPONENTS``,
+        ``PASSES``).
+    """
+    layout = layout or Layout()
+    out = _empty()
+    tokens = seq_len // layout.cp
+    chunks = [tokens] if not seq_chunk_tokens or seq_chunk_tokens >= tokens else (
+        [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
+                                                             else []))  # fmt: skip
+    for i, t in enumerate(chunks):
+        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"))
+        if recompute:
+            again = _empty()
+            _layers(cfg, again, OPS, t, batch_size, ("forward",))
+            for c in COMPONENTS:
+                out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
+        if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
+            _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",))
+            _add(out, "other", CHUNKED_OPS, {"chunk": 1}, 1, ("forward", "recompute", "backward"))
+            if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
+                full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
+                _add(out, "dsa_indexer", CHUNKED_OPS, {"cached": full}, 1, ("forward", "recompute", "backward"))
+    if trainable_tensors is None:
+        from .trainable import check_trainable, param_entries
+
+        tr = trainable if trainable is not None else check_trainable("all", 0, "bf16", None)
+        trainable_tensors = sum(1 for e in param_entries(cfg, tr) if e["train"])
+    moe = sum(1 for t in cfg.mlp_layer_types if t == "sparse")
+    out["other"]["optimizer"] += (OPTIMIZER_OPS["step"] + OPTIMIZER_OPS["tensor"] * trainable_tensors
+                                  + OPTIMIZER_OPS["moe_layer"] * moe)  # fmt: skip
+    return _totals(out)
+
+
+def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk_tokens: int | None = None) -> dict:
+    """Aten ops of scoring one window (no gradient) on a rank, in chunks of ``chunk_tokens`` (None: one pass); the
+    same dict as ``step_ops`` with every op in ``forward``."""
+    layout = layout or Layout()
+    out = _empty()
+    tokens = seq_len // layout.cp
+    chunk = chunk_tokens or tokens
+    for t0 in range(0, tokens, chunk):
+        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",))
+    return _totals(out)
