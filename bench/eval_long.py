@@ -1,7 +1,7 @@
 """Streaming evaluation of one long window in bounded memory: prints one JSON line.
 
 Prepares the embedded real hg38 chr2 piece (chr2:1-2,333,275) into windows of ``--window`` tokens (default
-1M = 1,048,576 bases) in a temporary directory, builds the ``cpu-small`` model (random init; or
+1M = 1,048,576 bases) in a temporary directory, builds the ``--preset`` model (default ``cpu-small``, random init; or
 ``--checkpoint``: a genoctx checkpoint or an HF model directory), and scores the first window with
 ``genoctx.eval.position.score_windows`` in chunks of ``--seq-chunk`` tokens (as ``genoctx eval --seq-chunk``; old
 name ``--chunk-tokens``) with the carried cache (the chunk contract). Reports wall time, tokens/s, the process's
@@ -9,6 +9,7 @@ peak resident memory (``ru_maxrss``) and its resident memory before scoring, and
 
     .venv/bin/python bench/eval_long.py                      # the README number (a long run on a CPU)
     .venv/bin/python bench/eval_long.py --window 64k         # a quick check
+    .venv/bin/python bench/eval_long.py --preset tiny --seq-chunk 64k   # tiny's 1M-token eval window
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
         default=None,
         help="a genoctx checkpoint or HF model directory (nucleotide vocabulary); default cpu-small, random init",
     )
+    ap.add_argument("--preset", default="cpu-small", help="the model preset (random init) without --checkpoint")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args()
     if args.threads:
@@ -59,7 +61,7 @@ def main() -> None:
             model = load_eval_model(args.checkpoint)
         else:
             torch.manual_seed(0)
-            model = HybridLM(preset("cpu-small"))
+            model = HybridLM(preset(args.preset))
         edges = parse_bins("log2", window)
         model.eval()
         rss_before = rss_now_mib() / 1024
@@ -79,7 +81,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "eval_long",
-                "model": str(args.checkpoint) if args.checkpoint else "cpu-small (random init)",
+                "model": str(args.checkpoint) if args.checkpoint else f"{args.preset} (random init)",
                 "window": window,
                 "chunk_tokens": chunk,
                 "source": f"hg38 {ds.windows[0]['chrom']}:{ds.windows[0]['start'] + 1}-{ds.windows[0]['end']}",

@@ -174,7 +174,8 @@ def test_cli_train_dry_run(prepared, tmp_path):
                    "--set", "train.optimizer_state_dtype=bf16", "--set", "train.trainable=kda,dsa")  # fmt: skip
     assert bf16.returncode == 0, bf16.stderr[-2000:]
     dr16 = json.loads(bf16.stdout)["dry_run"]
-    assert dr16["time"]["hardware"] == "H100" and dr16["time"]["step_s"] > t["step_s"]
+    # (tiny's step is launch-bound on both GPUs: the device's part tells the slower GPU)
+    assert dr16["time"]["hardware"] == "H100" and dr16["time"]["device_s"] > t["device_s"]
     assert dr16["optimizer_state_dtype"] == "bf16"
     got = dr16["trainable"]  # what train.trainable trains (issue 44), said on stderr too
     assert got["trainable_parameters"] == got["groups"]["kda"] + got["groups"]["dsa"] < got["parameters"]

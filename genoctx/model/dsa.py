@@ -569,8 +569,9 @@ def _tile_slots(base: Tensor, tail: Tensor | None, ar: Tensor, r0: int, r1: int,
 
 def _bmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """``out = a @ b`` (``[n, i, k] x [n, k, j]``), written into ``out`` (a tile's rows of a preallocated result) by
-    one ``bmm`` when the dtypes agree, else computed in ``a``'s dtype and cast (``2`` ops)."""
-    if out.dtype == a.dtype:
+    one ``bmm`` when the dtypes agree, else computed in ``a``'s dtype and cast (``2`` ops; also under
+    ``torch.compile``, whose tracer refuses an ``out=`` view and fuses the copy anyway)."""
+    if out.dtype == a.dtype and not torch.compiler.is_compiling():
         torch.bmm(a, b, out=out)
     else:
         out.copy_(torch.bmm(a, b))

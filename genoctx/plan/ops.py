@@ -61,6 +61,13 @@ EVAL_OPS: dict = {
 }
 # the chunked backward (genoctx.train.chunked): its loop per chunk, and a full DSA layer's cache joins per later chunk
 CHUNKED_OPS: dict = {"other": {"chunk": (22, 0, 2)}, "dsa_indexer": {"cached": (0, 0, 14)}}
+# FSDP2 (``fully_shard``: each group's parameters all-gathered into the unsharded tensors before its forward and
+# again before its backward, gradients reduce-scattered after): its runtime's ops land in ``other``, per group and per
+# parameter tensor (averaged over a group's tensors, hence not whole), forward and backward; the model's own code
+# changes by a few ops under it (a KDA layer's and an mHC call's parameters arrive as plain unsharded tensors, the
+# gradient accumulation of the mHC parameters goes through FSDP's hooks); the clip and AdamW step over DTensors
+FSDP_OPS = {"group": (60, 0, 12), "tensor": (6.3, 0, 1.15), "kda_layer": (-3, 0, -4), "mhc_call": (0, 0, 19),
+            "dsa_indexer_call": (2, 0, 0), "optimizer": -20}  # fmt: skip
 # the optimizer pass: gradient clip, foreach AdamW (two host reads of each tensor's step count), schedule, the router
 # biases' update and the step's metric read: per step, per trained parameter tensor, per MoE layer
 OPTIMIZER_OPS = {"step": 60, "tensor": 2, "moe_layer": 20}
@@ -194,6 +201,8 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
             if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
                 full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
                 _add(out, "dsa_indexer", CHUNKED_OPS, {"cached": full}, 1, ("forward", "recompute", "backward"))
+    if layout.dp_shard > 1 or layout.fsdp_one:
+        _fsdp(cfg, out, layout)
     if trainable_tensors is None:
         from .trainable import check_trainable, param_entries
 
@@ -203,6 +212,30 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
     out["other"]["optimizer"] += (OPTIMIZER_OPS["step"] + OPTIMIZER_OPS["tensor"] * trainable_tensors
                                   + OPTIMIZER_OPS["moe_layer"] * moe)  # fmt: skip
     return _totals(out)
+
+
+def _fsdp(cfg: ModelConfig, out: dict, layout: Layout) -> None:
+    """FSDP2's ops of a training step (``FSDP_OPS``) into ``out``, from its groups
+    (``genoctx.plan.comms.fsdp_groups``)."""
+    from .comms import fsdp_groups
+    from .trainable import check_trainable, param_entries
+
+    groups = len(fsdp_groups(cfg, layout, "fp32"))
+    tensors = len(param_entries(cfg, check_trainable("all", 0, "bf16", None)))
+    f = FSDP_OPS
+    n_kda = cfg.layer_types.count(KDA)
+    n_idx = sum(1 for i, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[i] == "full")
+    terms = [
+        ("other", groups, f["group"]),
+        ("other", tensors, f["tensor"]),
+        ("kda", n_kda, f["kda_layer"]),
+        ("mhc", 2 * cfg.num_hidden_layers, f["mhc_call"]),
+        ("dsa_indexer", n_idx, f["dsa_indexer_call"]),
+    ]
+    for comp, n, per in terms:
+        for p, v in zip(("forward", "recompute", "backward"), per, strict=True):
+            out[comp][p] += round(v * n)
+    out["other"]["optimizer"] += f["optimizer"]
 
 
 def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk_tokens: int | None = None) -> dict:

@@ -355,7 +355,7 @@ def gpu_hours(step_s: float, steps: int, world: int) -> float:
 
 
 TIME_KEYS = ("step_s", "tokens_per_s", "mfu", "bound", "compute_s", "compute_by_dtype_s", "memory_bound_s",
-             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s", "ops", "launch_s")  # fmt: skip
+             "exposed_comm_s", "comm_s", "hardware", "skew", "host_s", "ops", "launch_s", "device_s")  # fmt: skip
 
 
 def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float = 1.0) -> list[dict]:

@@ -270,14 +270,15 @@ def test_context_and_expert_parallel_accounting():
     for key in ("dense_mlp", "experts", "mhc", "lm_head_loss", "dsa_attention"):
         for phase in ("forward", "recompute", "backward"):
             assert two["components"][key][phase] == pytest.approx(one["components"][key][phase] / 2), (key, phase)
-    # the indexer of the last half (positions 128..255, 64 pools of 4): top-k scoring in two row tiles of 64 (the
-    # code's tiles: 64 key columns) seeing 48 and 64 pools, 2 H_I (d_I + 1) per pair; the KL over 4 selected pools,
+    # the indexer of the last half (positions 128..255, 64 pools of 4): top-k scoring in one row tile of 128 (the
+    # code's tiles: 64 key columns, up to 256 rows) seeing 64 pools, 2 H_I (d_I + 1) per pair; the KL over 4 selected
+    # pools,
     # 19 token slots (16 + 3 tail): target 2 H R W, pool scores and their gradients 3 x 2 H_I d_I Kp, the head sum and
     # its gradient 2 x 2 H_I Kp
-    scoring = 2 * 2 * 9 * (64 * 48 + 64 * 64)
+    scoring = 2 * 2 * 9 * (128 * 64)
     kl = 2 * 128 * (2 * 16 * 19 + 3 * 2 * 8 * 4 + 2 * 2 * 4)
     idx = [x["components"]["dsa_indexer"]["forward"] for x in (one, two, first_half)]
-    assert idx[1] == scoring + kl and idx[1] > idx[2] and idx[1] > idx[0] / 2
+    assert idx[1] == scoring + kl and idx[1] > idx[2] and idx[1] >= idx[0] / 2  # (one tile: exactly half)
     # KDA under CP: the layer's core over 128 tokens, the [L | M] state pass (values V + K wide), the fold of 2 pieces
     # C 16, sub 8, K = V = 8; the two rows' scores inside sub-chunks 4 C sub K, between them 4 C C K
     chunk = 4 * 16 * 8 * (8 + 16) + 4 * 16 * 8 * 8 + 2 * 16 * 16 * 8 + 2 * 8 * 16 * 8

@@ -83,3 +83,24 @@ def test_launch_term_adds_on_a_cpu_and_overlaps_on_a_gpu():
     assert t_gpu["launch_s"] > t_gpu["device_s"] and t_gpu["bound"] == "launch"
     big = plan_time(preset("glm-5.3-flash"), 1 << 17, Layout(dp_shard=8, cp=8), gpu)
     assert big["bound"] != "launch" and big["launch_s"] < big["device_s"]
+
+
+def test_fsdp_step_ops_equal_the_counted(tmp_path):
+    """FSDP2 over two gloo ranks (tiny and cpu-small): each rank's model ops as one process's, plus the FSDP runtime's
+    (gathers, copies, reduce-scatters: ``other``) per group and parameter tensor."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    import ops_worker
+    import torch
+    from mesh_runner import fork_ranks
+
+    for name in ("tiny", "cpu-small"):
+        fork_ranks(ops_worker.run, (2, tempfile.mktemp(prefix="genoctx-gloo-"), str(tmp_path), name), 2)
+        plan = O.step_ops(preset(name), ops_worker.L, Layout(dp_shard=2))
+        assert plan["total"] > O.step_ops(preset(name), ops_worker.L)["total"] + 500  # FSDP's own ops, planned
+        for r in range(2):
+            got = torch.load(tmp_path / f"{name}-rank{r}.pt")
+            assert plan["total"] == pytest.approx(got["total"], rel=0.01)
+            _close(got["counts"], plan["components"], O.PASSES)
