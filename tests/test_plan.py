@@ -656,8 +656,8 @@ def test_cli_eval_json():
                "--chunk-tokens", "4k", "--dtype", "fp32", "--format", "json")  # fmt: skip
     got = json.loads(one.stdout)["layouts"]
     assert [{k: v for k, v in p.items() if k != "time"} for p in got] == [want]  # (plus the time model's "time")
-    assert got[0]["time"]["step_s"] > 0 and got[0]["time"]["bound"] in ("compute", "memory-bound kernels",
-                                                                         "intra-node", "inter-node", "launch")  # fmt: skip
+    bounds = ("compute", "memory-bound kernels", "intra-node", "inter-node", "launch")
+    assert got[0]["time"]["step_s"] > 0 and got[0]["time"]["bound"] in bounds
     table = _cli("--eval", "--preset", "glm-5.3-flash", "--seq-len", "512k", "--gpus", "64")
     assert table.exit_code == 0 and "mode eval, chunk whole" in table.stdout and "components of #1" in table.stdout
 

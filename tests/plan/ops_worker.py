@@ -1,6 +1,6 @@
-"""Run by tests/plan/test_ops.py: two gloo ranks train one step of a preset (``name``) on FSDP2 (``dp_shard=2``), each counting
-its aten ops per component and pass with ``genoctx.model.opcount.OpCounter`` (after a warm-up step: FSDP's lazy
-init and AdamW's state); each rank writes ``OUT/rank{r}.pt``: ``{"counts", "total"}``."""
+"""Run by tests/plan/test_ops.py: two gloo ranks train one step of a preset (``name``) on FSDP2 (``dp_shard=2``),
+each counting its aten ops per component and pass with ``genoctx.model.opcount.OpCounter`` (after a warm-up step:
+FSDP's lazy init and AdamW's state); each rank writes ``OUT/{name}-rank{r}.pt``: ``{"counts", "total"}``."""
 
 import sys
 from contextlib import nullcontext
