@@ -55,7 +55,7 @@ def main() -> None:
         data = Path(tmp) / "chr2"
         prepare([REPO / "data/hg38/hg38_chr2_1-2333275.fa.gz"], data, window=window, train_chroms=[],
                 eval_chroms=["chr2"], progress=False)  # fmt: skip
-        x = torch.as_tensor(WindowDataset(data, "eval")[0]).long()[None, :window]
+        x = WindowDataset(data, "eval")[0]["tokens"].long()[None, :window]
     cfg = preset(a.preset)
     torch.manual_seed(0)
     model = HybridLM(cfg, seed=0)

@@ -385,6 +385,9 @@ def _presets() -> dict[str, ModelConfig]:
             n_routed_experts=8,
             num_experts_per_tok=2,
             moe_chunk_tokens=8192,
+            # KDA blocks of 4096 tokens (a block's backward working set, ~20 MiB at this width): each block is a fixed
+            # ~300 aten ops, so 1024-token blocks made a CPU step at 8k tokens issue ~5k more ops for nothing
+            kda_block_tokens=4096,
             hc_mult=4,
         ),
     }
