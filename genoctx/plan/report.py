@@ -114,7 +114,8 @@ def format_table(plans: list[dict], limit: int = 10) -> str:
         peaks = f" ({', '.join(f'{k} {v:.2f}' for k, v in sorted(by.items(), key=lambda kv: -kv[1]))})" if by else ""
         lines.append(f"time of #1, s per step: compute {t['compute_s']:.2f}{peaks}, memory-bound kernels "
                      f"{t['memory_bound_s']:.2f}, exposed communication: {exposed} (of {sum(t['comm_s'].values()):.2f} "
-                     "in all)")  # fmt: skip
+                     f"in all), launch {t.get('launch_s', 0.0):.2f} ({t.get('ops', 0):,.0f} aten ops on the host; "
+                     "genoctx.plan.ops)")  # fmt: skip
     if p0.get("host_gib"):
         lines.append(_host_line(p0))
     others = {k: v for k, v in p0["working_sets_gib"].items() if v and not p0["components_gib"].get(k)}
