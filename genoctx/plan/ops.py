@@ -33,10 +33,17 @@ COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", 
 # (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``).
 OPS: dict = {
     "kda": {"call": (86, 0, 169), "block": (90, 0, 209), "chunk": (3, 0, 6)},
-    "dsa_attention": {"call": (110, 0, 142), "attn_tile": (21, 0, 33)},
+    "dsa_attention": {
+        "call": (110, 0, 142),
+        "attn_tile": (21, 0, 33),
+        "dense_call": (23, 0, 22),
+        "dense_tile": (28, 0, 44),
+    },
     "dsa_indexer": {
         "call": (63, 0, 42),
         "kl_tile": (59, 0, 2),
+        "kl_dense_call": (26, 0, 0),
+        "kl_dense_tile": (71, 0, 0),
         "topk_call": (21, 0, 0),
         "topk_tile": (19, 0, 0),
         "topk_block": (19, 0, 0),
@@ -51,7 +58,7 @@ OPS: dict = {
 # forward ops of one loop body under torch.no_grad (scoring): the top-k as in training, no indexer KL, no checkpoints
 EVAL_OPS: dict = {
     "kda": {"call": (79,), "block": (91,), "chunk": (3,)},
-    "dsa_attention": {"call": (103,), "attn_tile": (21,)},
+    "dsa_attention": {"call": (103,), "attn_tile": (21,), "dense_call": (23,), "dense_tile": (28,)},
     "dsa_indexer": {"call": (19,), "topk_call": (21,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
     "moe": {"call": (18,), "chunk": (51,)},
     "dense_mlp": {"call": (16,)},
@@ -98,16 +105,29 @@ def dsa_units(cfg: ModelConfig, T: int, B: int = 1) -> dict:
     sparse attention's query tiles (``attn_tile``: ``_SparseMLA``'s, as many for the sparse-stage indexer KL,
     ``kl_tile``) and the indexer top-k's row tiles (``topk_tile``), key blocks (``topk_block``) and the blocks that
     cross the causal boundary (``topk_masked``): ``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning)."""
-    from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE, attn_tile_tokens
+    from ..model.dsa import (
+        DENSE_RATIO,
+        INDEX_COL_BLOCK,
+        INDEX_GROUP,
+        INDEX_ROW_TILE,
+        _dense_split,
+        _dense_tiles,
+        _sparse_tiles,  # fmt: skip
+        attn_tile_tokens,
+    )
 
     kp = cfg.index_kpool
     n_pools = T // kp
     K = min(cfg.index_topk // kp, n_pools)
     width = K * kp + (kp - 1 if cfg.index_kpool_always_select_tail else 0)
-    rows = B * max(1, attn_tile_tokens(cfg.kv_lora_rank, cfg.num_attention_heads) // max(1, width))
-    tiles = _cdiv(B * T, rows)
-    out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "topk_call": 0, "topk_tile": 0, "topk_block": 0,
-           "topk_masked": 0}  # fmt: skip
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    tile_tokens = attn_tile_tokens(R, H)
+    rows = B * max(1, tile_tokens // max(1, width))
+    split, drows = _dense_split(width, T, T, H, R, tile_tokens, DENSE_RATIO)  # a short window's dense tiles
+    tiles, dense = len(_sparse_tiles(B, T, split, rows)), len(_dense_tiles(T, split, drows))
+    out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "dense_call": int(dense > 0), "dense_tile": dense,
+           "kl_dense_call": int(dense > 0), "kl_dense_tile": B * dense, "topk_call": 0, "topk_tile": 0,
+           "topk_block": 0, "topk_masked": 0}  # fmt: skip
     if K == 0 or T == 0:
         return out
     g, tile = INDEX_GROUP, cfg.indexer_tile_tokens
@@ -148,9 +168,10 @@ def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, p
             _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
         elif kind == DSA:
             u = dsa_units(cfg, tokens, batch)
-            _add(out, "dsa_attention", table, {"call": 1, "attn_tile": u["attn_tile"]}, 1, passes)
+            att = ("attn_tile", "dense_call", "dense_tile")
+            _add(out, "dsa_attention", table, {"call": 1, **{k: u[k] for k in att}}, 1, passes)
             if cfg.indexer_types[i] == "full":
-                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in ("attn_tile",)}, 1, passes)
+                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in att}, 1, passes)
         if cfg.mlp_layer_types[i] == "sparse":
             _add(out, "moe", table, moe_units(cfg, batch * tokens), 1, passes)
         else:
