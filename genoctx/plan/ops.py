@@ -100,7 +100,7 @@ def moe_units(cfg: ModelConfig, rows: int) -> dict:
     return {"call": 1, "chunk": _cdiv(rows, cfg.moe_chunk_tokens)}
 
 
-def dsa_units(cfg: ModelConfig, T: int, B: int = 1) -> dict:
+def dsa_units(cfg: ModelConfig, T: int, B: int = 1, S: int = 0) -> dict:
     """Loop bodies of one DSA layer's forward over ``T`` queries (a window's start; ``B`` windows): ``call``, the
     sparse attention's query tiles (``attn_tile``: ``_SparseMLA``'s, as many for the sparse-stage indexer KL,
     ``kl_tile``) and the indexer top-k's row tiles (``topk_tile``), key blocks (``topk_block``) and the blocks that
@@ -123,7 +123,7 @@ def dsa_units(cfg: ModelConfig, T: int, B: int = 1) -> dict:
     H, R = cfg.num_attention_heads, cfg.kv_lora_rank
     tile_tokens = attn_tile_tokens(R, H)
     rows = B * max(1, tile_tokens // max(1, width))
-    split, drows = _dense_split(width, T, T, H, R, tile_tokens, DENSE_RATIO)  # a short window's dense tiles
+    split, drows = _dense_split(width, S + T, T, H, R, tile_tokens, DENSE_RATIO)  # dense tiles, S cached
     tiles, dense = len(_sparse_tiles(B, T, split, rows)), len(_dense_tiles(T, split, drows))
     out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "dense_call": int(dense > 0), "dense_tile": dense,
            "kl_dense_call": int(dense > 0), "kl_dense_tile": B * dense, "topk_call": 0, "topk_tile": 0,
@@ -162,12 +162,12 @@ def _empty() -> dict:
     return {c: dict.fromkeys(PASSES, 0) for c in COMPONENTS}
 
 
-def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes) -> None:
+def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes, cached: int = 0) -> None:
     for i, kind in enumerate(cfg.layer_types):
         if kind == KDA:
             _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
         elif kind == DSA:
-            u = dsa_units(cfg, tokens, batch)
+            u = dsa_units(cfg, tokens, batch, cached)
             att = ("attn_tile", "dense_call", "dense_tile")
             _add(out, "dsa_attention", table, {"call": 1, **{k: u[k] for k in att}}, 1, passes)
             if cfg.indexer_types[i] == "full":
@@ -210,14 +210,15 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
         [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
                                                              else []))  # fmt: skip
     for i, t in enumerate(chunks):
-        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"))
+        S = sum(chunks[:i])  # the chunk's cached positions
+        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S)
         if recompute:
             again = _empty()
-            _layers(cfg, again, OPS, t, batch_size, ("forward",))
+            _layers(cfg, again, OPS, t, batch_size, ("forward",), S)
             for c in COMPONENTS:
                 out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
         if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
-            _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",))
+            _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",), S)
             _add(out, "other", CHUNKED_OPS, {"chunk": 1}, 1, ("forward", "recompute", "backward"))
             if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
                 full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
@@ -267,5 +268,5 @@ def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk
     tokens = seq_len // layout.cp
     chunk = chunk_tokens or tokens
     for t0 in range(0, tokens, chunk):
-        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",))
+        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",), t0)
     return _totals(out)
