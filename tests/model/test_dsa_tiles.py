@@ -175,3 +175,17 @@ def test_dense_tiles_fp32_and_sizes():
     assert split == 542 and rows * (split * (H + 1)) <= tile * (R + H)
     assert dsa._dense_split(W, 4096 + 600, 4096, H, R, tile, dsa.DENSE_RATIO) == (0, 1)  # cache past 2 W: sparse
     assert dsa._dense_split(W, 100, 100, H, R, 300, dsa.DENSE_RATIO) == (100, 300 * 68 // (100 * 5))
+
+
+def test_planner_mirrors_the_dense_rule():
+    """genoctx.plan.sizes mirrors the dense split (it imports no torch): same ratio, same rows for tiny and cpu-small,
+    with and without a cache."""
+    from genoctx.plan import sizes
+
+    assert sizes.DENSE_RATIO == dsa.DENSE_RATIO
+    for name in ("tiny", "cpu-small"):
+        cfg = preset(name)
+        W, H, R = cfg.index_topk + cfg.index_kpool - 1, cfg.num_attention_heads, cfg.kv_lora_rank
+        for T, S in ((64, 0), (2048, 0), (300, 100), (2048, 1024)):
+            split, rows = dsa._dense_split(W, S + T, T, H, R, dsa.attn_tile_tokens(R, H), dsa.DENSE_RATIO)
+            assert sizes._dense_part(cfg, T, S) == (split, min(split, rows) * (S + split) if split else 0)
