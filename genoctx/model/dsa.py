@@ -78,6 +78,9 @@ ATTN_TILE_TOKENS = 1 << 16  # sparse attention at glm-5.3-flash: query-tile rows
 # sparse attention's tile budget in bytes: ATTN_TILE_TOKENS rows x slots, each a gathered latent and a score per head
 # (kv_lora_rank + heads) in fp32, at glm-5.3-flash (512 + 64); narrower models get more rows (attn_tile_tokens)
 ATTN_TILE_BYTES = ATTN_TILE_TOKENS * (512 + 64) * 4
+# sparse attention: a query tile whose visible keys (cache included) are at most DENSE_RATIO x the selection width
+# attends densely to all of them (one matmul, selection as a 0/-inf bias) instead of gathering (``_dense_split``)
+DENSE_RATIO = 2.0
 INDEX_ROW_TILE = 256  # indexer_topk: query rows per tile (fast path; bounded by indexer_tile_tokens)
 INDEX_COL_BLOCK = 4096  # indexer_topk: key columns per block (a multiple of INDEX_GROUP)
 INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima are compared to the threshold)
@@ -577,6 +580,51 @@ def _bmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
         out.copy_(torch.bmm(a, b))
 
 
+def _dense_split(width: int, N: int, T: int, H: int, R: int, tile_tokens: int, ratio: float) -> tuple[int, int]:
+    """Where sparse attention attends densely: ``(t_split, rows)``. Query rows ``t < t_split`` of a call (``T`` queries
+    after ``N - T`` cached positions, ``width`` slots each) see at most ``ratio x width`` keys (``N - T + t + 1``) and
+    run as dense tiles of ``rows`` query rows per batch row: a tile's scores and bias, ``rows x n x (H + 1)`` fp32
+    with ``n = N - T + t_split`` keys, fit the sparse tile's budget ``tile_tokens x (R + H)`` (``ATTN_TILE_BYTES``).
+    ``ratio <= 0``: never (``(0, 1)``). Python ints only (no tensor, no host read)."""
+    if ratio <= 0 or width <= 0:
+        return 0, 1
+    t_split = min(T, max(0, int(ratio * width) - (N - T)))
+    if t_split == 0:
+        return 0, 1
+    return t_split, max(1, tile_tokens * (R + H) // ((N - T + t_split) * (H + 1)))
+
+
+def _dense_tiles(T: int, t_split: int, rows: int):
+    """The dense tiles ``(t0, t1)`` of query rows ``0 .. t_split - 1``."""
+    return [(t0, min(t_split, t0 + rows)) for t0 in range(0, t_split, rows)]
+
+
+def _sparse_tiles(B: int, T: int, t_split: int, rows: int):
+    """The sparse tiles ``(r0, r1)`` of flattened query rows ``b T + t`` with ``t >= t_split``, ``rows`` per tile:
+    ``range(0, B T, rows)`` when nothing is dense, else per batch row (its rows ``t_split .. T - 1``)."""
+    if t_split == 0:
+        return [(r0, min(B * T, r0 + rows)) for r0 in range(0, B * T, rows)]
+    return [(r0, min((b + 1) * T, r0 + rows)) for b in range(B) for r0 in range(b * T + t_split, (b + 1) * T, rows)]
+
+
+def _dense_bias(tok: Tensor, t0: int, t1: int, n: int, dtype: torch.dtype) -> Tensor:
+    """The selection of query rows ``t0 .. t1 - 1`` as an additive bias over their first ``n`` keys: ``[B, r, n]``,
+    0 at the selected tokens (``tok [B, T', W]``, ``DSASelection.tokens``: pools then tail, ``-1`` empty) and
+    ``-inf`` elsewhere (one scatter into an extra column that takes the empty slots). ``4`` ops."""
+    t = tok[:, t0:t1]
+    t = torch.where(t < 0, n, t)
+    bias = torch.full((t.shape[0], t1 - t0, n + 1), float("-inf"), dtype=dtype, device=tok.device)
+    return bias.scatter_(2, t, 0.0)[..., :n]
+
+
+def _dense_scores(q: Tensor, kvn: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """``scale q . kv + bias``: ``q [B, r, H, R]``, ``kvn [B, n, R]``, ``bias [B, r, n]`` -> ``[B, r, H, n]``
+    (one ``bmm``)."""
+    B, r, H, R = q.shape
+    s = torch.bmm(q.reshape(B, r * H, R), kvn.transpose(1, 2)).view(B, r, H, -1)
+    return s.mul_(scale).add_(bias[:, :, None])
+
+
 def _tile_rows(sel: DSASelection, tile_tokens: int) -> int:
     """Flattened query rows per tile: ``B max(1, tile_tokens // width)`` (``DSASelection.width`` slots per row): the
     tiles of ``_SparseMLARef``, ``B`` batch rows each."""
@@ -594,10 +642,11 @@ class _SparseMLA(torch.autograd.Function):
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, q, kv, pools, pos, kpool, tail, scale, tile_tokens):
+    def forward(ctx, q, kv, pools, pos, kpool, tail, scale, tile_tokens, dense_ratio=0.0):
         B, T, H, R = q.shape
         sel = DSASelection(pools, pos, kpool, tail)
         dt = _acc_dtype(q.dtype)
+        t_split, drows = _dense_split(sel.width, kv.shape[1], T, H, R, tile_tokens, dense_ratio)
         kvf, stride = _flat_rows(kv)
         base, tl, ar = _slot_base(sel, stride)
         q3 = q.view(B * T, H, R) if q.is_contiguous() else q.reshape(B * T, H, R)
@@ -605,8 +654,18 @@ class _SparseMLA(torch.autograd.Function):
         rows = _tile_rows(sel, tile_tokens)
         o = torch.empty_like(q)
         o3, lse = o.view(B * T, H, R), torch.empty(B * T, H, 1, dtype=dt, device=q.device)
-        for r0 in range(0, B * T, rows):
-            r1 = min(B * T, r0 + rows)
+        if t_split:  # short windows: dense tiles over all visible keys, the selection as a bias (no gather)
+            tok, lse4, N0 = sel.rows(0, t_split).tokens(), lse.view(B, T, H, 1), kv.shape[1] - T
+            for t0, t1 in _dense_tiles(T, t_split, drows):
+                n = N0 + t1
+                kvn = kv[:, :n].to(dt)
+                s = _dense_scores(q[:, t0:t1].to(dt), kvn, _dense_bias(tok, t0, t1, n, dt), scale)  # [B, r, H, n]
+                m = torch.logsumexp(s, dim=-1, keepdim=True)
+                m = island("dsa.attn.lse", m.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0))
+                lse4[:, t0:t1] = m
+                ot = torch.bmm(s.sub_(m).exp_().view(B, -1, n), kvn)  # [B, r H, R]
+                o[:, t0:t1] = ot.view(B, t1 - t0, H, R)
+        for r0, r1 in _sparse_tiles(B, T, t_split, rows):
             idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
             ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
             bias = torch.where(empty, inf, zero)  # [r, 1, W]
@@ -615,17 +674,18 @@ class _SparseMLA(torch.autograd.Function):
             m = island("dsa.attn.lse", m.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0))  # p = 0, o = 0
             _bmm_into(o3[r0:r1], s.sub_(m).exp_(), ks)
         ctx.save_for_backward(q, kv, pools, pos, lse.view(B, T, H))
-        ctx.args = (kpool, tail, scale, tile_tokens)
+        ctx.args = (kpool, tail, scale, tile_tokens, dense_ratio)
         return o
 
     @staticmethod
     @_no_autocast
     def backward(ctx, do):
         q, kv, pools, pos, lse = ctx.saved_tensors
-        kpool, tail, scale, tile_tokens = ctx.args
+        kpool, tail, scale, tile_tokens, dense_ratio = ctx.args
         sel = DSASelection(pools, pos, kpool, tail)
         B, T, H, R = q.shape
         N = kv.shape[1]
+        t_split, drows = _dense_split(sel.width, N, T, H, R, tile_tokens, dense_ratio)
         dt = _acc_dtype(q.dtype)
         kvf, stride = _flat_rows(kv)
         base, tl, ar = _slot_base(sel, stride)
@@ -637,8 +697,20 @@ class _SparseMLA(torch.autograd.Function):
         rows = _tile_rows(sel, tile_tokens)
         dq = torch.empty_like(q)
         dq3 = dq.view(B * T, H, R)
-        for r0 in range(0, B * T, rows):
-            r1 = min(B * T, r0 + rows)
+        if t_split:  # dense tiles (forward's): dq = ds kv, dkv = p^T do + ds^T q as matmuls, no scatter
+            tok = sel.rows(0, t_split).tokens()
+            for t0, t1 in _dense_tiles(T, t_split, drows):
+                n, r = N - T + t1, t1 - t0
+                kvn = kv[:, :n].to(dt)
+                qt, dot = q[:, t0:t1].to(dt), do[:, t0:t1].to(dt).reshape(B, r * H, R)
+                p = _dense_scores(qt, kvn, _dense_bias(tok, t0, t1, n, dt), scale).sub_(lse[:, t0:t1, :, None]).exp_()
+                dp = torch.bmm(dot, kvn.transpose(1, 2)).view(B, r, H, n)
+                ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p).mul_(scale).view(B, r * H, n)  # dL/ds
+                dq[:, t0:t1] = torch.bmm(ds, kvn).view(B, r, H, R)
+                dkn = torch.bmm(p.view(B, r * H, n).transpose(1, 2), dot)  # [B, n, R]
+                torch.baddbmm(dkn, ds.transpose(1, 2), qt.reshape(B, r * H, R), out=dkn)
+                dkv[:, :n].add_(dkn)
+        for r0, r1 in _sparse_tiles(B, T, t_split, rows):
             idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
             ks = kvf.index_select(0, idx.view(-1)).view(r1 - r0, idx.shape[2], R).to(dt)  # [r, W, R]
             kt = ks.transpose(1, 2)
@@ -655,10 +727,13 @@ class _SparseMLA(torch.autograd.Function):
             if stride != N:  # kv read in place from a longer window: flat row b stride + n -> b N + n
                 idx = idx - idx.div(stride, rounding_mode="floor") * (stride - N)
             dkvf.index_add_(0, idx.view(-1), dks.view(-1, R))
-        return dq, dkv.to(kv.dtype), None, None, None, None, None, None
+        return dq, dkv.to(kv.dtype), None, None, None, None, None, None, None
 
 
-def sparse_mla(q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_tokens: int = ATTN_TILE_TOKENS) -> Tensor:
+def sparse_mla(
+    q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_tokens: int = ATTN_TILE_TOKENS,
+    dense_ratio: float = DENSE_RATIO,
+) -> Tensor:  # fmt: skip
     """Attention of each query over its selected tokens only, MLA in absorbed MQA form (DeepSeek-V3.2 sparse MLA).
 
     ``o[t, h] = sum_{s in sel(t)} softmax_s(scale * q[t, h] . kv[s]) kv[s]``; a query with nothing selected
@@ -670,6 +745,8 @@ def sparse_mla(q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_toke
         sel: the selection of the ``T`` queries (``DSASelection``; token indices < N).
         scale: logit scale (``qk_head_dim ** -0.5``).
         tile_tokens: query-tile rows x selected tokens handled at once (memory knob).
+        dense_ratio: query rows that see at most ``dense_ratio x sel.width`` keys attend to all of them at once with
+            the selection as a 0/-inf bias (same numbers up to rounding, no gather; ``_dense_split``); 0: never.
 
     Returns:
         ``o [B, T, H, R]`` in ``q``'s dtype (computed in at least fp32).
@@ -686,7 +763,9 @@ def sparse_mla(q: Tensor, kv: Tensor, sel: DSASelection, scale: float, tile_toke
         raise ValueError(
             f"sparse_mla: bad shapes q {tuple(q.shape)}, kv {tuple(kv.shape)}, pools {tuple(sel.pools.shape)}"
         )
-    return _SparseMLA.apply(q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, float(scale), int(tile_tokens))
+    return _SparseMLA.apply(
+        q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, float(scale), int(tile_tokens), float(dense_ratio)
+    )
 
 
 def _pool_target(p_tok: Tensor, n_pools: int, kpool: int) -> Tensor:
@@ -778,7 +857,7 @@ class _IndexerKLSparse(torch.autograd.Function):
 
     @staticmethod
     @_no_autocast
-    def forward(ctx, iq, iw, pk, q, kv, pools, pos, kpool, tail, scale, tile_tokens):
+    def forward(ctx, iq, iw, pk, q, kv, pools, pos, kpool, tail, scale, tile_tokens, dense_ratio=0.0):
         B, T, H, R = q.shape
         _, _, HI, dI = iq.shape
         sel = DSASelection(pools, pos, kpool, tail)
@@ -802,17 +881,11 @@ class _IndexerKLSparse(torch.autograd.Function):
         diq = torch.empty(B * T, HI, dI, dtype=dt, device=iq.device)
         diw = torch.empty(B * T, HI, 1, dtype=dt, device=iw.device)
         total = torch.zeros((), dtype=dt, device=iq.device)
-        for r0 in range(0, B * T, rows):
-            r1 = min(B * T, r0 + rows)
+
+        def indexer_tile(r0: int, r1: int, pt: Tensor) -> None:
+            """The KL of flattened query rows ``r0 .. r1 - 1`` against their target ``pt [r, Kp]`` (attention mass
+            per selected pool, 0 in empty slots), its gradients written/added into diq, diw, dpk."""
             r = r1 - r0
-            idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
-            ks = kvf.index_select(0, idx.view(-1)).view(r, idx.shape[2], R).to(da)  # [r, W, R]
-            bias = torch.where(empty, inf, zero)
-            sa = torch.baddbmm(bias, q3[r0:r1].to(da), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
-            del ks
-            pt = torch.nan_to_num(torch.softmax(island("dsa.indexer.kl", sa), dim=-1))  # rows with nothing: 0
-            del sa
-            pt = pt[..., : Kp * kpool].unflatten(-1, (Kp, kpool)).sum((1, 3)).to(dt)  # [r, Kp] per pool, heads summed
             z = pt.sum(-1, keepdim=True)
             inv = pinv[r0:r1] | (z <= 0)  # slots with no target: empty, or a row whose pools got no mass
             pt = pt.div_(z.clamp_min_(torch.finfo(dt).tiny))  # rows with no mass stay 0
@@ -823,12 +896,40 @@ class _IndexerKLSparse(torch.autograd.Function):
             rl = torch.relu(a)
             logits = torch.bmm(wi, rl).view(r, Kp).masked_fill_(inv, float("-inf"))
             logq = island("dsa.indexer.kl", torch.log_softmax(logits, dim=-1)).masked_fill_(inv, 0.0)
-            total += torch.xlogy(pt, pt).sub_(pt * logq).sum()
+            total.add_(torch.xlogy(pt, pt).sub_(pt * logq).sum())
             g = logq.exp_().sub_(pt).masked_fill_(inv, 0.0).view(r, Kp, 1)  # dKL/dlogits
             torch.bmm(rl, g, out=diw[r0:r1])  # [r, H_I, 1]
             dA = (g.view(r, 1, Kp) * wi.view(r, HI, 1)).mul_(a > 0)  # [r, H_I, Kp]
             torch.bmm(dA, pks, out=diq[r0:r1])
             dpk.index_add_(0, pidx, torch.bmm(dA.transpose(1, 2), qi).view(-1, dI))  # empty slots carry zeros
+
+        t_split, drows = _dense_split(sel.width, kv.shape[1], T, H, R, tile_tokens, dense_ratio)
+        if t_split:  # short windows: the target from dense tiles over all visible keys (as _SparseMLA's), no gather
+            tok, N0, pvt = sel.rows(0, t_split).tokens(), kv.shape[1] - T, pools[:, :t_split].long()
+            for t0, t1 in _dense_tiles(T, t_split, drows):
+                n, r = N0 + t1, t1 - t0
+                sa = _dense_scores(q[:, t0:t1].to(da), kv[:, :n].to(da), _dense_bias(tok, t0, t1, n, da), scale)
+                pt = torch.nan_to_num(torch.softmax(island("dsa.indexer.kl", sa), dim=-1)).sum(2)  # [B, r, n]
+                del sa
+                Pn = n // kpool  # complete pools visible to the tile; a selected pool's slots hold its tokens' mass
+                if Pn and Kp:
+                    pt = pt[..., : Pn * kpool].unflatten(-1, (Pn, kpool)).sum(-1).to(dt)  # [B, r, P]
+                    pt = pt.gather(2, pvt[:, t0:t1].clamp_min(0)).masked_fill_(pvt[:, t0:t1] < 0, 0.0)  # [B, r, Kp]
+                else:
+                    pt = torch.zeros(B, r, Kp, dtype=dt, device=q.device)
+                for b in range(B):
+                    indexer_tile(b * T + t0, b * T + t1, pt[b])
+        for r0, r1 in _sparse_tiles(B, T, t_split, rows):
+            r = r1 - r0
+            idx, empty = _tile_slots(base, tl, ar, r0, r1, kvf.shape[0] - 1)
+            ks = kvf.index_select(0, idx.view(-1)).view(r, idx.shape[2], R).to(da)  # [r, W, R]
+            bias = torch.where(empty, inf, zero)
+            sa = torch.baddbmm(bias, q3[r0:r1].to(da), ks.transpose(1, 2), alpha=scale)  # [r, H, W]
+            del ks
+            pt = torch.nan_to_num(torch.softmax(island("dsa.indexer.kl", sa), dim=-1))  # rows with nothing: 0
+            del sa
+            pt = pt[..., : Kp * kpool].unflatten(-1, (Kp, kpool)).sum((1, 3)).to(dt)  # [r, Kp] per pool, heads summed
+            indexer_tile(r0, r1, pt)
         ctx.save_for_backward(diq.view(iq.shape), diw.view(iw.shape), dpk.view(pk.shape))
         ctx.dtypes = (iq.dtype, iw.dtype, pk.dtype)
         return total
@@ -837,7 +938,7 @@ class _IndexerKLSparse(torch.autograd.Function):
     def backward(ctx, gout):
         diq, diw, dpk = ctx.saved_tensors
         tq, tw, tk = ctx.dtypes
-        return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dpk).to(tk), *([None] * 8)
+        return (gout * diq).to(tq), (gout * diw).to(tw), (gout * dpk).to(tk), *([None] * 9)
 
 
 @_no_autocast
@@ -1124,9 +1225,8 @@ class DeepSeekSparseAttention(nn.Module):
         probabilities: practical for the short warm-up stage, not for 1M tokens."""
         B, T = q.shape[:2]
         if self.stage == "sparse":
-            total = _IndexerKLSparse.apply(
-                iq, iw, pool_k, q, kv, sel.pools, sel.pos, sel.kpool, sel.tail, self.scale, self.attn_tile_tokens
-            )
+            args = (sel.pools, sel.pos, sel.kpool, sel.tail, self.scale, self.attn_tile_tokens, DENSE_RATIO)
+            total = _IndexerKLSparse.apply(iq, iw, pool_k, q, kv, *args)
         else:
             N = kv.shape[1]
             rows = max(1, self.tile_tokens // (N * self.n_heads))

@@ -141,7 +141,7 @@ def _dsa_eval(cfg: ModelConfig, s: _Sizes, full: bool, T: int, S: int) -> dict:
         per += s.a * R + (dI * (s.f + s.a) if full else 0)
     base = T * per
     if cfg.dsa_mode == "sparse":
-        attn = T * (s.a * Hm * R + s.f * Hm) + _dsa_tiles_fwd(cfg, s, T)
+        attn = T * (s.a * Hm * R + s.f * Hm) + _dsa_tiles_fwd(cfg, s, T, S)
     else:
         n = S + T
         masked = not (S == 0 and T * n <= cfg.indexer_tile_tokens)

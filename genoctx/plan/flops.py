@@ -445,13 +445,26 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
         Kp = widths[S] if full else shared_k
         W = Kp * kp + tail
         nq = B * T
-        t.add("dsa_attention", 4.0 * nq * H * R * W, 10.0 * nq * H * R * W if grad and attn else 0.0, unit=attn_unit)
+        keys = _sparse_keys(cfg, S, T, W) if cfg.kernels != "triton" else T * W  # (query, key) pairs per window
+        Wk = keys / T  # keys per query: W, fewer or more where short-window tiles attend densely
+        t.add("dsa_attention", 4.0 * nq * H * R * Wk, 10.0 * nq * H * R * Wk if grad and attn else 0.0, unit=attn_unit)
         if full:  # the pooled keys are fp32: the top-k's dots run in fp32 (FMA), the KL with autocast off
             t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
             if kl_fwd and cfg.indexer_stage == "sparse":  # target, pool scores, head sum (bmm), gradients: in forward
-                t.add("dsa_indexer", 2.0 * nq * (H * R * W + 3 * HI * dI * Kp + 2 * HI * Kp), unit="fp32")
+                t.add("dsa_indexer", 2.0 * nq * (H * R * Wk + 3 * HI * dI * Kp + 2 * HI * Kp), unit="fp32")
             elif kl_fwd:
                 _warmup_kl(t, cfg, B, S, T, kl_w)
+
+
+def _sparse_keys(cfg: ModelConfig, S: int, T: int, W: int) -> int:
+    """(query, key) pairs the PyTorch sparse attention computes for ``T`` queries after ``S`` cached positions,
+    ``W`` slots each: ``W`` per query in gathering tiles, every key up to the tile's last row in the dense tiles of a
+    short window (``genoctx.model.dsa._dense_split``)."""
+    from ..model.dsa import DENSE_RATIO, _dense_split, _dense_tiles, attn_tile_tokens
+
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    split, rows = _dense_split(W, S + T, T, H, R, attn_tile_tokens(R, H), DENSE_RATIO)
+    return (T - split) * W + sum((t1 - t0) * (S + t1) for t0, t1 in _dense_tiles(T, split, rows))
 
 
 def _dense_keys(cfg: ModelConfig, S: int, T: int) -> float:

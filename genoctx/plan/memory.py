@@ -428,7 +428,8 @@ def _dsa_mixer(st: _Step, full: bool) -> tuple:
     saved = N * _dsa(cfg, s, full)
     if cp > 1:
         saved += windows * st.gather_len * _dsa_cp_saved(cfg, s, full)
-    tile_b = _dsa_tiles_bwd(cfg, T)
+    S = max(0, st.ctx - T)  # the last chunk's (rank's) cache: the fewest dense rows, the largest gathering tiles
+    tile_b = _dsa_tiles_bwd(cfg, T, S)
     grads = N * (a * Hm * R - _dsa_out_part(cfg, s))
     grads += windows * st.ctx * f * R if (cp > 1 or st.chunked) else N * f * R
     w_bwd = {"dsa_attention": tile_b + grads}
@@ -436,7 +437,7 @@ def _dsa_mixer(st: _Step, full: bool) -> tuple:
         W = _dsa_gather_width(cfg, full)
         window_grads = windows * st.gather_len * (2 * R * a + 2 * W * a)
         w_bwd["dsa_attention"] = max(tile_b, window_grads) + grads
-    w_fwd = {"dsa_attention": _dsa_tiles_fwd(cfg, s, T) + N * a * Hm * R}
+    w_fwd = {"dsa_attention": _dsa_tiles_fwd(cfg, s, T, S) + N * a * Hm * R}
     if full:
         w_fwd["dsa_indexer_tiles"] = _indexer_tiles(cfg, T, st.ctx)
     if cp > 1:

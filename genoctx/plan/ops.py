@@ -33,10 +33,17 @@ COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", 
 # (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``).
 OPS: dict = {
     "kda": {"call": (86, 0, 169), "block": (90, 0, 209), "chunk": (3, 0, 6)},
-    "dsa_attention": {"call": (110, 0, 142), "attn_tile": (21, 0, 33)},
+    "dsa_attention": {
+        "call": (110, 0, 142),
+        "attn_tile": (21, 0, 33),
+        "dense_call": (23, 0, 22),
+        "dense_tile": (28, 0, 44),
+    },
     "dsa_indexer": {
         "call": (63, 0, 42),
         "kl_tile": (59, 0, 2),
+        "kl_dense_call": (26, 0, 0),
+        "kl_dense_tile": (71, 0, 0),
         "topk_call": (21, 0, 0),
         "topk_tile": (19, 0, 0),
         "topk_block": (19, 0, 0),
@@ -51,7 +58,7 @@ OPS: dict = {
 # forward ops of one loop body under torch.no_grad (scoring): the top-k as in training, no indexer KL, no checkpoints
 EVAL_OPS: dict = {
     "kda": {"call": (79,), "block": (91,), "chunk": (3,)},
-    "dsa_attention": {"call": (103,), "attn_tile": (21,)},
+    "dsa_attention": {"call": (103,), "attn_tile": (21,), "dense_call": (23,), "dense_tile": (28,)},
     "dsa_indexer": {"call": (19,), "topk_call": (21,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
     "moe": {"call": (18,), "chunk": (51,)},
     "dense_mlp": {"call": (16,)},
@@ -93,21 +100,34 @@ def moe_units(cfg: ModelConfig, rows: int) -> dict:
     return {"call": 1, "chunk": _cdiv(rows, cfg.moe_chunk_tokens)}
 
 
-def dsa_units(cfg: ModelConfig, T: int, B: int = 1) -> dict:
+def dsa_units(cfg: ModelConfig, T: int, B: int = 1, S: int = 0) -> dict:
     """Loop bodies of one DSA layer's forward over ``T`` queries (a window's start; ``B`` windows): ``call``, the
     sparse attention's query tiles (``attn_tile``: ``_SparseMLA``'s, as many for the sparse-stage indexer KL,
     ``kl_tile``) and the indexer top-k's row tiles (``topk_tile``), key blocks (``topk_block``) and the blocks that
     cross the causal boundary (``topk_masked``): ``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning)."""
-    from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE, attn_tile_tokens
+    from ..model.dsa import (
+        DENSE_RATIO,
+        INDEX_COL_BLOCK,
+        INDEX_GROUP,
+        INDEX_ROW_TILE,
+        _dense_split,
+        _dense_tiles,
+        _sparse_tiles,  # fmt: skip
+        attn_tile_tokens,
+    )
 
     kp = cfg.index_kpool
     n_pools = T // kp
     K = min(cfg.index_topk // kp, n_pools)
     width = K * kp + (kp - 1 if cfg.index_kpool_always_select_tail else 0)
-    rows = B * max(1, attn_tile_tokens(cfg.kv_lora_rank, cfg.num_attention_heads) // max(1, width))
-    tiles = _cdiv(B * T, rows)
-    out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "topk_call": 0, "topk_tile": 0, "topk_block": 0,
-           "topk_masked": 0}  # fmt: skip
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    tile_tokens = attn_tile_tokens(R, H)
+    rows = B * max(1, tile_tokens // max(1, width))
+    split, drows = _dense_split(width, S + T, T, H, R, tile_tokens, DENSE_RATIO)  # dense tiles, S cached
+    tiles, dense = len(_sparse_tiles(B, T, split, rows)), len(_dense_tiles(T, split, drows))
+    out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "dense_call": int(dense > 0), "dense_tile": dense,
+           "kl_dense_call": int(dense > 0), "kl_dense_tile": B * dense, "topk_call": 0, "topk_tile": 0,
+           "topk_block": 0, "topk_masked": 0}  # fmt: skip
     if K == 0 or T == 0:
         return out
     g, tile = INDEX_GROUP, cfg.indexer_tile_tokens
@@ -142,15 +162,16 @@ def _empty() -> dict:
     return {c: dict.fromkeys(PASSES, 0) for c in COMPONENTS}
 
 
-def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes) -> None:
+def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes, cached: int = 0) -> None:
     for i, kind in enumerate(cfg.layer_types):
         if kind == KDA:
             _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
         elif kind == DSA:
-            u = dsa_units(cfg, tokens, batch)
-            _add(out, "dsa_attention", table, {"call": 1, "attn_tile": u["attn_tile"]}, 1, passes)
+            u = dsa_units(cfg, tokens, batch, cached)
+            att = ("attn_tile", "dense_call", "dense_tile")
+            _add(out, "dsa_attention", table, {"call": 1, **{k: u[k] for k in att}}, 1, passes)
             if cfg.indexer_types[i] == "full":
-                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in ("attn_tile",)}, 1, passes)
+                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in att}, 1, passes)
         if cfg.mlp_layer_types[i] == "sparse":
             _add(out, "moe", table, moe_units(cfg, batch * tokens), 1, passes)
         else:
@@ -189,14 +210,15 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
         [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
                                                              else []))  # fmt: skip
     for i, t in enumerate(chunks):
-        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"))
+        S = sum(chunks[:i])  # the chunk's cached positions
+        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S)
         if recompute:
             again = _empty()
-            _layers(cfg, again, OPS, t, batch_size, ("forward",))
+            _layers(cfg, again, OPS, t, batch_size, ("forward",), S)
             for c in COMPONENTS:
                 out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
         if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
-            _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",))
+            _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",), S)
             _add(out, "other", CHUNKED_OPS, {"chunk": 1}, 1, ("forward", "recompute", "backward"))
             if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
                 full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
@@ -246,5 +268,5 @@ def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk
     tokens = seq_len // layout.cp
     chunk = chunk_tokens or tokens
     for t0 in range(0, tokens, chunk):
-        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",))
+        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",), t0)
     return _totals(out)

@@ -20,6 +20,7 @@ DEVICES = ("cuda", "cpu")
 # Copied from the code they describe (tests/test_plan.py checks that they still match):
 ATTN_TILE_TOKENS = 1 << 16  # genoctx.model.dsa.ATTN_TILE_TOKENS: sparse-attention query rows x selected tokens
 ATTN_TILE_BYTES = ATTN_TILE_TOKENS * (512 + 64) * 4  # genoctx.model.dsa.ATTN_TILE_BYTES: a tile's byte budget
+DENSE_RATIO = 2.0  # genoctx.model.dsa.DENSE_RATIO: queries seeing <= ratio x width keys attend densely
 INDEX_ROW_TILE = 256  # genoctx.model.dsa.INDEX_ROW_TILE: indexer query rows per tile
 INDEX_COL_BLOCK = 4096  # genoctx.model.dsa.INDEX_COL_BLOCK: indexer key columns per block
 INDEX_GROUP = 32  # genoctx.model.dsa.INDEX_GROUP
@@ -340,13 +341,31 @@ def _dsa_cp_saved(cfg: ModelConfig, s: _Sizes, full: bool) -> float:
     return out
 
 
-def _attn_tiles(cfg: ModelConfig, tokens: int) -> tuple[int, int, int]:
-    """Sparse-attention tiles over ``tokens`` queries: ``(TT, TT_last, count)``, ``TT = rows x width`` elements of a
-    full tile (query rows x selected tokens, ``width = topk + kp - 1`` with the visible tail,
-    ``rows = max(1, min(tokens, tile // width))``, ``tile = ATTN_TILE_BYTES // ((R + H) 4)``:
-    ``genoctx.model.dsa.attn_tile_tokens``), the last tile's and the number of tiles."""
+def _dense_part(cfg: ModelConfig, tokens: int, cached: int) -> tuple[int, int]:
+    """The short-window dense tiles of sparse attention (``genoctx.model.dsa._dense_split``) over ``tokens`` queries
+    after ``cached`` positions: ``(split, DD)``, the first ``split`` queries attend densely, ``DD = rows x n`` (query
+    rows x keys) elements of the largest dense tile (``n = cached + split``)."""
+    width = cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail else 0)
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    split = min(tokens, max(0, int(DENSE_RATIO * width) - cached))
+    if split == 0:
+        return 0, 0
+    tile = max(1, ATTN_TILE_BYTES // ((R + H) * F32))
+    rows = max(1, tile * (R + H) // ((cached + split) * (H + 1)))
+    return split, min(split, rows) * (cached + split)
+
+
+def _attn_tiles(cfg: ModelConfig, tokens: int, cached: int = 0) -> tuple[int, int, int]:
+    """Sparse-attention (gathering) tiles over ``tokens`` queries after ``cached`` positions, less the dense ones
+    (``_dense_part``): ``(TT, TT_last, count)``, ``TT = rows x width`` elements of a full tile (query rows x selected
+    tokens, ``width = topk + kp - 1`` with the visible tail, ``rows = max(1, min(tokens, tile // width))``,
+    ``tile = ATTN_TILE_BYTES // ((R + H) 4)``: ``genoctx.model.dsa.attn_tile_tokens``), the last tile's and the
+    number of tiles (``(0, 0, 0)`` when every query attends densely)."""
     width = cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail else 0)
     tile = max(1, ATTN_TILE_BYTES // ((cfg.kv_lora_rank + cfg.num_attention_heads) * F32))
+    tokens -= _dense_part(cfg, tokens, cached)[0]
+    if tokens <= 0:
+        return 0, 0, 0
     rows = max(1, min(tokens, tile // width))
     count = -(-tokens // rows)
     return rows * width, (tokens - (count - 1) * rows) * width, count
@@ -355,26 +374,30 @@ def _attn_tiles(cfg: ModelConfig, tokens: int) -> tuple[int, int, int]:
 def _carried(TT: int, last: int, count: int, fresh: int) -> int:
     """Largest ``previous tile + fresh x this tile``: a tile loop's variables hold the previous tile's tensors
     until the new ones are assigned."""
-    if count == 1:
+    if count <= 1:
         return fresh * TT
     return max(fresh * TT, (1 + fresh) * TT if count > 2 else 0, TT + fresh * last)
 
 
-def _dsa_tiles_bwd(cfg: ModelConfig, tokens: int) -> float:
+def _dsa_tiles_bwd(cfg: ModelConfig, tokens: int, cached: int = 0) -> float:
     """Sparse-attention backward tiles: ``carried(2) R f + TT (2 Hm f + 17)`` bytes: the latents' gradient of the
     previous tile (``dks``, still referenced) and two ``TT x R`` fp32 products of this one, probabilities and their
     gradients, int64 token indices and a mask (``carried(k)`` = ``_carried``: ``3 TT`` with three tiles or more,
-    ``2 TT`` with one)."""
-    TT, last, count = _attn_tiles(cfg, tokens)
-    return _carried(TT, last, count, 2) * cfg.kv_lora_rank * F32 + TT * (2 * cfg.num_attention_heads * F32 + 17)
+    ``2 TT`` with one); or, if larger, a dense tile's ``DD (2 Hm + 1) f`` (probabilities, their gradients, the
+    bias)."""
+    TT, last, count = _attn_tiles(cfg, tokens, cached)
+    sparse = _carried(TT, last, count, 2) * cfg.kv_lora_rank * F32 + TT * (2 * cfg.num_attention_heads * F32 + 17)
+    return max(sparse, _dense_part(cfg, tokens, cached)[1] * (2 * cfg.num_attention_heads + 1) * F32)
 
 
-def _dsa_tiles_fwd(cfg: ModelConfig, s: _Sizes, tokens: int) -> float:
+def _dsa_tiles_fwd(cfg: ModelConfig, s: _Sizes, tokens: int, cached: int = 0) -> float:
     """Sparse-attention forward tiles: ``carried(1) (R (a + c) + Hm f) + 17 TT`` (gathered latents and their fp32
-    copy, scores/probabilities, for the previous and this tile; indices)."""
-    TT, last, count = _attn_tiles(cfg, tokens)
+    copy, scores/probabilities, for the previous and this tile; indices); or, if larger, a dense tile's
+    ``DD (Hm + 1) f`` (scores/probabilities, the bias)."""
+    TT, last, count = _attn_tiles(cfg, tokens, cached)
     per = cfg.kv_lora_rank * (s.a + s.c) + cfg.num_attention_heads * F32
-    return _carried(TT, last, count, 1) * per + 17 * TT
+    sparse = _carried(TT, last, count, 1) * per + 17 * TT
+    return max(sparse, _dense_part(cfg, tokens, cached)[1] * (cfg.num_attention_heads + 1) * F32)
 
 
 def _indexer_tiles(cfg: ModelConfig, tokens: int, ctx: int) -> float:
