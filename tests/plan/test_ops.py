@@ -60,8 +60,8 @@ def test_eval_ops_equal_the_counted(name, L):
 def test_ops_grow_with_what_loops():
     """The loop bounds: KDA chunks and blocks, DSA tiles, MoE chunks; CP divides a rank's tokens."""
     cfg = preset("cpu-small")
-    assert O.kda_units(cfg, 2048) == {"call": 1, "block": 2, "chunk": 32}
-    assert O.kda_units(cfg, 1000)["chunk"] == 16 and O.kda_units(cfg, 1100) == {"call": 1, "block": 2, "chunk": 18}
+    assert cfg.kda_block_tokens == 4096 and O.kda_units(cfg, 8192) == {"call": 1, "block": 2, "chunk": 128}
+    assert O.kda_units(cfg, 1000)["chunk"] == 16 and O.kda_units(cfg, 4100) == {"call": 1, "block": 2, "chunk": 65}
     assert O.moe_units(cfg, 8192 * 2 + 5)["chunk"] == 3
     assert O.step_ops(cfg, 1 << 15, Layout(cp=2))["components"]["kda"] == O.step_ops(cfg, 1 << 14)["components"]["kda"]
     a, b = O.step_ops(cfg, 1 << 13)["total"], O.step_ops(cfg, 1 << 14)["total"]
