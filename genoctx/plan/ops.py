@@ -30,14 +30,15 @@ COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", 
 
 # (forward, recompute, backward) ops of one loop body (module docstring), fp32, one process; counted from the code by
 # OpCounter at several lengths (tests/plan/test_ops.py holds them). A KDA block's recompute runs inside its backward
-# (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``).
+# (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``). ``topk_call``: one ``indexer_topk`` call's ops
+# beside its tiles and blocks (8, counted on the call alone: the chunked grad pass runs a full layer without it).
 OPS: dict = {
     "kda": {"call": (86, 0, 169), "block": (90, 0, 209), "chunk": (3, 0, 6)},
     "dsa_attention": {"call": (110, 0, 142), "attn_tile": (21, 0, 33)},
     "dsa_indexer": {
-        "call": (63, 0, 42),
+        "call": (76, 0, 42),
         "kl_tile": (59, 0, 2),
-        "topk_call": (21, 0, 0),
+        "topk_call": (8, 0, 0),
         "topk_tile": (19, 0, 0),
         "topk_block": (19, 0, 0),
         "topk_masked": (5, 0, 0),
@@ -52,7 +53,7 @@ OPS: dict = {
 EVAL_OPS: dict = {
     "kda": {"call": (79,), "block": (91,), "chunk": (3,)},
     "dsa_attention": {"call": (103,), "attn_tile": (21,)},
-    "dsa_indexer": {"call": (19,), "topk_call": (21,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
+    "dsa_indexer": {"call": (32,), "topk_call": (8,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
     "moe": {"call": (18,), "chunk": (51,)},
     "dense_mlp": {"call": (16,)},
     "mhc": {"call": (39,), "sinkhorn_iter": (4,)},
@@ -142,7 +143,9 @@ def _empty() -> dict:
     return {c: dict.fromkeys(PASSES, 0) for c in COMPONENTS}
 
 
-def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes) -> None:
+def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes, selected: bool = False) -> None:
+    """Every layer's loop bodies over ``tokens`` into ``out``; ``selected``: the DSA top-k selections are given (the
+    chunked step's grad pass and its recompute reuse the sweep's, ``genoctx.train.chunked``): no ``topk_*`` units."""
     for i, kind in enumerate(cfg.layer_types):
         if kind == KDA:
             _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
@@ -150,7 +153,8 @@ def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, p
             u = dsa_units(cfg, tokens, batch)
             _add(out, "dsa_attention", table, {"call": 1, "attn_tile": u["attn_tile"]}, 1, passes)
             if cfg.indexer_types[i] == "full":
-                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in ("attn_tile",)}, 1, passes)
+                skip = ("attn_tile",) + (("topk_call", "topk_tile", "topk_block", "topk_masked") if selected else ())
+                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in skip}, 1, passes)
         if cfg.mlp_layer_types[i] == "sparse":
             _add(out, "moe", table, moe_units(cfg, batch * tokens), 1, passes)
         else:
@@ -188,11 +192,12 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
     chunks = [tokens] if not seq_chunk_tokens or seq_chunk_tokens >= tokens else (
         [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
                                                              else []))  # fmt: skip
+    sel = len(chunks) > 1  # chunked: the top-k runs in the no-grad sweep only
     for i, t in enumerate(chunks):
-        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"))
+        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), sel)
         if recompute:
             again = _empty()
-            _layers(cfg, again, OPS, t, batch_size, ("forward",))
+            _layers(cfg, again, OPS, t, batch_size, ("forward",), sel)
             for c in COMPONENTS:
                 out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
         if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
