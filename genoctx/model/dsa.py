@@ -51,6 +51,10 @@ Design choices (why this is not the reference's code):
 - Chunk contract: ``forward(x, cache, selection)`` takes the latents and pooled indexer keys of all earlier
   positions (``DSACache``: latents, complete pools' keys, and the raw keys/gates of the incomplete last pool)
   and returns them extended by this chunk (not detached: gradients reach earlier chunks).
+- Selection memo (``selection_memo``, set by ``genoctx.train.chunked`` on full layers for one step): a chunk's top-k
+  pools are a deterministic function of its inputs and of the cache before it, so the chunked step's grad pass takes
+  the pools its no-grad sweep computed for the same positions ``(S, T)`` instead of scoring again (half the indexer
+  top-k FLOPs; bit-identical). It holds ``B T_total K 4`` bytes per full layer (int32 pools of every position).
 """
 
 from __future__ import annotations
@@ -1086,6 +1090,9 @@ class DeepSeekSparseAttention(nn.Module):
         self.indexer = None if self.shared else Indexer(cfg)
         self.stats: dict = {}
         self.aux_loss: Tensor | None = None
+        # the chunked step's selection memo (genoctx.train.chunked): None, or {(S, T): pools [B, T, K] int32} that
+        # ``forward`` fills with each chunk's top-k and reuses when the same chunk runs again (module docstring)
+        self.selection_memo: dict[tuple[int, int], Tensor] | None = None
 
     def absorbed(self) -> tuple[Tensor, Tensor]:
         """``(W_UK [H, qk_head_dim, R], W_UV [H, v_head_dim, R])``, views of ``kv_b_proj.weight`` (of its
@@ -1160,8 +1167,13 @@ class DeepSeekSparseAttention(nn.Module):
                     kw["visible_host"] = [(p + 1) // kp for p in range(S, S + T)]
                     if not use_triton:
                         kw["prune"] = reads_free(x.device)
-                pools = topk_fn(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32, **kw)
-                ran_triton = use_triton
+                memo = self.selection_memo
+                pools = None if memo is None else memo.get((S, T))
+                if pools is None:  # a chunk seen before (the chunked step's grad pass) reuses its selection
+                    pools = topk_fn(iq, iw, pool_k, n_vis_pools, K, self.tile_tokens, index_dtype=torch.int32, **kw)
+                    ran_triton = use_triton
+                    if memo is not None:
+                        memo[(S, T)] = pools
             else:
                 pools = torch.full((B, T, 0), SENTINEL, dtype=torch.int32, device=x.device)
             sel = DSASelection(pools, pos, kp, self.tail)

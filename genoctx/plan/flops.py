@@ -19,7 +19,8 @@ Method. Every product of the code is a term here, with the number of times it ru
   map is not); under CP also the KDA ``[L | M]`` state pass (its projections and core; the core inside it twice,
   nested checkpoints). With ``recompute=True`` (``apply_ac``) every decoder layer runs its forward once more (a
   region inside ``k`` nested checkpoints runs ``k + 1`` times, ``k + 2`` with AC). With ``seq_chunk_tokens`` the
-  no-grad forward sweep runs every chunk once more (no indexer KL there, no checkpoints).
+  no-grad forward sweep runs every chunk once more (no indexer KL there, no checkpoints); the indexer top-k runs
+  there only (the grad pass and its recompute reuse the sweep's selections, ``genoctx.train.chunked``).
 - backward: ``2x`` a product's forward (input and weight gradients), ``1x`` where only one side needs a gradient: the
   indexer's projections (input detached: weight gradient only), a frozen weight (``train.trainable``: input gradient
   only; ``0x`` where the input needs none either, ``_flow``), the KDA core's first product with a zero initial
@@ -449,7 +450,8 @@ def _dsa_layer(t: _Tally, cfg: ModelConfig, i: int, B: int, pieces: list[tuple[i
         Wk = keys / T  # keys per query: W, fewer or more where short-window tiles attend densely
         t.add("dsa_attention", 4.0 * nq * H * R * Wk, 10.0 * nq * H * R * Wk if grad and attn else 0.0, unit=attn_unit)
         if full:  # the pooled keys are fp32: the top-k's dots run in fp32 (FMA), the KL with autocast off
-            t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
+            if not ctx["selected"]:  # the chunked step's grad pass takes its sweep's selection
+                t.add("dsa_indexer", B * _topk_scoring(cfg, S, T), unit="fp32")
             if kl_fwd and cfg.indexer_stage == "sparse":  # target, pool scores, head sum (bmm), gradients: in forward
                 t.add("dsa_indexer", 2.0 * nq * (H * R * Wk + 3 * HI * dI * Kp + 2 * HI * Kp), unit="fp32")
             elif kl_fwd:
@@ -582,14 +584,15 @@ def _lora(t: _Tally, cfg: ModelConfig, i: int, n: float, grad: bool, ep_factor: 
 
 def _pass(cfg: ModelConfig, B: int, rounds, grad: bool, cp: int, n_pieces: int, ep_factor: float,
           loss_vocab_rows: int | None, *, fsdp: bool, eval_mode: bool = False,
-          flow: tuple | None = None, lora_r: int = 0) -> _Tally:  # fmt: skip
+          flow: tuple | None = None, lora_r: int = 0, selected: bool = False) -> _Tally:  # fmt: skip
     """One forward (with or without grad) over every round of the rank, and what its backward would cost
-    (``flow``: ``_flow`` when not everything trains, or None; ``lora_r``: the adapters' rank)."""
+    (``flow``: ``_flow`` when not everything trains, or None; ``lora_r``: the adapters' rank; ``selected``: the DSA
+    top-k selections are given (the chunked step's grad pass reuses its sweep's), no indexer scoring)."""
     t = _Tally()
     for k, pieces in enumerate(rounds):
         n = B * sum(T for _, T in pieces)
         ctx = {"cp": cp > 1, "n_pieces": n_pieces, "carry_in": k > 0, "carry_out": k < len(rounds) - 1,
-               "fsdp": fsdp, "eval": eval_mode, "lora_r": lora_r}  # fmt: skip
+               "fsdp": fsdp, "eval": eval_mode, "lora_r": lora_r, "selected": selected}  # fmt: skip
         for i, kind in enumerate(cfg.layer_types):
             g = ctx["g"] = flow[0][i] if flow is not None else None
             lt = t if g is None or g["layer"] else _Tally(dead=False)  # a layer before anything needs a gradient: apart
@@ -678,7 +681,10 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
     B = batch_size
     flow = _flow(cfg, trainable) if trainable is not None and not trainable.default else None
     lora = dict(flow=flow, lora_r=trainable.lora_rank if trainable is not None else 0)
-    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, **lora)
+    chunked = len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len)
+    # chunked: the grad pass (and its AC recompute) takes the top-k selections of the sweep (no indexer scoring)
+    grad = _pass(cfg, B, rounds, True, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, selected=chunked,
+                 **lora)  # fmt: skip
     comps = {c: dict(grad.f[c]) for c in COMPONENTS}
     units = {c: {p: dict(grad.u[c][p]) for p in PHASES} for c in COMPONENTS}
 
@@ -691,7 +697,7 @@ def step_flops(cfg: ModelConfig, seq_len: int, layout: Layout = Layout(), *, bat
         if recompute and c != "lm_head_loss":  # apply_ac: every decoder layer's forward once more (not the head)
             rerun(c, grad)
             rerun(c, grad.dead, -1.0)  # but not the layers no gradient reaches
-    if len(rounds) > 1 or (seq_chunk_tokens is not None and seq_chunk_tokens * layout.cp < seq_len):
+    if chunked:
         sweep = _pass(cfg, B, rounds, False, layout.cp, n_pieces, skew, loss_vocab_rows, fsdp=layout.fsdp, **lora)
         for c in COMPONENTS:
             rerun(c, sweep)

@@ -30,7 +30,8 @@ COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", 
 
 # (forward, recompute, backward) ops of one loop body (module docstring), fp32, one process; counted from the code by
 # OpCounter at several lengths (tests/plan/test_ops.py holds them). A KDA block's recompute runs inside its backward
-# (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``).
+# (``_KDABlock``), a MoE chunk's under its checkpoint (``recompute``). ``topk_call``: one ``indexer_topk`` call's ops
+# beside its tiles and blocks (8, counted on the call alone: the chunked grad pass runs a full layer without it).
 OPS: dict = {
     "kda": {"call": (86, 0, 169), "block": (90, 0, 209), "chunk": (3, 0, 6)},
     "dsa_attention": {
@@ -40,11 +41,11 @@ OPS: dict = {
         "dense_tile": (28, 0, 44),
     },
     "dsa_indexer": {
-        "call": (63, 0, 42),
+        "call": (76, 0, 42),
         "kl_tile": (59, 0, 2),
         "kl_dense_call": (26, 0, 0),
         "kl_dense_tile": (71, 0, 0),
-        "topk_call": (21, 0, 0),
+        "topk_call": (8, 0, 0),
         "topk_tile": (19, 0, 0),
         "topk_block": (19, 0, 0),
         "topk_masked": (5, 0, 0),
@@ -59,7 +60,7 @@ OPS: dict = {
 EVAL_OPS: dict = {
     "kda": {"call": (79,), "block": (91,), "chunk": (3,)},
     "dsa_attention": {"call": (103,), "attn_tile": (21,), "dense_call": (23,), "dense_tile": (28,)},
-    "dsa_indexer": {"call": (19,), "topk_call": (21,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
+    "dsa_indexer": {"call": (32,), "topk_call": (8,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
     "moe": {"call": (18,), "chunk": (51,)},
     "dense_mlp": {"call": (16,)},
     "mhc": {"call": (39,), "sinkhorn_iter": (4,)},
@@ -162,7 +163,11 @@ def _empty() -> dict:
     return {c: dict.fromkeys(PASSES, 0) for c in COMPONENTS}
 
 
-def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes, cached: int = 0) -> None:
+def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, passes, cached: int = 0,
+            selected: bool = False) -> None:  # fmt: skip
+    """Every layer's loop bodies over ``tokens`` after ``cached`` positions into ``out``; ``selected``: the DSA top-k
+    selections are given (the chunked step's grad pass and its recompute reuse the sweep's,
+    ``genoctx.train.chunked``): no ``topk_*`` units."""
     for i, kind in enumerate(cfg.layer_types):
         if kind == KDA:
             _add(out, "kda", table, kda_units(cfg, tokens), 1, passes)
@@ -171,7 +176,8 @@ def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, p
             att = ("attn_tile", "dense_call", "dense_tile")
             _add(out, "dsa_attention", table, {"call": 1, **{k: u[k] for k in att}}, 1, passes)
             if cfg.indexer_types[i] == "full":
-                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in att}, 1, passes)
+                skip = att + (("topk_call", "topk_tile", "topk_block", "topk_masked") if selected else ())
+                _add(out, "dsa_indexer", table, {k: v for k, v in u.items() if k not in skip}, 1, passes)
         if cfg.mlp_layer_types[i] == "sparse":
             _add(out, "moe", table, moe_units(cfg, batch * tokens), 1, passes)
         else:
@@ -209,12 +215,13 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
     chunks = [tokens] if not seq_chunk_tokens or seq_chunk_tokens >= tokens else (
         [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
                                                              else []))  # fmt: skip
+    sel = len(chunks) > 1  # chunked: the top-k runs in the no-grad sweep only
     for i, t in enumerate(chunks):
         S = sum(chunks[:i])  # the chunk's cached positions
-        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S)
+        _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S, sel)
         if recompute:
             again = _empty()
-            _layers(cfg, again, OPS, t, batch_size, ("forward",), S)
+            _layers(cfg, again, OPS, t, batch_size, ("forward",), S, sel)
             for c in COMPONENTS:
                 out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
         if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)

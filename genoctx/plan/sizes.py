@@ -485,8 +485,9 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
     indexer keys ``d_I / kpool`` (fp32: their cross-chunk gradient sums are an fp32 island), the latents ``a`` bytes
     each, three times (kept, the gradient into the outgoing cache, the incoming gradient; four for the pooled keys,
     whose outgoing cache is a copy); per KDA layer, one recurrent state ``H K V`` fp32 and conv tail
-    ``(w - 1) 3 H K a`` per chunk boundary, i.e. divided by ``chunk_tokens``.
-    ``rows``: sequences per rank (batch size).
+    ``(w - 1) 3 H K a`` per chunk boundary, i.e. divided by ``chunk_tokens``. Per "full" DSA layer (sparse mode or
+    the sparse-stage indexer KL) also the top-k selections the grad pass reuses (``selection_memo``): ``K = index_topk /
+    index_kpool`` int32 pools per token. ``rows``: sequences per rank (batch size).
 
     Args:
         cfg: the architecture.
@@ -503,6 +504,8 @@ def seq_chunk_boundary_bytes(cfg: ModelConfig, chunk_tokens: int, rows: int = 1,
             per += _LATENT_COPIES * a * cfg.kv_lora_rank
             if cfg.indexer_types[i] == "full":
                 per += _POOL_COPIES * F32 * cfg.index_head_dim / cfg.index_kpool
+                if cfg.dsa_mode == "sparse" or cfg.indexer_stage == "sparse":  # the kept selections
+                    per += 4 * (cfg.index_topk // cfg.index_kpool)
         else:
             H, K = cfg.linear_num_heads, cfg.linear_head_dim
             per += (4 * H * K * K + (cfg.linear_conv_kernel_dim - 1) * 3 * H * K * a) / chunk_tokens

@@ -20,6 +20,12 @@ not a multiple). One training step is two sweeps:
    are ``cat(incoming, own)``, so the gradient that reaches chunk ``c``'s incoming latents already sums what every
    later chunk sent to those positions: the accumulation across chunks is autograd's own.
 
+The sweep also records each full DSA layer's top-k selection per chunk (``DeepSeekSparseAttention.selection_memo``,
+keyed by the chunk's positions): the grad pass attends over the recorded pools instead of scoring the indexer again
+(the top-k is a deterministic function of the same inputs in both passes; the indexer KL still runs on its keys).
+This keeps ``B L K 4`` bytes per full DSA layer (int32 pools, ``K = index_topk / index_kpool``) for the step, ``L``
+this rank's tokens under CP (each CP piece's call is keyed by its own positions, so the same code serves CP).
+
 Loss and every gradient equal one pass over the whole window (tests: fp64, window not a multiple of the chunk,
 shared DSA layer, MoE with the balance loss, indexer KL stages "warmup" and "sparse", all-N chunks). The
 sequence-wise MoE balance loss stays exact: its ``f`` (selection fraction) comes from the forward sweep over the
@@ -51,7 +57,7 @@ import torch
 from torch import Tensor
 
 from ..model.config import DSA
-from ..model.dsa import DSACache
+from ..model.dsa import DeepSeekSparseAttention, DSACache
 from ..model.model import HybridLM, ModelCache
 from ..model.moe import MoE
 from ..model.precision import island
@@ -131,8 +137,25 @@ def _cache_fields(cache: ModelCache | None) -> list[str]:
             if torch.is_tensor(v) and v.is_floating_point() and k not in getattr(c, "views", ())]  # fmt: skip
 
 
+@contextlib.contextmanager
+def _memo_cleared_on_error(dsas: list[DeepSeekSparseAttention]):
+    """Drop the layers' selection memos if the forward sweep raises (the backward sweep's ``finally`` drops them
+    otherwise)."""
+    try:
+        yield
+    except BaseException:
+        for d in dsas:
+            d.selection_memo = None
+        raise
+
+
 def _moes(model: HybridLM) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _full_dsa(model: HybridLM) -> list[DeepSeekSparseAttention]:
+    """The DSA layers with their own indexer (the ones whose top-k selections the step records)."""
+    return [m for m in model.modules() if isinstance(m, DeepSeekSparseAttention) and m.indexer is not None]
 
 
 _SUMMED = ("keys_scored", "keys_attended", "ep_received_rows", "ep_rounds")
@@ -257,12 +280,19 @@ def chunked_forward_backward(
                 losses = token_losses(logits, y, m)
         return losses, cache
 
-    # 1. forward, no graph: the boundaries, the router loads, each sequence's expert selections
+    # 1. forward, no graph: the boundaries, the router loads, each sequence's expert selections, the DSA top-k pools
+    dsas = _full_dsa(model)
+    for d in dsas:
+        d.selection_memo = {}
     boundaries = _Boundaries()
     selections: list[Tensor | None] = [None] * len(moes)
     cache = None
     # progress (genoctx.progress): one task per sweep, its chunks; lines only in a sweep longer than the interval
-    with torch.no_grad(), bar("train step (forward sweep)", len(bounds), "chunks") as progress:
+    with (
+        torch.no_grad(),
+        _memo_cleared_on_error(dsas),
+        bar("train step (forward sweep)", len(bounds), "chunks") as progress,
+    ):
         for c in range(len(bounds)):
             boundaries.add(cache)
             _, cache = run(c, cache)
@@ -320,6 +350,8 @@ def chunked_forward_backward(
             progress.advance(tokens=(e - s) * inputs.shape[0])
     finally:
         sweep.close()
+        for d in dsas:
+            d.selection_memo = None
         for m, counts in zip(moes, saved_counts, strict=True):
             m.window_selection = None
             m.load_counts.copy_(counts)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from genoctx.model import dsa
 from genoctx.model.config import DSA, KDA, ModelConfig, preset
 from genoctx.model.host import SyncCounter
 from genoctx.model.model import HybridLM
@@ -48,13 +49,25 @@ def _case(model, tokens, dims, seq_chunk=None):
     model.zero_grad(set_to_none=True)
     calls = [0]  # forwards of layer 0's mixer: 1 for one pass, 2 per round for the chunked backward
     hook = model.layers[0].self_attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
-    with SyncCounter() as syncs:  # host reads (genoctx.model.host): the MoE split sizes and the aux loss only
-        loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims, None, seq_chunk)
+    topk = [0, 0]  # indexer top-k calls without / with grad (the chunked grad pass reuses the sweep's selections)
+    orig_topk = dsa.indexer_topk
+
+    def count_topk(*a, **kw):
+        topk[int(torch.is_grad_enabled())] += 1
+        return orig_topk(*a, **kw)
+
+    dsa.indexer_topk = count_topk
+    try:
+        with SyncCounter() as syncs:  # host reads (genoctx.model.host): the MoE split sizes and the aux loss only
+            loss_sum, count, aux = forward_backward(model, tokens, nullcontext(), dims, None, seq_chunk)
+    finally:
+        dsa.indexer_topk = orig_topk
     hook.remove()
     stats = model.layer_stats()
     return {
         "syncs": (dict(syncs.reads), dict(syncs.ops)),
         "mixer_calls": calls[0],
+        "topk_calls": tuple(topk),
         "loss_sum": float(loss_sum),
         "count": int(count),
         "aux": aux,

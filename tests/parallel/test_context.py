@@ -309,6 +309,8 @@ def test_each_cp_rank_chunks_its_piece_as_one_process(request, reference, case, 
     bounds = chunk_bounds(length, SEQ_CHUNK[world, layout] * world)
     for rank in range(world):
         assert ranks[rank][case]["mixer_calls"] == 2 * rounds  # the forward sweep, then each round again
+        no_grad, grad = ranks[rank][case]["topk_calls"]
+        assert no_grad >= rounds and grad == 0  # the grad pass takes the sweep's top-k selections
         _assert_same(ranks[rank][case], ref)
         # host reads: the aux loss, and the MoE split sizes of each round's forward sweep, forward and recomputation
         assert ranks[rank][case]["syncs"] == _want_syncs(_split_reads(bounds, world, passes=3))

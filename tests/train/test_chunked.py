@@ -121,7 +121,8 @@ def test_chunked_backward_under_activation_checkpointing():
 
 def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
     """``genoctx.plan.seq_chunk_boundary_bytes``: per token, the DSA latents and pooled keys of every token (times the
-    planner's copies at the peak) and a KDA state and conv tail per chunk boundary, as the forward sweep keeps them."""
+    planner's copies at the peak), a KDA state and conv tail per chunk boundary, and each full DSA layer's top-k pools
+    of every token (``selection_memo``, int32), as the forward sweep keeps them."""
     from genoctx.plan.sizes import _LATENT_COPIES, _POOL_COPIES, seq_chunk_boundary_bytes
     from genoctx.train.chunked import _Boundaries
 
@@ -131,6 +132,9 @@ def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
     tokens = torch.randint(0, 4, (1, L))
     kept = _Boundaries()
     cache = None
+    full = [m for m in model.modules() if getattr(m, "indexer", 0) is not None and hasattr(m, "selection_memo")]
+    for m in full:
+        m.selection_memo = {}
     with torch.no_grad():
         for s in range(0, L, T):
             kept.add(cache)
@@ -143,7 +147,9 @@ def test_the_planner_counts_the_boundary_state_the_chunked_step_keeps():
               for t in (c.state, c.conv_state))  # fmt: skip
     # the last boundary's KDA state is the final cache's (not stored per chunk): L / T boundaries in the formula
     kda_per_boundary = kda / (L // T - 1)
-    want = (_LATENT_COPIES * latents + _POOL_COPIES * pools) / L + kda_per_boundary / T
+    memo = sum(p.numel() * p.element_size() for m in full for p in m.selection_memo.values())
+    assert memo == len(full) * L * (cfg.index_topk // cfg.index_kpool) * 4 > 0  # B L K 4 per full layer
+    want = (_LATENT_COPIES * latents + _POOL_COPIES * pools + memo) / L + kda_per_boundary / T
     assert seq_chunk_boundary_bytes(cfg, T, rows=1, a=4) == pytest.approx(want, rel=1e-9)
 
 
