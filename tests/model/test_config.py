@@ -53,7 +53,8 @@ def test_to_hf_dict_reads_back_in_transformers_and_genoctx(name):
     for k in ARCH:
         assert getattr(hf, k) == getattr(cfg, k), k
     back = ModelConfig.from_hf_dict(d, kda_chunk_size=cfg.kda_chunk_size, moe_chunk_tokens=cfg.moe_chunk_tokens,
-                                    indexer_tile_tokens=cfg.indexer_tile_tokens)  # fmt: skip
+                                    indexer_tile_tokens=cfg.indexer_tile_tokens,
+                                    kda_block_tokens=cfg.kda_block_tokens)  # fmt: skip
     assert back == cfg
 
 
