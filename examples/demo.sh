@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README demo: examples/reproduce-small.sh with small budgets (about 10 minutes on 2 CPU cores, install
+# The README demo: examples/reproduce-small.sh with small budgets (about 5 minutes on 2 CPU cores, install
 # excluded): prepare the embedded real hg38 pieces (train chr1:1-1,000,000 + chr2:1-2,333,275, hold out
 # chr22:32.0-32.3 Mb), train a base at short context (1k-token crops), post-train it on whole 16k windows, then
 # eval --by-position of base vs post-trained with the order-8 Markov chain and the repeat reference in the same
