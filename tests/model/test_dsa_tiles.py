@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from genoctx.model import dsa
 from genoctx.model.config import preset
+from genoctx.model.opcount import OpCounter
 
 F64 = torch.float64
 TOL = dict(rtol=1e-9, atol=1e-10)
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _case(B, T, kp, K, tail, dtype=F64, S=3, window=0):
@@ -84,19 +74,19 @@ def test_op_counts_are_the_formula(tail, B, tiles):
     tile = sel.width * (T // tiles)
     args = (sel.pools, sel.pos, 4, tail, 0.5, tile)
     got = {}
-    with _Count() as c:
+    with OpCounter() as c:
         o = dsa._SparseMLA.apply(q, kv, *args)
     do = torch.randn_like(o)  # contiguous (a ones_like gradient may arrive expanded: one copy more)
-    got["fwd"] = c.n
-    with _Count() as c:
+    got["fwd"] = c.total
+    with OpCounter() as c:
         o.backward(do)
-    got["bwd"] = c.n
-    with _Count() as c:
+    got["bwd"] = c.total
+    with OpCounter() as c:
         kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args)
-    got["kl"] = c.n
-    with _Count() as c:
+    got["kl"] = c.total
+    with OpCounter() as c:
         kl.backward()
-    got["kl_bwd"] = c.n
+    got["kl_bwd"] = c.total
     assert got == {k: a + b * tiles for k, (a, b) in OPS[(tail, B)].items()}
 
 

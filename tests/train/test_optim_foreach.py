@@ -7,22 +7,12 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from genoctx.model.config import preset
 from genoctx.model.model import HybridLM
+from genoctx.model.opcount import OpCounter
 from genoctx.recipes import TrainConfig
 from genoctx.train.loop import build_optimizer, train_step
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _run(foreach: bool | None):
@@ -35,13 +25,13 @@ def _run(foreach: bool | None):
     tokens = torch.randint(3, 7, (1, 96), generator=torch.Generator().manual_seed(1))
     ops = []
     for _ in range(3):
-        counter = _Ops()
+        counter = OpCounter()
         opt.register_step_pre_hook(lambda *a, c=counter: (c.__enter__(), None)[1])
         opt.register_step_post_hook(lambda *a, c=counter: (c.__exit__(None, None, None), None)[1])
         train_step(model, opt, sched, tokens, cfg, nullcontext())
         opt._optimizer_step_pre_hooks.clear()
         opt._optimizer_step_post_hooks.clear()
-        ops.append(counter.n)
+        ops.append(counter.total)
     return model, opt, ops
 
 
