@@ -552,10 +552,14 @@ class _RayLog:
             from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
         except ImportError:  # another Ray: it prints as it does
             return self
-        printer = rw.print_to_stdstream
+        printer = _LateLines.unwrap(rw.print_to_stdstream)
         rw.print_to_stdstream = self.route  # the GCS error listener looks it up at each message
-        self._undo.append(lambda: setattr(rw, "print_to_stdstream", printer))
-        before = list(dispatcher.handlers)
+
+        def give_back_gcs() -> None:  # an attached Ray lives on: late lines of this run still go to its file
+            rw.print_to_stdstream = _LateLines(printer, self.path) if rw.global_worker.connected else printer
+
+        self._undo.append(give_back_gcs)
+        before = [(name, _LateLines.unwrap(fn)) for name, fn in dispatcher.handlers]
         dispatcher.remove_handler("ray_print_logs")
         if len(dispatcher.handlers) < len(before):  # log_to_driver: our printer in place of Ray's
             dispatcher.add_handler("ray_print_logs", lambda data: self.route(data, ignore_prefix=True))
@@ -563,9 +567,9 @@ class _RayLog:
             def give_back() -> None:
                 dispatcher.remove_handler("ray_print_logs")
                 if rw.global_worker.connected:  # an attached Ray lives on: its printer again (shutdown removes it)
-                    for pair in before:
-                        if pair[0] == "ray_print_logs":
-                            dispatcher.add_handler(*pair)
+                    for name, fn in before:
+                        if name == "ray_print_logs":
+                            dispatcher.add_handler(name, _LateLines(fn, self.path))
 
             self._undo.append(give_back)
         self._printer, self._autoscaler_events = printer, rw.filter_autoscaler_events
@@ -611,6 +615,44 @@ class _RayLog:
                 self.file.stream.flush()
         finally:
             self.file.release()
+
+
+_TRAIN_ACTORS = ("RayTrainWorker", "TrainController")  # Ray Train V2's actors (their log batches' ``actor_name``)
+
+
+class _LateLines:
+    """Ray's printer after a run on a Ray that lives on (attached with ``--address``, or started by the caller):
+    the batches of Ray Train's actors (``_TRAIN_ACTORS``) that reach the driver after the run returned (the
+    controller's failure report and its traceback arrive a moment after ``fit`` raised, on a loaded machine after the
+    run's error line) are appended to the run's log file behind their source, their marked lines (``_MARK``) still
+    printed; every other batch goes to Ray's printer as before. The next run's ``_RayLog`` takes Ray's printer back
+    out (``unwrap``); ``ray.shutdown`` removes it.
+
+    Args:
+        printer: Ray's printer (``print_to_stdstream`` or the dispatcher's ``partial`` of it).
+        path: the run's log file (appended to, a batch at a time).
+    """
+
+    def __init__(self, printer: Callable, path: Path) -> None:
+        self.printer, self.path = printer, path
+
+    @staticmethod
+    def unwrap(printer: Callable) -> Callable:
+        """Ray's own printer under any ``_LateLines``."""
+        while isinstance(printer, _LateLines):
+            printer = printer.printer
+        return printer
+
+    def __call__(self, data: dict, *args, **kwargs) -> None:
+        if data.get("actor_name") not in _TRAIN_ACTORS:
+            return self.printer(data, *args, **kwargs)
+        lines = [str(line) for line in data.get("lines") or []]
+        source = f"[{data.get('actor_name')} pid={data.get('pid')}]"
+        with contextlib.suppress(OSError), self.path.open("a", encoding="utf-8") as f:
+            f.write("".join(f"{source} {line.replace(_MARK, '', 1)}\n" for line in lines))
+        mine = [line for line in lines if line.startswith(_MARK)]
+        if mine:
+            self.printer({**data, "lines": mine}, *args, **kwargs)
 
 
 def _reachable(address: str, timeout: float = 10.0) -> None:

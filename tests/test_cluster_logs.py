@@ -94,8 +94,8 @@ def test_a_failing_worker_is_one_line_naming_rank_error_and_log(two_runs):
     log_path = storage / "fail" / "ray.log"
     why = "rank 1: RuntimeError: rank 1 fails on purpose"
     assert out["fail"] == f"distributed run failed: {why} (Ray's log: {log_path})"
-    # the error line, once, after the workers' lines (a loaded machine has shown one stray last line of Ray's worker
-    # traceback after it: the error still reads first and whole; issue 45 item 4 notes it)
+    # the error line, once, after the workers' lines (the Ray Train controller's report of the failure arrives after
+    # it, on a loaded machine after the run returned: ``_LateLines`` sends it to the log file)
     lines = failed.strip().splitlines()
     assert lines.count(f"genoctx: error: {out['fail']}") == 1 and f"genoctx: error: {out['fail']}" in lines[-2:]
     assert "genoctx line from rank 0 of fail\n" in failed, failed
@@ -130,6 +130,44 @@ def test_marked_lines_and_the_router(tmp_path, capsys):
     assert log[4].endswith("ERROR ray: driver-side Ray error")
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_late_lines_of_a_run_on_a_ray_that_lives_on_go_to_its_log(tmp_path, monkeypatch):
+    """On a Ray that lives on after the run (attached), Ray Train's actors' batches that arrive after the run returned
+    (the controller's failure report: CI once printed it after genoctx's error line) go to the run's log file, their
+    marked lines still to the user; other actors' batches to Ray's printer; the next run unwraps Ray's printer."""
+    import ray._private.worker as rw
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printed = []
+
+    def ray_printer(data, ignore_prefix=False):
+        printed.append(data["lines"])
+
+    monkeypatch.setattr(rw, "print_to_stdstream", ray_printer)
+    monkeypatch.setattr(dispatcher, "handlers", [("ray_print_logs", ray_printer)])
+    monkeypatch.setattr(rw.global_worker, "_is_connected", True)  # an attached Ray: it lives on after the run
+    path = tmp_path / "run" / "ray.log"
+    with _RayLog(path, (logging.INFO, logging.getLogger().handlers[:])):
+        pass
+    late = dict(dispatcher.handlers)["ray_print_logs"]
+    assert late is not ray_printer and rw.print_to_stdstream is not ray_printer
+    controller = {"pid": 9, "actor_name": "TrainController", "is_err": True,
+                  "lines": ["Error: Training failed due to worker errors:", "Traceback (most recent call last):",
+                            f"{_MARK}genoctx: a late marked line"]}  # fmt: skip
+    late(controller)
+    rw.print_to_stdstream({**controller, "lines": ["RuntimeError: rank 1 fails on purpose"]}, False)
+    late({"pid": 5, "actor_name": "SomeoneElse", "is_err": True, "lines": ["another job's line"]})
+    assert printed == [[f"{_MARK}genoctx: a late marked line"], ["another job's line"]]
+    log = path.read_text().splitlines()
+    assert log[1:] == ["[TrainController pid=9] Error: Training failed due to worker errors:",
+                       "[TrainController pid=9] Traceback (most recent call last):",
+                       "[TrainController pid=9] genoctx: a late marked line",
+                       "[TrainController pid=9] RuntimeError: rank 1 fails on purpose"]  # fmt: skip
+    with _RayLog(tmp_path / "next" / "ray.log", (logging.INFO, logging.getLogger().handlers[:])) as routed:
+        assert routed._printer is ray_printer  # Ray's own printer under the last run's wrapper
+    assert dict(dispatcher.handlers)["ray_print_logs"].printer is ray_printer  # one wrapper, not a chain
+    assert rw.print_to_stdstream.printer is ray_printer
 
 
 HOLD = textwrap.dedent("""
