@@ -25,7 +25,7 @@ Design choices:
   of autograd's graph of ``3 (2 iters - 1)`` ops (or its recomputation under a checkpoint). ``sinkhorn_reference``
   is the slow autograd form, tested equal forward and backward.
 - Aten ops per call (fp32 or fp64, grad on; bf16 autocast the same; ``n >= 2``): ``pre`` + ``post`` forward
-  ``4 iters + 43``, backward ``6 iters + 80``; with grad off ``4 iters + 39``. Independent of the tokens.
+  ``4 iters + 49``, backward ``6 iters + 88``; with grad off ``4 iters + 45``. Independent of the tokens.
 - Init as the reference's ``_init_weights``: ``fn ~ N(0, 0.02)``, ``base = 0``, ``scale = 1``.
 """
 
@@ -72,9 +72,14 @@ def _comb_reference(logits: torch.Tensor, iters: int, eps: float) -> torch.Tenso
 class _Sinkhorn(torch.autograd.Function):
     """Sinkhorn-Knopp with a hand-written backward (the math of :func:`sinkhorn_reference`, fewer ops).
 
-    Forward (no graph): the matrix sits in the top-left ``n x n`` of an ``(n+1) x (n+1)`` buffer whose last row and
-    column hold ``eps``, so a column (row) sum over the buffer's first ``n`` columns (rows) is the sum ``+ eps`` in
-    one op: 2 ops per normalisation. It saves each denominator ``d_k`` ([..., 1, n] or [..., n, 1]) and the output.
+    Layout: the ``M`` matrices of ``[..., n, n]`` are worked on as one ``[n, n, M]`` tensor (one copy in, one out),
+    so that every sum over a row or column reduces over an outer dimension and every division broadcasts along
+    the contiguous ``M``: vectorised elementwise passes, where the ``[..., n, n]`` layout's inner dimension of ``n``
+    (4 at mHC) runs a CPU's loops 4 elements at a time (7-8x slower there; a GPU is indifferent).
+
+    Forward (no graph): the matrices sit in the top-left ``n x n`` of an ``(n+1) x (n+1) x M`` buffer whose last row
+    and column hold ``eps``, so a column (row) sum over the buffer's first ``n`` columns (rows) is the sum ``+ eps``
+    in one op: 2 ops per normalisation. It saves each denominator ``d_k`` ([1, n, M] or [n, 1, M]) and the output.
 
     Backward: for ``y_k = y_{k-1} / d_k`` with ``d_k = sum(y_{k-1}) + eps`` autograd's gradient is
     ``g_{k-1} = (g_k - sum(g_k y_k)) / d_k``. Carried as ``h_k = g_k y_k`` it is ``h_{k-1} = h_k - sum(h_k) y_k``
@@ -87,35 +92,40 @@ class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, iters: int, eps: float, softmax: bool) -> torch.Tensor:
         n = x.shape[-1]
-        p = torch.softmax(x, dim=-1) if softmax else x
-        buf = F.pad(p + eps if softmax else p, (0, 1, 0, 1), value=eps)  # (no out= view: dynamo refuses it)
-        rows, cols = buf[..., :n, :], buf[..., :n]  # sums over these include the eps column / row
-        y = rows[..., :n]
+        p = torch.softmax(x, dim=-1) if softmax else x  # (in x's layout: the reference's rounding of exp)
+        p = p.reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [i, j, M]: every op below keeps this layout
+        buf = F.pad(p + eps if softmax else p, (0, 0, 0, 1, 0, 1), value=eps)  # (no out= view: dynamo refuses it)
+        rows, cols = buf[:n], buf[:, :n]  # sums over these include the eps column / row
+        y = rows[:, :n]
         dens = []
         for k in range(2 * iters - 1):
-            d = cols.sum(dim=-2, keepdim=True) if k % 2 == 0 else rows.sum(dim=-1, keepdim=True)
+            d = cols.sum(dim=0, keepdim=True) if k % 2 == 0 else rows.sum(dim=1, keepdim=True)
             dens.append(d)
             if k < 2 * iters - 2:
                 y.div_(d)
             else:
-                y = y / d  # the last step out of place: a contiguous output, the buffer freed
+                y = y / d  # the last step out of place: a contiguous [n, n, M], the buffer freed
         ctx.eps, ctx.softmax = eps, softmax
-        ctx.save_for_backward(p, y, *dens)
-        return y
+        out = y.permute(2, 0, 1).reshape(x.shape).contiguous()
+        ctx.save_for_backward(p, out, *dens)  # the output in x's layout: the one copy that mHC's post keeps too
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g: torch.Tensor):
-        p, y, *dens = ctx.saved_tensors
-        h = g * y
+        p, out, *dens = ctx.saved_tensors
+        n = p.shape[0]
+        y = out.reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [n, n, M] as forward's
+        h = g.reshape(-1, n, n).permute(1, 2, 0).contiguous().mul_(y)
         for k in range(len(dens) - 1, -1, -1):
-            h.addcmul_(h.sum(dim=-2 if k % 2 == 0 else -1, keepdim=True), y, value=-1)
+            h.addcmul_(h.sum(dim=0 if k % 2 == 0 else 1, keepdim=True), y, value=-1)
             if k > 0:
                 y = y * dens[k] if k == len(dens) - 1 else y.mul_(dens[k])
         if not ctx.softmax:
-            return h.div_(p), None, None, None
-        g0 = h.div_(p + ctx.eps)
-        return torch._softmax_backward_data(g0, p, -1, p.dtype), None, None, None
+            g0 = h.div_(p)
+        else:
+            g0 = torch._softmax_backward_data(h.div_(p + ctx.eps), p, 1, p.dtype)
+        return g0.permute(2, 0, 1).reshape(out.shape), None, None, None
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -123,7 +133,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
     Divides by the column sums (``+ eps``), then ``iters - 1`` rounds of rows then columns. Same dtype as
     ``comb``; after 20 iterations rows and columns sum to 1 within ~1e-3 for softmax inputs. The values and
-    gradients of :func:`sinkhorn_reference` (to rounding) in ``4 iters + 3`` aten ops forward and ``6 iters + 3``
+    gradients of :func:`sinkhorn_reference` (to rounding) in ``4 iters + 9`` aten ops forward and ``6 iters + 9``
     backward (``_Sinkhorn``); it keeps ``(2 iters - 1) n`` denominators per matrix for backward besides the input
     and the output (no recomputation).
 
@@ -137,8 +147,8 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def comb_map(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """mHC's residual mixing ``sinkhorn(softmax(logits, -1) + eps, iters, eps)`` of ``[..., n, n]`` logits.
 
-    Same dtype as ``logits`` (fp32 or fp64). One autograd Function (``_Sinkhorn``): ``4 iters + 5`` aten ops forward
-    (``4 iters + 4`` with grad off), ``6 iters + 2`` backward, none recomputed. Saved for backward per matrix: the
+    Same dtype as ``logits`` (fp32 or fp64). One autograd Function (``_Sinkhorn``): ``4 iters + 11`` aten ops forward
+    (``4 iters + 10`` with grad off), ``6 iters + 11`` backward, none recomputed. Saved for backward per matrix: the
     softmax ``n^2``, the output ``n^2`` (which ``HyperConnection.post`` keeps anyway) and ``(2 iters - 1) n``
     denominators, in ``logits``' dtype (at ``n = 4``, 20 iterations, fp32: 64 + 624 bytes per token besides the
     output; the reference's checkpoint kept the ``n^2`` logits: ``genoctx.plan.sizes._hc``). Equal to

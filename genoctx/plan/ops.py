@@ -52,7 +52,7 @@ OPS: dict = {
     },  # fmt: skip
     "moe": {"call": (19, 0, 1), "chunk": (51, 35, 148)},
     "dense_mlp": {"call": (16, 0, 38)},
-    "mhc": {"call": (43, 0, 78), "sinkhorn_iter": (4, 0, 6)},
+    "mhc": {"call": (49, 0, 86), "sinkhorn_iter": (4, 0, 6)},
     "norms": {"call": (8, 0, 18)},
     "other": {"call": (43, 0, 43)},
 }
@@ -63,7 +63,7 @@ EVAL_OPS: dict = {
     "dsa_indexer": {"call": (32,), "topk_call": (8,), "topk_tile": (19,), "topk_block": (19,), "topk_masked": (5,)},
     "moe": {"call": (18,), "chunk": (51,)},
     "dense_mlp": {"call": (16,)},
-    "mhc": {"call": (39,), "sinkhorn_iter": (4,)},
+    "mhc": {"call": (45,), "sinkhorn_iter": (4,)},
     "norms": {"call": (7,)},
     "other": {"call": (17,)},
 }
