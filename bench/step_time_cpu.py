@@ -109,27 +109,13 @@ def _timed(fn, seconds: float) -> float:
             return dt / n
 
 
-class _CountOps:
-    """A ``TorchDispatchMode`` that counts the aten ops dispatched under it (forward, backward, optimizer)."""
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.n += 1
-                return func(*args, **(kwargs or {}))
-
-        return Count()
-
-
 def count_aten_ops(fn) -> int:
-    """Aten ops ``fn()`` dispatches (counted once, untimed)."""
-    with _CountOps() as c:
+    """Aten ops ``fn()`` dispatches (counted once, untimed; ``genoctx.model.opcount.OpCounter``)."""
+    from genoctx.model.opcount import OpCounter
+
+    with OpCounter() as counter:
         fn()
-    return c.n
+    return counter.total
 
 
 def _tiny_chain(n: int = 64):

@@ -656,7 +656,8 @@ class _SparseMLA(torch.autograd.Function):
         q3 = q.view(B * T, H, R) if q.is_contiguous() else q.reshape(B * T, H, R)
         inf, zero = torch.full((), float("-inf"), dtype=dt, device=q.device), torch.zeros((), dtype=dt, device=q.device)
         rows = _tile_rows(sel, tile_tokens)
-        o = torch.empty_like(q)
+        # contiguous, not empty_like: q may be a permuted view, and a bmm(out=) into strided rows loops per row
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         o3, lse = o.view(B * T, H, R), torch.empty(B * T, H, 1, dtype=dt, device=q.device)
         if t_split:  # short windows: dense tiles over all visible keys, the selection as a bias (no gather)
             tok, lse4, N0 = sel.rows(0, t_split).tokens(), lse.view(B, T, H, 1), kv.shape[1] - T
@@ -699,7 +700,7 @@ class _SparseMLA(torch.autograd.Function):
         dkv = island("dsa.attn.dkv", torch.zeros(kv.shape, dtype=dt, device=kv.device))
         dkvf = dkv.view(B * N, R)
         rows = _tile_rows(sel, tile_tokens)
-        dq = torch.empty_like(q)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as forward's o
         dq3 = dq.view(B * T, H, R)
         if t_split:  # dense tiles (forward's): dq = ds kv, dkv = p^T do + ds^T q as matmuls, no scatter
             tok = sel.rows(0, t_split).tokens()
