@@ -23,10 +23,12 @@ REALDNA = REPO / "data" / "hg38"
 
 # Tests that start Ray (or many processes at once) run one after another on one pytest-xdist worker (`-n 2 --dist
 # loadgroup`, pyproject's addopts): two local Ray clusters on 2 cores would starve each other's placement timeouts.
+# The group is the suite's critical path on its worker: what starts no Ray (test_bench_trainable.py: one CLI
+# subprocess at a time) stays out of it.
 SERIAL_FILES = {
     "test_cluster.py", "test_cluster_logs.py", "test_distributed.py", "test_mesh_eval.py", "test_gpu_check_dry.py",
     "test_worker_env.py", "test_eval_precision.py", "test_no_silent_drops.py", "test_doctor.py", "test_cli.py",
-    "test_bench_trainable.py", "test_progress_lines.py",
+    "test_progress_lines.py",
 }  # fmt: skip
 
 
