@@ -30,6 +30,26 @@ def _case(B, T, kp, K, tail, dtype=F64, S=3, window=0):
     return sel, q, kvw, iq, iw, pk
 
 
+def _assert_equal_references(sel, q, kvw, kv, iq, iw, pk, args, K, *ratio):
+    """``_SparseMLA`` and ``_IndexerKLSparse`` (with ``ratio``: their dense-tile ratio) equal their gathering
+    references in value and every gradient (q and the latents ``kvw`` of which ``kv`` is a prefix; index_q,
+    index_w, pooled keys); ``args`` = ``(pools, pos, kpool, tail, scale, tile)``."""
+    o, o_ref = dsa._SparseMLA.apply(q, kv, *args, *ratio), dsa._SparseMLARef.apply(q, kv, *args)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    do = torch.randn_like(o)
+    g, g_ref = torch.autograd.grad(o, (q, kvw), do), torch.autograd.grad(o_ref, (q, kvw), do)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    rows = max(1, args[-1] // max(1, sel.width))
+    kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args, *ratio)
+    kl_ref = dsa._IndexerKLSparseRef.apply(iq, iw, pk, q.detach(), kv.detach(), *args[:-1], rows)
+    assert K == 1 or float(kl_ref.detach()) > 0  # one pool: both distributions one-hot
+    torch.testing.assert_close(kl, kl_ref, **TOL)
+    g, g_ref = torch.autograd.grad(2 * kl, (iq, iw, pk)), torch.autograd.grad(2 * kl_ref, (iq, iw, pk))
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 @pytest.mark.parametrize("kp,K,tail", [(1, 5, False), (4, 3, True), (4, 3, False), (16, 1, True)])
 @pytest.mark.parametrize("B,window", [(1, 0), (2, 0), (2, 7)])
 @pytest.mark.parametrize("tile", [1, 29, 1 << 20])
@@ -39,21 +59,7 @@ def test_sparse_mla_and_kl_equal_their_references(kp, K, tail, B, window, tile):
     sel, q, kvw, iq, iw, pk = _case(B, 21, kp, K, tail, window=window)
     n = sel.pos[-1] + 1
     kv = kvw[:, :n]
-    args = (sel.pools, sel.pos, kp, tail, 0.4, tile)
-    o, o_ref = dsa._SparseMLA.apply(q, kv, *args), dsa._SparseMLARef.apply(q, kv, *args)
-    torch.testing.assert_close(o, o_ref, **TOL)
-    do = torch.randn_like(o)
-    g, g_ref = torch.autograd.grad(o, (q, kvw), do), torch.autograd.grad(o_ref, (q, kvw), do)
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b, **TOL)
-    rows = max(1, tile // max(1, sel.width))
-    kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args)
-    kl_ref = dsa._IndexerKLSparseRef.apply(iq, iw, pk, q.detach(), kv.detach(), *args[:-1], rows)
-    assert K == 1 or float(kl_ref.detach()) > 0  # one pool: both distributions one-hot
-    torch.testing.assert_close(kl, kl_ref, **TOL)
-    g, g_ref = torch.autograd.grad(2 * kl, (iq, iw, pk)), torch.autograd.grad(2 * kl_ref, (iq, iw, pk))
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b, **TOL)
+    _assert_equal_references(sel, q, kvw, kv, iq, iw, pk, (sel.pools, sel.pos, kp, tail, 0.4, tile), K)
 
 
 # fp32, one process: ops of a call with t tiles, (per call, per tile); batch > 1 adds a few per call
@@ -131,21 +137,7 @@ def test_dense_tiles_equal_the_references(kp, K, tail, B, window, S, dense, tile
     calls = []
     scores = dsa._dense_scores
     monkeypatch.setattr(dsa, "_dense_scores", lambda *a: calls.append(1) or scores(*a))
-    args = (sel.pools, sel.pos, kp, tail, 0.4, tile)
-    o, o_ref = dsa._SparseMLA.apply(q, kv, *args, ratio), dsa._SparseMLARef.apply(q, kv, *args)
-    torch.testing.assert_close(o, o_ref, **TOL)
-    do = torch.randn_like(o)
-    g, g_ref = torch.autograd.grad(o, (q, kvw), do), torch.autograd.grad(o_ref, (q, kvw), do)
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b, **TOL)
-    rows = max(1, tile // max(1, sel.width))
-    kl = dsa._IndexerKLSparse.apply(iq, iw, pk, q.detach(), kv.detach(), *args, ratio)
-    kl_ref = dsa._IndexerKLSparseRef.apply(iq, iw, pk, q.detach(), kv.detach(), *args[:-1], rows)
-    assert K == 1 or float(kl_ref.detach()) > 0
-    torch.testing.assert_close(kl, kl_ref, **TOL)
-    g, g_ref = torch.autograd.grad(2 * kl, (iq, iw, pk)), torch.autograd.grad(2 * kl_ref, (iq, iw, pk))
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b, **TOL)
+    _assert_equal_references(sel, q, kvw, kv, iq, iw, pk, (sel.pools, sel.pos, kp, tail, 0.4, tile), K, ratio)
     assert len(calls) >= 3  # forward, backward and the KL each ran a dense tile
 
 
