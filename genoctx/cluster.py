@@ -593,9 +593,7 @@ class _RayLog:
                 self._ended.notify_all()
         if data.get("pid") == "autoscaler":  # its status table every 5 s: only its events, as Ray prints them
             lines = list(self._autoscaler_events(lines))
-        who = data.get("actor_name") or data.get("task_name") or ""
-        source = f"[{who + ' ' if who else ''}pid={data.get('pid')}]"
-        self._write([f"{source} {line.replace(_MARK, '', 1)}" for line in lines])
+        self._write(_behind_source(data, lines))
         mine = [line for line in lines if line.startswith(_MARK)]
         if mine:
             self._printer({**data, "lines": mine}, ignore_prefix=True)
@@ -615,6 +613,14 @@ class _RayLog:
                 self.file.stream.flush()
         finally:
             self.file.release()
+
+
+def _behind_source(data: dict, lines: list[str]) -> list[str]:
+    """A Ray log batch's lines as its log file holds them: behind their source (``[RayTrainWorker pid=123] ...``),
+    genoctx's mark (``_MARK``) dropped."""
+    who = data.get("actor_name") or data.get("task_name") or ""
+    source = f"[{who + ' ' if who else ''}pid={data.get('pid')}]"
+    return [f"{source} {line.replace(_MARK, '', 1)}" for line in lines]
 
 
 _TRAIN_ACTORS = ("RayTrainWorker", "TrainController")  # Ray Train V2's actors (their log batches' ``actor_name``)
@@ -647,9 +653,8 @@ class _LateLines:
         if data.get("actor_name") not in _TRAIN_ACTORS:
             return self.printer(data, *args, **kwargs)
         lines = [str(line) for line in data.get("lines") or []]
-        source = f"[{data.get('actor_name')} pid={data.get('pid')}]"
         with contextlib.suppress(OSError), self.path.open("a", encoding="utf-8") as f:
-            f.write("".join(f"{source} {line.replace(_MARK, '', 1)}\n" for line in lines))
+            f.write("".join(line + "\n" for line in _behind_source(data, lines)))
         mine = [line for line in lines if line.startswith(_MARK)]
         if mine:
             self.printer({**data, "lines": mine}, *args, **kwargs)

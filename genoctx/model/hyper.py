@@ -120,6 +120,7 @@ class _Sinkhorn(torch.autograd.Function):
         for k in range(len(dens) - 1, -1, -1):
             h.addcmul_(h.sum(dim=0 if k % 2 == 0 else 1, keepdim=True), y, value=-1)
             if k > 0:
+                # the first step out of place: ``y`` may be the saved output itself (n = 1: no copy was needed)
                 y = y * dens[k] if k == len(dens) - 1 else y.mul_(dens[k])
         if not ctx.softmax:
             g0 = h.div_(p)
