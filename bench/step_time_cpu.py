@@ -137,6 +137,53 @@ def _tiny_chain(n: int = 64):
     return run
 
 
+def eager_basket(spec: dict):
+    """``[(name, fn)]``: the kinds of eager op the PyTorch path is made of, at the model's activation shapes
+    (``spec["act"]``: rows, mHC streams ``n``, width ``D``, KDA heads ``H`` x ``K``, chunk ``C``): a contiguous
+    add, a broadcast multiply (streams x per-stream coefficient), an exponential, a sum over the streams, a
+    concatenation, a masked fill of chunk score blocks, a transposed copy. Each call takes the next of enough copies
+    of its inputs (256 MiB in all, more than the caches) that its inputs come from memory, as in a step whose
+    working set is many times the caches. Each moves the bytes ``genoctx.model.opcount.op_bytes`` counts for it;
+    the basket's bytes over its seconds is the eager rate."""
+    import torch
+
+    rows, n, D, H, K, C = spec["act"]
+    mask = torch.ones(C, C, dtype=torch.bool).triu_(1)
+
+    def inputs():
+        return {"x": torch.rand(rows, n, D), "y": torch.rand(rows, n, D), "c": torch.rand(rows, n, 1),
+                "e": torch.rand(rows, H * K), "a": torch.rand(rows, D), "b": torch.rand(rows, D),
+                "sc": torch.rand(max(1, rows // C), H, C, C), "t": torch.rand(rows, H, K)}  # fmt: skip
+
+    first = inputs()
+    one = sum(t.numel() * t.element_size() for t in first.values())
+    sets = [first] + [inputs() for _ in range(max(1, (256 << 20) // one) - 1)]
+    turn = [0]
+
+    def rotating(f):
+        def call():
+            turn[0] += 1
+            return f(sets[turn[0] % len(sets)])
+
+        return call
+
+    ops = [("add", lambda s: torch.add(s["x"], s["y"])), ("mul_broadcast", lambda s: s["x"] * s["c"]),
+           ("exp", lambda s: torch.exp(s["e"])), ("sum", lambda s: s["x"].sum(1)),
+           ("cat", lambda s: torch.cat([s["a"], s["b"]], -1)),
+           ("masked_fill", lambda s: s["sc"].masked_fill(mask, 0.0)),
+           ("transpose_copy", lambda s: s["t"].transpose(0, 1).contiguous())]  # fmt: skip
+    return [(name, rotating(f)) for name, f in ops]
+
+
+def _moved(fn) -> int:
+    """Bytes ``fn()``'s ops move (``genoctx.model.opcount``'s rule), counted once."""
+    from genoctx.model.opcount import OpCounter
+
+    with OpCounter() as counter:
+        fn()
+    return sum(sum(kinds.values()) for kinds in counter.bytes["other"].values())
+
+
 def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     """One of ``world`` concurrent ranks: GEMM, batched-product and memory rates with ``spec["threads"]`` threads."""
     import torch
@@ -164,6 +211,19 @@ def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> Non
         dist.barrier()
         s = _timed(lambda: torch.add(x, y, out=z), T)
         res["memory"] = {"bytes": 3.0 * numel * 4, "seconds": s}
+        res["eager"] = []
+        for name, fn in eager_basket(spec):
+            dist.barrier()
+            res["eager"].append({"op": name, "bytes": _moved(fn), "seconds": _timed(fn, T / 4)})
+        rows, R, W = spec["gather"]
+        src, idx = torch.randn(rows, R), torch.randint(0, rows, (rows * W,))
+        g = torch.empty(rows * W, R)
+        dist.barrier()
+        s = _timed(lambda: torch.index_select(src, 0, idx, out=g), T / 2)
+        dist.barrier()
+        s_add = _timed(lambda: src.index_add_(0, idx, g), T / 2)
+        moved = _moved(lambda: torch.index_select(src, 0, idx)) + _moved(lambda: src.index_add_(0, idx, g))
+        res["gather"] = {"bytes": moved, "seconds": s + s_add, "shape": [rows, R, W]}
         chain = _tiny_chain()
         dist.barrier()
         res["op"] = {"ops": count_aten_ops(chain), "seconds": _timed(chain, T)}
@@ -244,13 +304,16 @@ def measure_profile(cfg, ranks: int, *, seconds: float, gemm_rows: int, mem_mib:
     threads = max(1, cores // ranks)
     C, dk, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     spec = {"threads": threads, "seconds": seconds, "gemm": gemm_shapes(cfg, gemm_rows),
-            "bmm": [H * max(1, gemm_rows // C), C, dk], "mem_bytes": mem_mib << 20}  # fmt: skip
+            "bmm": [H * max(1, gemm_rows // C), C, dk], "mem_bytes": mem_mib << 20,
+            "act": [gemm_rows, cfg.hc_mult, cfg.hidden_size, H, dk, C],
+            "gather": [gemm_rows, cfg.kv_lora_rank, min(64, cfg.index_topk)]}  # fmt: skip
     compute = _run_ranks(_compute_rank, ranks, spec)
     cworld = max(2, ranks)
     cspec = {"threads": max(1, cores // cworld), "seconds": seconds, "bytes": comm_mib << 20, "reps": 5,
              "latency_calls": 200}  # fmt: skip
     comm = [r for r in _run_ranks(_comm_rank, cworld, cspec) if r]
-    return {"ranks": ranks, "threads": threads, "comm_threads": cspec["threads"], "compute": compute, "comm": comm}
+    return {"ranks": ranks, "threads": threads, "comm_threads": cspec["threads"], "compute": compute, "comm": comm,
+            "act": spec["act"]}  # fmt: skip
 
 
 def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict]:
@@ -276,6 +339,8 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
     mm = mean([sum(g["flops"] for g in r["gemm"]) / sum(g["seconds"] for g in r["gemm"]) for r in comp])
     bmm = mean([r["bmm"]["flops"] / r["bmm"]["seconds"] for r in comp])
     mem = mean([r["memory"]["bytes"] / r["memory"]["seconds"] for r in comp])
+    eager = mean([sum(e["bytes"] for e in r["eager"]) / sum(e["seconds"] for e in r["eager"]) for r in comp])
+    gather = mean([r["gather"]["bytes"] / r["gather"]["seconds"] for r in comp])
     op_s = mean([r["op"]["seconds"] / r["op"]["ops"] for r in comp])
     ag = mean([r["all_gather"]["wire_bytes"] / r["all_gather"]["seconds"] for r in meas["comm"]])
     ar = mean([r["all_reduce"]["wire_bytes"] / r["all_reduce"]["seconds"] for r in meas["comm"]])
@@ -293,7 +358,14 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
         "collective_latency_s": lat,
         "op_host_s": op_s,
         "host_overlaps_device": False,
-        "efficiency": {"matmul": 1.0, "memory": 1.0, "collective": 1.0, "attention": min(1.0, bmm / mm)},
+        "memory_model": "eager",
+        "efficiency": {
+            "matmul": 1.0,
+            "memory": min(1.0, eager / mem),
+            "gather": min(1.0, gather / mem),
+            "collective": 1.0,
+            "attention": min(1.0, bmm / mm),
+        },  # fmt: skip
         "sources": {
             "dtype_flops": f"torch.mm over the model's GEMM shapes, total FLOPs / total seconds; {where}; bf16 = fp32",
             "hbm_bytes_per_s": f"torch.add(a, b, out=c), 3 x tensor bytes per call; {where}",
@@ -305,7 +377,13 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
             "host_overlaps_device": "false: on a CPU the host is the device, each op's host time adds to the step",
             "efficiency.attention": f"torch.bmm at the KDA chunk shapes {comp[0]['bmm']['shape']} over the GEMM rate "
             f"({bmm:.3e} / {mm:.3e} FLOP/s)",
-            "efficiency.matmul/memory/collective": "1.0: the microbenchmarks are the achieved rates",
+            "memory_model": "eager: on a CPU every op of genoctx runs eagerly (genoctx.plan.eager counts their bytes)",
+            "efficiency.memory": f"the eager basket (bench/step_time_cpu.py eager_basket: "
+            f"{', '.join(e['op'] for e in comp[0]['eager'])} at [{', '.join(map(str, meas['act']))}] = rows, n, D, H, "
+            f"K, C), its bytes / its seconds over the add's ({eager:.3e} / {mem:.3e} B/s)",
+            "efficiency.gather": f"index_select of rows and index_add_ back, [rows, R, slots] = "
+            f"{comp[0]['gather']['shape']}, over the add's rate ({gather:.3e} / {mem:.3e} B/s)",
+            "efficiency.matmul/collective": "1.0: the microbenchmarks are the achieved rates",
             "memory_gib": "this machine's memory / ranks",
         },
     }

@@ -33,10 +33,10 @@ Design choices:
   ``update_bias()`` (called after each optimizer step, after the loads are all-reduced across ranks) moves
   ``e_score_correction_bias`` by ``router_bias_rate · sign(mean − load_e)``.
 - Optional sequence-wise balance loss (DeepSeek-V3 eq. 17-20) when ``moe_aux_loss_coef > 0``.
-- Aten ops (cpu-small's shape: fp32, grad on, training mode) for ``n`` token chunks: grouped ``19 + 51 n`` forward,
-  ``2 + 183 n`` backward (recompute included), ``18 + 51 n`` no-grad eval, whatever the experts; the loop adds
-  ``10 A`` / ``50 A`` / ``10 A`` for ``A`` experts with rows summed over the chunks (``19 + 48 n + 10 A``,
-  ``2 + 189 n + 50 A``, ``18 + 48 n + 10 A``; ``tests/model/test_moe.py::test_op_counts_per_chunk``).
+- Aten ops (cpu-small's shape: fp32, grad on, training mode) for ``n`` token chunks: grouped ``21 + 49 n`` forward,
+  ``4 + 181 n`` backward (recompute included), ``20 + 49 n`` no-grad eval, whatever the experts; the loop adds
+  ``10 A`` / ``50 A`` / ``10 A`` for ``A`` experts with rows summed over the chunks (``21 + 46 n + 10 A``,
+  ``4 + 187 n + 50 A``, ``20 + 46 n + 10 A``; ``tests/model/test_moe.py::test_op_counts_per_chunk``).
 - Host reads (``genoctx.model.host``): none on the grouped path (the groups' offsets stay on the device); the loop
   reads once per token chunk the experts' row counts that ``torch.split`` needs (in training twice: forward and the
   checkpoint's recomputation). Loads and the load ratio stay on the device until ``HybridLM.layer_stats`` /
@@ -491,8 +491,10 @@ class MoE(nn.Module):
         ys, sels, psums = [], [], []
         tokens_per_expert = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
         use_ckpt = self.recompute and torch.is_grad_enabled()
-        for start in range(0, B * T, self.chunk_tokens):
-            xc, sc = flat[start : start + self.chunk_tokens], seq[start : start + self.chunk_tokens]
+        # split, not slices: a slice's backward writes its gradient into a zero tensor of the whole input, so n chunks
+        # cost n full-size zero fills and n - 1 full-size additions (O(T^2 / chunk) bytes); split's backward joins the
+        # chunks' gradients once
+        for xc, sc in zip(flat.split(self.chunk_tokens), seq.split(self.chunk_tokens), strict=True):
             out = checkpoint(self._chunk, xc, sc, B, use_reentrant=False) if use_ckpt else self._chunk(xc, sc, B)
             ys.append(out[0])
             tokens_per_expert += out[1]

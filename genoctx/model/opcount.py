@@ -38,6 +38,36 @@ from .host import _counters
 
 OP_COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", "norms", "other")
 OP_PASSES = ("forward", "recompute", "backward", "optimizer")
+BYTE_KINDS = ("elementwise", "gather", "matmul")
+# ops whose time is their FLOPs (``genoctx.plan.flops`` counts them): products, the triangular solve, convolutions
+MATMUL_OPS = frozenset({"mm", "bmm", "baddbmm", "addmm", "addbmm", "_grouped_mm", "linalg_solve_triangular",
+                        "convolution", "convolution_backward", "_convolution"})  # fmt: skip
+# ops that read or write rows at indices (a gather's reads and a scatter's writes are not streamed)
+GATHER_OPS = frozenset({"index_select", "index_add", "index_add_", "gather", "scatter", "scatter_", "scatter_add",
+                        "scatter_add_", "index", "index_put", "index_put_", "_index_put_impl_", "embedding",
+                        "embedding_dense_backward", "take_along_dim", "index_copy", "index_copy_",
+                        "index_fill", "index_fill_", "masked_scatter", "masked_select"})  # fmt: skip
+# ops that move no bytes: views (``OpOverload.is_view``) and these (allocation, shape-only)
+NO_BYTES_OPS = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                          "lift_fresh", "_local_scalar_dense", "_to_copy_meta"})  # fmt: skip
+
+
+def op_bytes(func, args, kwargs, out) -> tuple[str, int]:
+    """``(kind, bytes)`` one aten op moves: the bytes of every tensor it takes and returns (``numel x element size``;
+    an in-place op's tensor counts as read and written), 0 for views and allocations (``NO_BYTES_OPS``); ``kind``
+    one of ``BYTE_KINDS`` (``MATMUL_OPS``, ``GATHER_OPS``, else elementwise: pointwise, reductions, copies,
+    concatenations). An expanded (stride 0) operand counts at its expanded size, as the op's loop reads it."""
+    from torch.utils._pytree import tree_flatten
+
+    name = func.__name__.split(".")[0]
+    kind = "matmul" if name in MATMUL_OPS else "gather" if name in GATHER_OPS else "elementwise"
+    if getattr(func, "is_view", False) or name in NO_BYTES_OPS:
+        return kind, 0
+    total = 0
+    for t in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return kind, total
 
 
 def component_methods(model: nn.Module) -> list[tuple[object, str, str]]:
@@ -116,7 +146,8 @@ class _Restore:
 
 class OpCounter(TorchDispatchMode):
     """Counts of the aten ops dispatched inside it: ``counts[component][pass]`` (``OP_COMPONENTS`` x ``OP_PASSES``;
-    every component and pass present, zeros included) and ``total``. ``model``: the ``HybridLM`` whose modules name
+    every component and pass present, zeros included) and ``total``; the bytes they move,
+    ``bytes[component][pass][kind]`` (``op_bytes``, ``BYTE_KINDS``). ``model``: the ``HybridLM`` whose modules name
     the components (hooks are added on entry and removed on exit). Use ``with counter.phase("optimizer"):`` around
     the clip and the optimizer step."""
 
@@ -126,6 +157,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.reads: Counter = Counter()  # ``genoctx.model.host.read`` calls by label (as a ``SyncCounter``'s)
         self.counts = {c: dict.fromkeys(OP_PASSES, 0) for c in OP_COMPONENTS}
+        self.bytes = {c: {p: dict.fromkeys(BYTE_KINDS, 0) for p in OP_PASSES} for c in OP_COMPONENTS}
         self._stack: list[str] = []
         self._labels: dict = {}  # autograd node -> component (the nodes are kept alive by the dict)
         self._phase: str | None = None
@@ -222,7 +254,10 @@ class OpCounter(TorchDispatchMode):
             comp = self._labels.get(node, self._stack[-1] if self._stack else "other")
             ps = self._phase or ("recompute" if torch.is_grad_enabled() else "backward")
         self.counts[comp][ps] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        kind, moved = op_bytes(func, args, kwargs, out)
+        self.bytes[comp][ps][kind] += moved
+        return out
 
 
 def count_train_step(model, optimizer, step) -> OpCounter:

@@ -16,6 +16,7 @@ b200``); a user's own is any path (``--hardware my-gpu.yaml``) with the same key
     op_host_s: 1.0e-5                             # optional: host seconds per eager aten op (OP_HOST_S)
     host_overlaps_device: true                    # optional: the host queues ops while the device runs them (a GPU);
                                                   # false: each op's host time adds to the step (a CPU)
+    memory_model: activations                     # optional: what the memory-bound term counts (MEMORY_MODELS)
 
 ``dtype_flops``: ``bf16`` (tensor cores), ``fp32`` (CUDA-core FMA: fp32 GEMMs with TF32 off, as genoctx runs them) and,
 optional in a user's profile, ``tf32`` (tensor cores on fp32 operands; what fla-core's fp32 dots run at). Which
@@ -44,6 +45,7 @@ EFFICIENCY = {
     "memory": 0.7,
     "collective": 0.7,
     "host_copy": 0.8,
+    "gather": 0.7,
 }
 EFFICIENCY_REASONS = {
     "matmul": "large bf16 GEMMs reach 60-75% of the datasheet dense peak in cuBLAS; 0.6 for the smaller, uneven "
@@ -55,6 +57,8 @@ EFFICIENCY_REASONS = {
     "at 70-90% of its peak; 0.7 for unfused PyTorch ops",
     "host_copy": "pinned cudaMemcpyAsync over PCIe Gen5 x16 reaches ~50-55 of its 64 GB/s each way (nvbandwidth "
     "host_to_device_memcpy_ce on H100/B200 nodes); 0.8",
+    "gather": "row gathers and scatters (index_select, index_add_) of the eager memory model only (memory_model: "
+    "eager, a CPU profile measures its own); on a GPU, without a measurement yet, the memory efficiency",
     "collective": "NCCL's bus bandwidth for messages of tens to hundreds of MB: ~80% of NVLink (nccl-tests "
     "all_reduce ~360 of 450 GB/s on H100) and ~90% of InfiniBand line rate; 0.7 for per-layer FSDP buckets and "
     "chunked all-to-alls",
@@ -64,6 +68,11 @@ COLLECTIVE_LATENCY_S = 3.0e-5  # seconds per collective call (NCCL launch + sync
 # ("From PyTorch op to kernel launch", jiahuanglin.xyz GPU-kernel lesson 18: Python ~1, pybind ~1, autograd 1-3,
 # dispatcher 1-2, backend 1-5, cudaLaunchKernel 1-3 us); 1e-5 s, the middle of that range
 OP_HOST_S = 1.0e-5
+# what the memory-bound term of ``genoctx.plan.time`` counts: ``activations``, the activation bytes each layer writes
+# moved a fixed number of times per pass (a fused kernel's traffic; the GPU profiles, not yet checked on a GPU), or
+# ``eager``, the bytes each eager op of genoctx's PyTorch path reads and writes (``genoctx.plan.eager``; a CPU, where
+# every op runs eagerly: the Triton and fla kernels need CUDA)
+MEMORY_MODELS = ("activations", "eager")
 HOST_KEYS = ("host_memory_gib", "host_device_bytes_per_s", "host_memory_bytes_per_s")  # optional
 DTYPES = ("bf16", "fp32", "tf32")  # the peaks a profile may give (bf16 and fp32 required)
 _KEYS = ("name", "dtype_flops", "hbm_bytes_per_s", "memory_gib", "gpus_per_node", "intra_node_bytes_per_s",
@@ -79,7 +88,8 @@ class Hardware:
     the node's DRAM bandwidth per GPU (what a CPU optimizer step streams at). ``op_host_s``: host seconds per eager
     aten op (``genoctx.plan.ops`` counts them; ``genoctx.plan.time``'s ``launch`` term); ``host_overlaps_device``:
     whether that host time runs beside the device's work (a GPU: the step takes the longer of the two) or adds to
-    it (a CPU, where the host is the device)."""
+    it (a CPU, where the host is the device). ``memory_model``: what the memory-bound term counts
+    (``MEMORY_MODELS``)."""
 
     name: str
     dtype_flops: dict
@@ -96,6 +106,7 @@ class Hardware:
     collective_latency_s: float = COLLECTIVE_LATENCY_S
     op_host_s: float = OP_HOST_S
     host_overlaps_device: bool = True
+    memory_model: str = "activations"
 
     def flops(self, dtype: str) -> float:
         """Dense FLOP/s of ``dtype`` (a key of ``DTYPES``).
@@ -129,12 +140,12 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
 
     Raises:
         GenoctxError: one line naming ``where`` and the key: a missing or unknown key, a value that is not a
-            positive number, an efficiency outside (0, 1] or of an unknown class.
+            positive number, an efficiency outside (0, 1] or of an unknown class, an unknown ``memory_model``.
     """
     if not isinstance(doc, dict):
         raise GenoctxError(f"{where}: a hardware profile is a mapping of {', '.join(_KEYS)}")
     known = set(_KEYS) | set(HOST_KEYS) | {"sources", "efficiency", "collective_latency_s", "op_host_s",
-                                           "host_overlaps_device"}  # fmt: skip
+                                           "host_overlaps_device", "memory_model"}  # fmt: skip
     for key in doc:
         if key not in known:
             raise GenoctxError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -158,6 +169,9 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
     overlaps = doc.get("host_overlaps_device", True)
     if not isinstance(overlaps, bool):
         raise GenoctxError(f"{where}: host_overlaps_device must be true or false, got {overlaps!r}")
+    memory_model = doc.get("memory_model", "activations")
+    if memory_model not in MEMORY_MODELS:
+        raise GenoctxError(f"{where}: memory_model must be one of {', '.join(MEMORY_MODELS)}, got {memory_model!r}")
     gpn = doc["gpus_per_node"]
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise GenoctxError(f"{where}: gpus_per_node must be an integer >= 1, got {gpn!r}")
@@ -172,10 +186,12 @@ def hardware_from_dict(doc: dict, where: str = "hardware") -> Hardware:
         **{k: (_positive(where, k, doc[k]) if doc.get(k) is not None else None) for k in HOST_KEYS},
         sources=dict(doc.get("sources") or {}),
         efficiency=eff,
-        collective_latency_s=_positive(where, "collective_latency_s",
-                                       doc.get("collective_latency_s", COLLECTIVE_LATENCY_S)),  # fmt: skip
+        collective_latency_s=_positive(
+            where, "collective_latency_s", doc.get("collective_latency_s", COLLECTIVE_LATENCY_S)
+        ),  # fmt: skip
         op_host_s=_positive(where, "op_host_s", doc.get("op_host_s", OP_HOST_S)),
         host_overlaps_device=overlaps,
+        memory_model=memory_model,
     )
 
 

@@ -16,6 +16,11 @@ The model (every term is a place where a measurement can disagree):
   bytes, not FLOPs: the activation bytes per token each layer writes (the planner's per-token sizes,
   ``genoctx.plan.sizes``, as kept without recompute) are written and read once in each forward (2x), read, and
   their gradients written and read in backward (4x), at ``hbm_bytes_per_s x efficiency["memory"]``.
+  That is the ``activations`` memory model (a fused kernel's traffic; the GPU profiles). Under ``memory_model:
+  eager`` (a CPU profile: every op of genoctx runs eagerly there) the term is instead the bytes each eager op reads
+  and writes (``genoctx.plan.eager``): elementwise ops and the products' operands at ``hbm_bytes_per_s x
+  efficiency["memory"]``, row gathers and scatters at ``x efficiency["gather"]``. A product then takes its FLOPs'
+  time plus its operands' (the two do not overlap in a small product on a CPU core).
 - **Communication.** Each collective of ``step_comms`` takes ``wire_bytes / (bandwidth x efficiency["collective"]) +
   calls x latency`` (an all-to-all: the larger of what the rank sends and receives, ``recv_wire_bytes``; the busiest
   expert rank receives ``skew`` x the mean); the bandwidth is NVLink's when every rank of its group is in one node
@@ -172,7 +177,8 @@ def compute_seconds(flops: dict, cfg: ModelConfig, hw: Hardware, dtype: str) -> 
 
 
 def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, hw: Hardware, *, dtype: str,
-              seq_len: int, batch_size: int, model_flops_per_token: float, ops: float = 0.0) -> dict:  # fmt: skip
+              seq_len: int, batch_size: int, model_flops_per_token: float, ops: float = 0.0,
+              eager_bytes: dict | None = None) -> dict:  # fmt: skip
     """Seconds of one step on the busiest rank from its FLOPs, collectives and aten ops (module docstring: the model).
 
     Args:
@@ -183,6 +189,8 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
         seq_len, batch_size: tokens per window and windows per data-parallel rank.
         model_flops_per_token: training (or forward) FLOPs per token without recompute, for MFU.
         ops: aten ops of the step on the rank (``genoctx.plan.ops``; 0: no launch term).
+        eager_bytes: ``{kind: bytes}`` the step's eager ops move (``genoctx.plan.eager``'s ``by_kind``): the
+            memory-bound term under ``hw.memory_model == "eager"`` (required there).
 
     Returns:
         ``{"step_s", "tokens_per_s", "mfu", "bound", "compute_s", "memory_bound_s", "comm_s": {"intra-node",
@@ -196,8 +204,17 @@ def step_time(flops: dict, comms: list[dict], cfg: ModelConfig, layout: Layout, 
     compute_s = sum(comp_by.values())
     passes = 2 * (1 + flops["recompute"] / flops["forward"] if flops["forward"] else 1) + (
         4 if flops["backward"] else 0)  # fmt: skip
-    hbm = activation_bytes_per_token(cfg, dtype) * flops["tokens"] * passes
-    memory_s = hbm / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
+    if hw.memory_model == "eager":
+        if eager_bytes is None:
+            raise ValueError("step_time: a profile with memory_model eager needs eager_bytes")
+        streamed = eager_bytes.get("elementwise", 0.0) + eager_bytes.get("matmul", 0.0)
+        gathered = eager_bytes.get("gather", 0.0)
+        hbm = streamed + gathered
+        memory_s = streamed / (hw.hbm_bytes_per_s * hw.efficiency["memory"]) + gathered / (
+            hw.hbm_bytes_per_s * hw.efficiency["gather"])  # fmt: skip
+    else:
+        hbm = activation_bytes_per_token(cfg, dtype) * flops["tokens"] * passes
+        memory_s = hbm / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
     busy = compute_s + memory_s
     hidden = {"intra-node": 0.0, "inter-node": 0.0}
     exposed = {"intra-node": 0.0, "inter-node": 0.0}
@@ -275,6 +292,7 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
         ValueError: as ``step_flops`` and ``step_comms``; an unknown ``mode``.
     """
     from .comms import step_comms
+    from .eager import eval_bytes, step_bytes
     from .flops import eval_flops, flops_per_token, step_flops
     from .ops import eval_ops, step_ops
 
@@ -285,16 +303,19 @@ def plan_time(cfg: ModelConfig, seq_len: int, layout: Layout, hw: Hardware, *, b
                         seq_chunk_tokens=seq_chunk_tokens, skew=skew, trainable=trainable)  # fmt: skip
         ops = step_ops(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
                        seq_chunk_tokens=seq_chunk_tokens, trainable=trainable)["total"]  # fmt: skip
+        eager = step_bytes(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute,
+                           seq_chunk_tokens=seq_chunk_tokens) if hw.memory_model == "eager" else None  # fmt: skip
     else:
         fl = eval_flops(cfg, seq_len, layout)
         ops = eval_ops(cfg, seq_len, layout)["total"]
+        eager = eval_bytes(cfg, seq_len, layout) if hw.memory_model == "eager" else None
     comms = step_comms(cfg, seq_len, layout, batch_size=batch_size, recompute=recompute, dtype=dtype, skew=skew,
                        seq_chunk_tokens=seq_chunk_tokens, mode=mode,
                        trainable=trainable if mode == "train" else None)  # fmt: skip
     per_token = flops_per_token(cfg, seq_len)["train" if mode == "train" else "forward"]["total"]
     out = step_time(fl, comms, cfg, layout, hw, dtype=dtype, seq_len=seq_len,
                     batch_size=batch_size if mode == "train" else 1, model_flops_per_token=per_token,
-                    ops=ops)  # fmt: skip
+                    ops=ops, eager_bytes=eager["by_kind"] if eager else None)  # fmt: skip
     out.update(hardware=hw.name, skew=skew, flops=fl["total"], comm_bytes=sum(e["wire_bytes"] for e in comms),
                forward_share=fl["forward"] / fl["total"] if fl["total"] else 1.0)  # fmt: skip
     return out
@@ -371,8 +392,16 @@ def add_time(plans: list[dict], cfg: ModelConfig, hw: Hardware, *, skew: float =
         lay = Layout(**{k: v for k, v in p["layout"].items() if k != "world"})
         mode = p.get("mode", "train")
         tr = p.get("trainable")
-        tr = None if tr is None else check_trainable(tr["trainable"], tr["lora_rank"], tr["frozen_dtype"],
-                                                     tuple(tr["lora_targets"]) if tr["lora_targets"] else None)
+        tr = (
+            None
+            if tr is None
+            else check_trainable(
+                tr["trainable"],
+                tr["lora_rank"],
+                tr["frozen_dtype"],
+                tuple(tr["lora_targets"]) if tr["lora_targets"] else None,
+            )
+        )
         t = plan_time(cfg, p["seq_len"], lay, hw, batch_size=p.get("batch_size", 1), dtype=p["dtype"], skew=skew,
                       recompute=p.get("recompute", False), seq_chunk_tokens=p.get("seq_chunk_tokens"),
                       mode=mode, trainable=tr)  # fmt: skip

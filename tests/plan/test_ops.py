@@ -4,7 +4,12 @@ component and pass. The launch term of the time model (``genoctx.plan.time``): `
 overlapped on a GPU, named as the bound where it dominates.
 
 Tolerances: the total within 1%, each component's pass within 3% (or 12 ops): a few ops follow branches of the code
-the loop-body table does not model (a pool's partial tail, a padded last chunk)."""
+the loop-body table does not model (a pool's partial tail, a padded last chunk).
+
+The same counted steps check the bytes their eager ops move (``OpCounter.bytes``) against ``genoctx.plan.eager``, a
+linear model fitted to random configs that are neither tiny nor cpu-small (``bench/op_count.py --fit-bytes``): each
+kind's total within 8%, each component within 25% (the MoE's routed rows depend on the data), and the memory model
+``eager`` of the time model turns those bytes into seconds."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import pytest
 
 from genoctx.model.config import preset
 from genoctx.parallel.layout import Layout
+from genoctx.plan import eager as E
 from genoctx.plan import ops as O
 from genoctx.plan.hardware import load_hardware
 from genoctx.plan.time import plan_time
@@ -31,6 +37,17 @@ def _close(counted: dict, planned: dict, passes) -> None:
             assert abs(c - q) <= max(12, 0.03 * c), (comp, p, c, q)
 
 
+def _close_bytes(counted: dict, planned: dict, passes) -> None:
+    for kind in E.KINDS:
+        c = sum(counted[x][p][kind] for x in E.COMPONENTS for p in passes)
+        q = sum(planned[x][p][kind] for x in E.COMPONENTS for p in passes)
+        assert q == pytest.approx(c, rel=0.08), (kind, c, q)
+    for x in E.COMPONENTS:
+        c = sum(counted[x][p][k] for p in passes for k in E.KINDS)
+        q = sum(planned[x][p][k] for p in passes for k in E.KINDS)
+        assert q == pytest.approx(c, rel=0.25, abs=1e5), (x, c, q)
+
+
 @pytest.mark.parametrize(("name", "L"), [("tiny", 256), ("tiny", 700), ("tiny", 2000), ("cpu-small", 512),
                                          ("cpu-small", 2048), ("cpu-small", 3000)])  # fmt: skip
 def test_step_ops_equal_the_counted(name, L):
@@ -39,6 +56,7 @@ def test_step_ops_equal_the_counted(name, L):
     assert plan["total"] == pytest.approx(c.total, rel=0.01)
     _close(c.counts, plan["components"], O.PASSES)
     assert plan["by_pass"]["optimizer"] == c.by_pass()["optimizer"]  # exact: one op per foreach term and tensor
+    _close_bytes(c.bytes, E.step_bytes(preset(name), L)["components"], E.PASSES)
 
 
 def test_chunked_step_ops_equal_the_counted():
@@ -47,6 +65,9 @@ def test_chunked_step_ops_equal_the_counted():
     assert plan["total"] == pytest.approx(c.total, rel=0.01)
     _close(c.counts, plan["components"], O.PASSES)
     assert plan["total"] > 1.5 * O.step_ops(preset("tiny"), 1000)["total"]  # 4 chunks, each its own calls
+    chunked = E.step_bytes(preset("tiny"), 1000, seq_chunk_tokens=256)
+    _close_bytes(c.bytes, chunked["components"], E.PASSES)
+    assert chunked["total"] > 1.2 * E.step_bytes(preset("tiny"), 1000)["total"]  # the sweep scores every chunk again
 
 
 @pytest.mark.parametrize(("name", "L"), [("tiny", 700), ("cpu-small", 2048)])
@@ -55,6 +76,7 @@ def test_eval_ops_equal_the_counted(name, L):
     plan = O.eval_ops(preset(name), L)
     assert plan["total"] == pytest.approx(c.total, rel=0.01)
     _close(c.counts, plan["components"], ("forward",))
+    _close_bytes(c.bytes, E.eval_bytes(preset(name), L)["components"], ("forward",))
 
 
 def test_ops_grow_with_what_loops():
@@ -104,3 +126,40 @@ def test_fsdp_step_ops_equal_the_counted(tmp_path):
             got = torch.load(tmp_path / f"{name}-rank{r}.pt")
             assert plan["total"] == pytest.approx(got["total"], rel=0.01)
             _close(got["counts"], plan["components"], O.PASSES)
+
+
+def test_eager_memory_model_times_the_counted_bytes():
+    """``memory_model: eager`` (a CPU profile): the memory-bound term is the eager bytes, elementwise and the products'
+    operands at the memory rate, gathers at the gather rate; ``activations`` (the GPU profiles) is unchanged."""
+    cfg = preset("cpu-small")
+    gpu = load_hardware("h100")
+    eager = dataclasses.replace(gpu, memory_model="eager", efficiency={**gpu.efficiency, "gather": 0.2})
+    t = plan_time(cfg, 2048, Layout(), eager, dtype="fp32", recompute=False)
+    b = E.step_bytes(cfg, 2048)["by_kind"]
+    bw = gpu.hbm_bytes_per_s
+    assert t["memory_bound_s"] == pytest.approx(
+        (b["elementwise"] + b["matmul"]) / (0.7 * bw) + b["gather"] / (0.2 * bw)
+    )
+    assert t["hbm_bytes"] == pytest.approx(sum(b.values()))
+    a = plan_time(cfg, 2048, Layout(), gpu, dtype="fp32", recompute=False)
+    assert a["hbm_bytes"] < 0.5 * t["hbm_bytes"]  # the activation model: what a fused kernel would move
+    assert a["compute_s"] == t["compute_s"]
+    ev = plan_time(cfg, 2048, Layout(), eager, dtype="fp32", mode="eval")
+    assert ev["hbm_bytes"] == pytest.approx(E.eval_bytes(cfg, 2048)["total"])
+    # the bytes grow with what the code holds: tokens, and the indexer's scores with the window
+    small, big = E.step_bytes(cfg, 4096), E.step_bytes(cfg, 8192)
+    assert big["components"]["mhc"]["forward"]["elementwise"] == pytest.approx(
+        2 * small["components"]["mhc"]["forward"]["elementwise"])  # fmt: skip
+    idx = [x["components"]["dsa_indexer"]["forward"]["elementwise"] for x in (small, big)]
+    assert idx[1] > 2.1 * idx[0]  # superlinear: each query scores every earlier pool
+
+
+def test_memory_model_is_checked():
+    from genoctx.errors import GenoctxError
+    from genoctx.plan.hardware import hardware_from_dict
+
+    doc = dict(name="x", dtype_flops={"bf16": 1e12, "fp32": 1e12}, hbm_bytes_per_s=1e10, memory_gib=8,
+               gpus_per_node=1, intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9)  # fmt: skip
+    assert hardware_from_dict(doc).memory_model == "activations"
+    with pytest.raises(GenoctxError, match="memory_model must be one of activations, eager, got 'fused'"):
+        hardware_from_dict({**doc, "memory_model": "fused"})

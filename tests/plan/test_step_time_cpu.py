@@ -22,6 +22,8 @@ def _rank(gemm_s: float, mem_s: float) -> dict:
         "gemm": [{"flops": 2e9, "seconds": gemm_s}, {"flops": 1e9, "seconds": gemm_s}],  # 3e9 FLOPs in 2 gemm_s
         "bmm": {"shape": [128, 64, 32], "flops": 1e9, "seconds": 0.25},
         "memory": {"bytes": 3e9, "seconds": mem_s},
+        "eager": [{"op": "add", "bytes": 1e9, "seconds": mem_s}, {"op": "exp", "bytes": 5e8, "seconds": mem_s}],
+        "gather": {"bytes": 3e8, "seconds": mem_s, "shape": [2048, 64, 64]},
         "op": {"ops": 200, "seconds": 2e-3},
     }
 
@@ -35,6 +37,7 @@ def test_profile_dict_means_over_ranks_and_measured_efficiencies():
         "comm_threads": 1,
         "compute": [_rank(0.1, 1.0), _rank(0.3, 0.5)],  # GEMM 15 and 5 GFLOP/s; memory 3 and 6 GB/s
         "comm": [pair, pair],
+        "act": [2048, 4, 128, 4, 32, 64],
     }
     op_s, doc = bench.profile_dict(meas, memory_gib=24.0, cores=2)
     assert op_s == pytest.approx(1e-5)
@@ -43,9 +46,13 @@ def test_profile_dict_means_over_ranks_and_measured_efficiencies():
     assert doc["intra_node_bytes_per_s"] == doc["inter_node_bytes_per_s"] == pytest.approx(5e8)  # the all_gather's
     assert doc["collective_latency_s"] == pytest.approx(1e-4)
     assert doc["gpus_per_node"] == 4 and doc["memory_gib"] == pytest.approx(6.0)
-    # bmm 4 GFLOP/s over GEMM 10 GFLOP/s; the rest 1.0 (the microbenchmarks are the achieved rates)
-    assert doc["efficiency"] == {"matmul": 1.0, "memory": 1.0, "collective": 1.0, "attention": pytest.approx(0.4)}
+    # bmm 4 GFLOP/s over GEMM 10 GFLOP/s; the eager basket 0.75 and 1.5 GB/s (1.125), the gathers 0.3 and 0.6 GB/s
+    # (0.45) over the add's 4.5 GB/s; matmul and collective 1.0 (the microbenchmarks are the achieved rates)
+    assert doc["efficiency"] == {"matmul": 1.0, "memory": pytest.approx(0.25), "gather": pytest.approx(0.1),
+                                 "collective": 1.0, "attention": pytest.approx(0.4)}  # fmt: skip
+    assert doc["memory_model"] == "eager"
     hw = hardware_from_dict(doc)
+    assert hw.memory_model == "eager" and hw.efficiency["gather"] == pytest.approx(0.1)
     p = plan_time(preset("cpu-small"), 1024, Layout(dp_shard=2, cp=2), hw, recompute=False, dtype="fp32")
     assert p["bound"] in ("compute", "memory-bound kernels") and p["exposed_comm_s"]["inter-node"] == 0.0
     assert p["compute_s"] == pytest.approx(sum(p["compute_by_component_s"].values()))
