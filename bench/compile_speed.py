@@ -93,6 +93,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the recipe's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared 2-core machine)")
     args = parser.parse_args()
+    from genoctx.heap import keep_freed_memory
+
+    keep_freed_memory()  # as genoctx's CLI on a CPU (genoctx.heap)
     torch.set_num_threads(args.threads)
     out = {
         "bench": "compile_speed",

@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu-small", help="the model preset (random init) without --checkpoint")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args()
+    from genoctx.heap import keep_freed_memory
+
+    keep_freed_memory()  # as genoctx's CLI on a CPU (genoctx.heap)
     if args.threads:
         torch.set_num_threads(args.threads)
     window, chunk = parse_size(args.window), parse_size(args.chunk_tokens)

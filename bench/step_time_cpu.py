@@ -189,6 +189,9 @@ def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> Non
     import torch
     import torch.distributed as dist
 
+    from genoctx.heap import keep_freed_memory
+
+    keep_freed_memory()  # as the measured steps' ranks (genoctx.heap)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--seq-chunk", default=None, help="train.seq_chunk_tokens (k/M suffixes)")
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
+    from genoctx.heap import keep_freed_memory
+
+    keep_freed_memory()  # as genoctx's CLI on a CPU (genoctx.heap)
 
     import torch
 

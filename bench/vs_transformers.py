@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    from genoctx.heap import keep_freed_memory
+
+    keep_freed_memory()  # as genoctx's CLI on a CPU (genoctx.heap)
 
     import torch
     import torch.nn.functional as F

@@ -10,6 +10,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+from genoctx.heap import keep_freed_memory  # noqa: E402
+
+keep_freed_memory()  # the tests' steps run on the CPU: as genoctx's CLI does there (genoctx.heap)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -366,6 +366,10 @@ def _device(name: str) -> str:
         raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto") from None
     if dev.type not in ("cpu", "cuda"):
         raise GenoctxError(f"--device {name!r}: expected cpu, cuda, cuda:N or auto")
+    if dev.type == "cpu":  # the run's activations live in this process's heap: keep it (genoctx.heap)
+        from ..heap import keep_freed_memory
+
+        keep_freed_memory()
     if dev.type == "cuda":
         have = _cuda_devices()
         if have == 0:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ..errors import GenoctxError
+from ..heap import keep_freed_memory
 from ..train.integrity import refuse_unverified, run_of
 from .scoring import (
     BinnedLoss,
@@ -236,6 +237,8 @@ def _eval_worker(config: dict, session) -> dict | None:
                          ep_folded=config.get("ep_folded", False))  # fmt: skip
     rank = dist.get_rank()
     device = session.device()
+    if torch.device(device).type == "cpu":  # activations in this process's heap: keep it (genoctx.heap)
+        keep_freed_memory()
     precision = eval_precision(device)  # the one decision, as one process's (genoctx.eval.scoring)
     ds = agree(dims, lambda: WindowDataset(config["data"], config["split"]))
     models, peaks = [], []

@@ -52,6 +52,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import AgreedError, GenoctxError
+from ..heap import keep_freed_memory
 from ..recipes import Recipe
 
 log = logging.getLogger("genoctx.train")
@@ -171,6 +172,8 @@ def _train_worker(config: dict, session) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(worker_threads(session, cfg.num_threads))
     dev = session.device()  # its GPU, or the CPU when gpus_per_worker is 0
+    if dev.type == "cpu":  # activations in this process's heap: keep it (genoctx.heap)
+        keep_freed_memory()
     if config.get("plan_on_workers"):  # the driver had no GPU memory to plan against
         _plan_on_worker(recipe, config, dims, dev, rank)
     torch.manual_seed(cfg.seed)
