@@ -38,12 +38,17 @@ Method:
      ``all_gather`` of ``--comm-mib`` per rank in pairs of processes (every pair at once, max(2, R) processes):
      wire bytes (``genoctx.plan.comms``' convention: ``(g - 1)`` x the input) over seconds; the all_reduce's rate
      (``2 (g - 1) / g`` x the buffer) is recorded beside it. ``collective_latency_s``: a 4-byte all_reduce's seconds.
-   - Efficiencies: ``matmul`` 1.0 (the microbenchmark IS the achieved rate at the model's shapes); ``memory`` 1.0
-     (the bandwidth is that of an unfused torch elementwise op, which is what the memory-bound term models);
-     ``collective`` 1.0 (the rate is gloo's own on this machine; small messages pay the measured latency);
+   - ``memory_model: eager``: on a CPU every op of genoctx runs eagerly, so the memory-bound term is the bytes those
+     ops move (``genoctx.plan.eager``), not the activation bytes a fused kernel would.
+   - Efficiencies: ``matmul`` 1.0 (the microbenchmark IS the achieved rate at the model's shapes); ``memory``: the
+     eager basket's rate over the add's (``eager_basket``: seven kinds of eager op at the model's activation shapes,
+     inputs rotated through 256 MiB so that they come from memory), capped at 1; ``gather``: ``index_select`` of
+     latent rows and ``index_add_`` back at sparse attention's shapes, over the add's rate; ``collective`` 1.0 (the
+     rate is gloo's own on this machine; small messages pay the measured latency);
      ``attention`` = ``torch.bmm`` FLOP/s at the KDA core's chunk shapes (``[H L / C, C, d_k] x [.., d_k, C]``)
      over the GEMM rate, capped at 1 (the KDA core, the indexer and sparse MLA run as small batched products on
-     the CPU). None is fitted to a step time; the profile is measured before any training step runs.
+     the CPU). None is fitted to a step time; the profile is measured before any training step runs. Every rank
+     runs with ``genoctx.heap.keep_freed_memory`` as genoctx's CPU runs do.
 2. **Predicted**: ``genoctx.plan.time.plan_time(cfg, L, layout, hw, batch_size, recompute, dtype, seq_chunk_tokens)``
    with the recipe's model and train knobs (``cpu-small``: fp32, batch 1, no activation checkpointing).
    ``predicted_no_overlap_s`` = compute + memory-bound + ALL communication (no FSDP overlap): the alternative a CPU

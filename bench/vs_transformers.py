@@ -1,11 +1,12 @@
 """genoctx against transformers' ``glm5_next`` on the same weights: forward + backward seconds on the CPU.
 
-    .venv/bin/python bench/vs_transformers.py [--preset cpu-small] [--lengths 1024 4096] [--repeats 3]
+    .venv/bin/python bench/vs_transformers.py [--preset cpu-small] [--lengths 1024 4096] [--repeats 3] [--keep-heap]
 
 Prints one JSON line per length::
 
     {"bench": "vs_transformers", "preset": "cpu-small", "seq_len": 1024, "genoctx_s": ..., "transformers_s": ...,
-     "speedup": ..., "genoctx_ops": ..., "max_abs_logit_diff": ..., "threads": 2, "loadavg_1m": ...}
+     "speedup": ..., "genoctx_ops": ..., "max_abs_logit_diff": ..., "threads": 2, "heap": "glibc defaults",
+     "loadavg_1m": ...}
 
 Method: a random ``preset`` model (``HybridLM``, seed 0, fp32) is exported with ``genoctx.model.hf.save_hf`` and loaded
 by transformers 5.23.0 (``Glm5NextForConditionalGeneration.from_pretrained``) with its own PyTorch KDA and convolution
@@ -15,6 +16,10 @@ warm-up run) of the forward, the mean token loss (cross-entropy against the next
 ``max_abs_logit_diff``: the two models' forward logits, to show they are the same model (genoctx computes
 GLM-5.3-Flash exactly; the reference's DSA layers are dense attention masked to the same selection). ``genoctx_ops``:
 aten ops of genoctx's forward + backward (``genoctx.model.opcount.OpCounter``).
+
+``--keep-heap``: both run with ``genoctx.heap.keep_freed_memory`` (as genoctx's CLI runs on a CPU); without it both
+run on glibc's defaults, under which freed buffers go back to the kernel and return as page faults, which cost the
+reference, with its larger and more numerous buffers, more than genoctx (``"heap"`` in each line says which).
 """
 
 from __future__ import annotations
@@ -61,10 +66,12 @@ def main() -> None:
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keep-heap", action="store_true", help="both with genoctx.heap.keep_freed_memory")
     a = ap.parse_args()
-    from genoctx.heap import keep_freed_memory
+    if a.keep_heap:
+        from genoctx.heap import keep_freed_memory
 
-    keep_freed_memory()  # as genoctx's CLI on a CPU (genoctx.heap)
+        keep_freed_memory()
 
     import torch
     import torch.nn.functional as F
@@ -105,6 +112,7 @@ def main() -> None:
         print(json.dumps({"bench": "vs_transformers", "preset": a.preset, "seq_len": L, "genoctx_s": round(g, 4),
                           "transformers_s": round(t, 4), "speedup": round(t / g, 2), "genoctx_ops": counter.total,
                           "max_abs_logit_diff": diff, "threads": torch.get_num_threads(),
+                          "heap": "kept" if a.keep_heap else "glibc defaults",
                           "loadavg_1m": os.getloadavg()[0]}), flush=True)  # fmt: skip
 
 

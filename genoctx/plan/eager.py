@@ -3,22 +3,27 @@
 Why: genoctx's PyTorch path (``kda_kernel: torch``, ``kernels: torch``, and the mHC, norm and MoE code on every
 device) runs each elementwise op, reduction, copy and gather as its own kernel, which reads its inputs from memory
 and writes its output back. A fused kernel would move a layer's activations once (``genoctx.plan.time``'s
-activation model); the eager chain moves them once per op: on ``cpu-small`` at 2k tokens 6.4 GB where the
-activation model counts 1.4 GB (``docs/plan.md``, "Checked on this machine").
+``activations`` memory model); the eager chain moves them once per op: ``cpu-small`` at 2k tokens moves 5.8 GB
+elementwise, 0.5 GB of gathers and 2.5 GB of products' operands where the activation model counts 1.4 GB
+(``docs/plan.md``, "Checked on this machine"). ``genoctx.plan.time`` uses these bytes under ``memory_model: eager``
+(a CPU profile).
 
 What is counted: what ``genoctx.model.opcount.OpCounter`` counts in ``bytes[component][pass][kind]``
 (``genoctx.model.opcount.op_bytes``: the bytes of every tensor an op takes and returns, views and allocations
-excluded), for the kinds that are memory-bound: ``elementwise`` and ``gather`` (matmuls are timed by their FLOPs).
+excluded), the optimizer pass and FSDP's and CP's collectives aside; kinds ``elementwise`` (pointwise ops,
+reductions, copies, concatenations), ``gather`` (row gathers and scatters) and ``matmul`` (the products' operands
+and outputs, whose FLOPs ``genoctx.plan.flops`` counts).
 
 Method: a linear model. Each component's bytes per token are a sum of features, each a count of elements per
-token that the code's tensors hold (``FEATURES``: the dims products of the component's activations, e.g. ``n D``
-for the mHC streams, ``H C`` for a KDA chunk's score rows, ``H W`` for a DSA query's scores over its ``W`` slots,
-``H_I P`` for the indexer's scores over the ``P`` pools a query sees on average), times a coefficient in bytes per
-element (``COEFS[component][pass][kind]``). The coefficients are fitted by least squares to OpCounter's counts of
-real steps of random small configs (``bench/op_count.py --fit-bytes``, which writes the table below); the test
-(``tests/plan/test_eager_bytes.py``) holds the model to the counts of configs it was not fitted on (tiny and
-cpu-small at three lengths, chunked, eval). It is a fit over dims, not a count op by op: a config whose dims lie far
-outside the fitted ranges may be off by more than the test's tolerance.
+token that the code's tensors hold (``features``: products of the component's dims, e.g. ``n D`` for the mHC
+streams, ``H C`` for a KDA chunk's score rows, ``H W`` for a DSA query's scores over its ``W`` slots, ``H_I P`` for
+the indexer's scores over the pools each query sees, ``1 / c`` for the MoE's dispatch chunks of ``c`` tokens),
+times a coefficient in bytes per element (``COEFS[component][pass][kind]``). The coefficients are fitted by least
+squares to OpCounter's bytes of real steps of 30 random small configs (``bench/op_count.py --fit-bytes``, which
+prints the tables below); ``tests/plan/test_ops.py`` holds the model to the bytes counted on configs it was not
+fitted on (tiny and cpu-small at three lengths each, a chunked step, no-grad forwards): each kind within 8%, each
+component within 25%. It is a fit over dims, not a count op by op: a config whose dims lie far outside the fitted
+ranges (``bench/op_count.py``'s ``FIT_DIMS``) may be off by more, and a fitted total below zero counts as zero.
 
 Units: bytes (floats). ``T``: tokens of the forward call on the rank, ``S``: positions before them (cache or
 earlier CP pieces).
