@@ -45,7 +45,8 @@ Method:
      inputs rotated through 256 MiB so that they come from memory), capped at 1; ``gather``: ``index_select`` of
      latent rows and ``index_add_`` back at sparse attention's shapes, over the add's rate; ``collective`` 1.0 (the
      rate is gloo's own on this machine; small messages pay the measured latency);
-     ``attention`` = ``torch.bmm`` FLOP/s at the KDA core's chunk shapes (``[H L / C, C, d_k] x [.., d_k, C]``)
+     ``attention`` = ``torch.bmm`` FLOP/s over the attention class's product shapes (``bmm_shapes``: a KDA chunk's
+     scores, a sparse-attention tile's scores and output, an indexer tile's scores; total FLOPs over total seconds)
      over the GEMM rate, capped at 1 (the KDA core, the indexer and sparse MLA run as small batched products on
      the CPU). None is fitted to a step time; the profile is measured before any training step runs. Every rank
      runs with ``genoctx.heap.keep_freed_memory`` as genoctx's CPU runs do.
@@ -99,6 +100,21 @@ def gemm_shapes(cfg, rows: int) -> list[tuple[int, int, int]]:
     er = max(1, rows * cfg.num_experts_per_tok // cfg.n_routed_experts)
     return [(rows, D, 2 * cfg.intermediate_size), (rows, cfg.intermediate_size, D), (rows, D, hk), (rows, hk, D),
             (er, D, 2 * cfg.moe_intermediate_size), (er, cfg.moe_intermediate_size, D)]  # fmt: skip
+
+
+def bmm_shapes(cfg, rows: int) -> list[tuple[int, int, int, int]]:
+    """``(batch, m, k, n)`` of the attention class's batched products at ``rows`` tokens (what the CPU runs for
+    ``genoctx.plan.flops``' ``kda_core``, ``dsa_attention`` and ``dsa_indexer``): a KDA chunk's scores
+    (``[H rows / C, C, d_k] x [.., d_k, C]``), a sparse-attention tile's scores and output over its ``W`` slots
+    per query (``[rows, H, R] x [rows, R, W]``, ``[rows, H, W] x [rows, W, R]``), an indexer tile's scores
+    (``[1, min(rows, 256) H_I, d_I] x [1, d_I, rows / kpool]``)."""
+    C, dk, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
+    kp = cfg.index_kpool
+    W = min(cfg.index_topk, rows) + (kp - 1 if cfg.index_kpool_always_select_tail else 0)
+    Ha, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    iH, iD = cfg.index_n_heads, cfg.index_head_dim
+    return [(H * max(1, rows // C), C, dk, C), (rows, Ha, R, W), (rows, Ha, W, R),
+            (1, min(rows, 256) * iH, iD, max(1, rows // kp))]  # fmt: skip
 
 
 def _timed(fn, seconds: float) -> float:
@@ -209,11 +225,12 @@ def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> Non
             dist.barrier()
             s = _timed(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), T)
             res["gemm"].append({"shape": [m, k, n], "flops": 2.0 * m * k * n, "seconds": s})
-        nb, C, dk = spec["bmm"]
-        q, kt, sc = torch.randn(nb, C, dk), torch.randn(nb, dk, C), torch.empty(nb, C, C)
-        dist.barrier()
-        s = _timed(lambda: torch.bmm(q, kt, out=sc), T)
-        res["bmm"] = {"shape": [nb, C, dk], "flops": 2.0 * nb * C * dk * C, "seconds": s}
+        res["bmm"] = []
+        for nb, m, k, n in spec["bmm"]:
+            a, b, c = torch.randn(nb, m, k), torch.randn(nb, k, n), torch.empty(nb, m, n)
+            dist.barrier()
+            s = _timed(lambda a=a, b=b, c=c: torch.bmm(a, b, out=c), T)
+            res["bmm"].append({"shape": [nb, m, k, n], "flops": 2.0 * nb * m * k * n, "seconds": s})
         numel = spec["mem_bytes"] // 4
         x, y, z = torch.rand(numel), torch.rand(numel), torch.empty(numel)
         dist.barrier()
@@ -312,7 +329,7 @@ def measure_profile(cfg, ranks: int, *, seconds: float, gemm_rows: int, mem_mib:
     threads = max(1, cores // ranks)
     C, dk, H = cfg.kda_chunk_size, cfg.linear_head_dim, cfg.linear_num_heads
     spec = {"threads": threads, "seconds": seconds, "gemm": gemm_shapes(cfg, gemm_rows),
-            "bmm": [H * max(1, gemm_rows // C), C, dk], "mem_bytes": mem_mib << 20,
+            "bmm": bmm_shapes(cfg, gemm_rows), "mem_bytes": mem_mib << 20,
             "act": [gemm_rows, cfg.hc_mult, cfg.hidden_size, H, dk, C],
             "gather": [gemm_rows, cfg.kv_lora_rank, min(64, cfg.index_topk)]}  # fmt: skip
     compute = _run_ranks(_compute_rank, ranks, spec)
@@ -329,7 +346,7 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
     mean over ranks.
 
     Args:
-        meas: ``{"ranks": R, "threads": t, "compute": [{"gemm": [{"flops", "seconds"}], "bmm": {"flops", "seconds"},
+        meas: ``{"ranks": R, "threads": t, "compute": [{"gemm": [{"flops", "seconds"}], "bmm": [{"flops", "seconds"}],
             "memory": {"bytes", "seconds"}, "op": {"ops", "seconds"}}] per rank, "comm": [{"all_gather":
             {"wire_bytes", "seconds"}, "all_reduce": {...}, "latency_s": s}] per rank}``.
         memory_gib: this machine's memory (GiB); each rank is given ``memory_gib / R``.
@@ -345,7 +362,7 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
         return sum(xs) / len(xs)
 
     mm = mean([sum(g["flops"] for g in r["gemm"]) / sum(g["seconds"] for g in r["gemm"]) for r in comp])
-    bmm = mean([r["bmm"]["flops"] / r["bmm"]["seconds"] for r in comp])
+    bmm = mean([sum(b["flops"] for b in r["bmm"]) / sum(b["seconds"] for b in r["bmm"]) for r in comp])
     mem = mean([r["memory"]["bytes"] / r["memory"]["seconds"] for r in comp])
     eager = mean([sum(e["bytes"] for e in r["eager"]) / sum(e["seconds"] for e in r["eager"]) for r in comp])
     gather = mean([r["gather"]["bytes"] / r["gather"]["seconds"] for r in comp])
@@ -383,7 +400,8 @@ def profile_dict(meas: dict, memory_gib: float, cores: int) -> tuple[float, dict
             "op_host_s": f"seconds per aten op of a 64-op autograd chain on 16 values, its backward and an update; "
             f"{where}",
             "host_overlaps_device": "false: on a CPU the host is the device, each op's host time adds to the step",
-            "efficiency.attention": f"torch.bmm at the KDA chunk shapes {comp[0]['bmm']['shape']} over the GEMM rate "
+            "efficiency.attention": f"torch.bmm at the attention class's shapes (bmm_shapes: batch, m, k, n "
+            f"{[b['shape'] for b in comp[0]['bmm']]}), total FLOPs / total seconds, over the GEMM rate "
             f"({bmm:.3e} / {mm:.3e} FLOP/s)",
             "memory_model": "eager: on a CPU every op of genoctx runs eagerly (genoctx.plan.eager counts their bytes)",
             "efficiency.memory": f"the eager basket (bench/step_time_cpu.py eager_basket: "

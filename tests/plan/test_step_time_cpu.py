@@ -20,7 +20,8 @@ spec.loader.exec_module(bench)
 def _rank(gemm_s: float, mem_s: float) -> dict:
     return {
         "gemm": [{"flops": 2e9, "seconds": gemm_s}, {"flops": 1e9, "seconds": gemm_s}],  # 3e9 FLOPs in 2 gemm_s
-        "bmm": {"shape": [128, 64, 32], "flops": 1e9, "seconds": 0.25},
+        "bmm": [{"shape": [128, 64, 32, 64], "flops": 6e8, "seconds": 0.05},
+                {"shape": [2048, 4, 64, 271], "flops": 4e8, "seconds": 0.2}],  # 1e9 FLOPs in 0.25 s
         "memory": {"bytes": 3e9, "seconds": mem_s},
         "eager": [{"op": "add", "bytes": 1e9, "seconds": mem_s}, {"op": "exp", "bytes": 5e8, "seconds": mem_s}],
         "gather": {"bytes": 3e8, "seconds": mem_s, "shape": [2048, 64, 64]},
@@ -80,3 +81,11 @@ def test_gemm_shapes_follow_the_config():
     shapes = bench.gemm_shapes(cfg, 2048)
     assert shapes[0] == (2048, 128, 512) and shapes[1] == (2048, 256, 128)
     assert shapes[4] == (2048 * 2 // 8, 128, 128)  # a routed expert's rows: rows x top-k / E
+
+
+def test_bmm_shapes_follow_the_config():
+    cfg = preset("cpu-small")
+    kda, qk, pv, idx = bench.bmm_shapes(cfg, 2048)
+    assert kda == (4 * 2048 // 64, 64, 32, 64)  # heads x chunks, C x d_k x C
+    assert qk == (2048, 4, 64, 271) and pv == (2048, 4, 271, 64)  # 256 selected tokens + 15 tail slots
+    assert idx == (1, 256 * 4, 32, 2048 // 16)
