@@ -84,7 +84,7 @@ def case(preset: str, L: int, chunk: int | None = None, mode: str = "train") -> 
     from genoctx.plan.eager import KINDS, eval_bytes, step_bytes
 
     b = step_bytes(cfg, L, seq_chunk_tokens=chunk) if mode == "train" else eval_bytes(cfg, L)
-    moved = {k: sum(c.bytes[x][q][k] for x in COMPONENTS for q in ("forward", "recompute", "backward")) for k in KINDS}
+    moved = c.bytes_by_kind(("forward", "recompute", "backward"))
     by = c.by_pass()
     return {
         "bench": "op_count", "preset": preset, "seq_len": L, "seq_chunk_tokens": chunk, "mode": mode,

@@ -130,13 +130,18 @@ def _timed(fn, seconds: float) -> float:
             return dt / n
 
 
-def count_aten_ops(fn) -> int:
-    """Aten ops ``fn()`` dispatches (counted once, untimed; ``genoctx.model.opcount.OpCounter``)."""
+def _counted(fn):
+    """The ``genoctx.model.opcount.OpCounter`` of one untimed ``fn()``: its aten ops and the bytes they move."""
     from genoctx.model.opcount import OpCounter
 
     with OpCounter() as counter:
         fn()
-    return counter.total
+    return counter
+
+
+def count_aten_ops(fn) -> int:
+    """Aten ops ``fn()`` dispatches (counted once, untimed)."""
+    return _counted(fn).total
 
 
 def _tiny_chain(n: int = 64):
@@ -198,11 +203,7 @@ def eager_basket(spec: dict):
 
 def _moved(fn) -> int:
     """Bytes ``fn()``'s ops move (``genoctx.model.opcount``'s rule), counted once."""
-    from genoctx.model.opcount import OpCounter
-
-    with OpCounter() as counter:
-        fn()
-    return sum(sum(kinds.values()) for kinds in counter.bytes["other"].values())
+    return sum(_counted(fn).bytes_by_kind().values())
 
 
 def _compute_rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:

@@ -33,6 +33,7 @@ import contextlib
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .host import _counters
 
@@ -57,8 +58,6 @@ def op_bytes(func, args, kwargs, out) -> tuple[str, int]:
     an in-place op's tensor counts as read and written), 0 for views and allocations (``NO_BYTES_OPS``); ``kind``
     one of ``BYTE_KINDS`` (``MATMUL_OPS``, ``GATHER_OPS``, else elementwise: pointwise, reductions, copies,
     concatenations). An expanded (stride 0) operand counts at its expanded size, as the op's loop reads it."""
-    from torch.utils._pytree import tree_flatten
-
     name = func.__name__.split(".")[0]
     kind = "matmul" if name in MATMUL_OPS else "gather" if name in GATHER_OPS else "elementwise"
     if getattr(func, "is_view", False) or name in NO_BYTES_OPS:
@@ -172,6 +171,10 @@ class OpCounter(TorchDispatchMode):
     def by_pass(self) -> dict:
         """``{pass: ops}`` over all components."""
         return {p: sum(self.counts[c][p] for c in OP_COMPONENTS) for p in OP_PASSES}
+
+    def bytes_by_kind(self, passes=OP_PASSES) -> dict:
+        """``{kind: bytes}`` moved over all components in ``passes`` (``BYTE_KINDS``)."""
+        return {k: sum(self.bytes[c][p][k] for c in OP_COMPONENTS for p in passes) for k in BYTE_KINDS}
 
     @contextlib.contextmanager
     def phase(self, name: str):

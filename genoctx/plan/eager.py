@@ -42,38 +42,26 @@ COMPONENTS = ("kda", "dsa_attention", "dsa_indexer", "moe", "dense_mlp", "mhc", 
 def _dsa_shape(cfg: ModelConfig, T: int, S: int) -> dict:
     """The sparse attention's and the indexer's sizes for ``T`` queries after ``S`` positions: ``W`` slots per query,
     ``split`` queries attended densely (``genoctx.model.dsa._dense_split``), ``dense`` (query, key) pairs of those,
-    ``pairs`` (query, complete pool) pairs the indexer scores, ``K`` pools selected."""
-    from ..model.dsa import DENSE_RATIO, _dense_split, _visible_pool_pairs, attn_tile_tokens
+    ``K`` pools selected."""
+    from ..model.dsa import DENSE_RATIO, _dense_split, attn_tile_tokens
 
     kp = cfg.index_kpool
     K = min(cfg.index_topk // kp, (S + T) // kp)
     W = K * kp + (kp - 1 if cfg.index_kpool_always_select_tail else 0)
     H, R = cfg.num_attention_heads, cfg.kv_lora_rank
     split, _ = _dense_split(W, S + T, T, H, R, attn_tile_tokens(R, H), DENSE_RATIO)
-    return {"W": W, "split": split, "dense": split * (S + split), "pairs": _visible_pool_pairs(S, T, kp), "K": K}
+    return {"W": W, "split": split, "dense": split * (S + split), "K": K}
 
 
 def _topk_tiles(cfg: ModelConfig, T: int, S: int) -> dict:
-    """The indexer top-k's score elements (``scored``: row tile x column block, each block whole) and merged
-    candidates (``merged``: a tile's rows x (K + block columns) per block) over ``T`` queries after ``S`` positions:
-    ``genoctx.model.dsa.indexer_topk``'s loop bounds without pruning (as ``genoctx.plan.ops.dsa_units``)."""
-    from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE
+    """The indexer top-k's score elements (``scored``: each row's visible pools) and merged candidates (``merged``: a
+    tile's rows x (K + block columns) per block) over ``T`` queries after ``S`` positions, from
+    ``genoctx.plan.ops.topk_row_tiles``."""
+    from .ops import _cdiv, topk_row_tiles
 
-    kp, g, tile = cfg.index_kpool, INDEX_GROUP, cfg.indexer_tile_tokens
-    n_pools = (S + T) // kp
-    K = min(cfg.index_topk // kp, n_pools)
-    if K == 0 or T == 0:
-        return {"scored": 0, "merged": 0}
-    C = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
-    C = max(g, min(C, -(-n_pools // g) * g))
-    R = max(1, min(INDEX_ROW_TILE, T, tile // C))
-    scored = merged = 0
-    for r0 in range(0, T, R):
-        r1 = min(T, r0 + R)
-        n_vis = (S + r1) // kp
-        nb = -(-n_vis // C)
-        scored += (r1 - r0) * n_vis
-        merged += (r1 - r0) * nb * (K + C)
+    C, K, tiles = topk_row_tiles(cfg, T, S)
+    scored = sum((r1 - r0) * n_vis for r0, r1, n_vis, _ in tiles)
+    merged = sum((r1 - r0) * _cdiv(n_vis, C) * (K + C) for r0, r1, n_vis, _ in tiles)
     return {"scored": scored, "merged": merged}
 
 
@@ -578,8 +566,9 @@ def _empty() -> dict:
 
 
 def _call(cfg: ModelConfig, out: dict, table: dict, T: int, S: int, B: int, passes=PASSES,
-          selected: bool = False) -> None:  # fmt: skip
-    """Every component's bytes over ``B x T`` tokens after ``S`` into ``out`` (``selected``: as ``features``)."""
+          selected: bool = False, into: str | None = None) -> None:  # fmt: skip
+    """Every component's bytes over ``B x T`` tokens after ``S`` into ``out`` (``selected``: as ``features``), each of
+    ``passes`` of ``table`` added to the same pass of ``out`` or, given ``into``, to that one."""
     for comp, n in _instances(cfg):
         if not n or not T:
             continue
@@ -588,7 +577,8 @@ def _call(cfg: ModelConfig, out: dict, table: dict, T: int, S: int, B: int, pass
             for kind in KINDS:
                 coef = table.get(comp, {}).get(p, {}).get(kind)
                 if coef:  # a fit may go below 0 far outside its ranges: never fewer than no bytes
-                    out[comp][p][kind] += n * B * T * max(0.0, sum(coef.get(name, 0.0) * v for name, v in f.items()))
+                    per_token = sum(coef.get(name, 0.0) * v for name, v in f.items())
+                    out[comp][into or p][kind] += n * B * T * max(0.0, per_token)
 
 
 def _totals(out: dict) -> dict:
@@ -619,18 +609,10 @@ def step_bytes(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, 
         t = min(chunk, tokens - t0)
         sel = chunk < tokens
         _call(cfg, out, COEFS, t, S0 + t0, batch_size, PASSES, sel)
-        if recompute:
-            again = _empty()
-            _call(cfg, again, COEFS, t, S0 + t0, batch_size, ("forward",), sel)
-            for c in COMPONENTS:
-                for k in KINDS:
-                    out[c]["recompute"][k] += again[c]["forward"][k]
-        if chunk < tokens:
-            sweep = _empty()
-            _call(cfg, sweep, EVAL_COEFS, t, S0 + t0, batch_size, ("forward",))
-            for c in COMPONENTS:
-                for k in KINDS:
-                    out[c]["forward"][k] += sweep[c]["forward"][k]
+        if recompute:  # each layer's forward once more in backward
+            _call(cfg, out, COEFS, t, S0 + t0, batch_size, ("forward",), sel, into="recompute")
+        if sel:  # the no-grad sweep scores every chunk first
+            _call(cfg, out, EVAL_COEFS, t, S0 + t0, batch_size, ("forward",))
     return _totals(out)
 
 

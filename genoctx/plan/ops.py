@@ -101,21 +101,30 @@ def moe_units(cfg: ModelConfig, rows: int) -> dict:
     return {"call": 1, "chunk": _cdiv(rows, cfg.moe_chunk_tokens)}
 
 
+def topk_row_tiles(cfg: ModelConfig, T: int, S: int = 0) -> tuple[int, int, list[tuple[int, int, int, int]]]:
+    """``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning) over ``T`` queries after ``S`` positions:
+    ``(C, K, tiles)`` with ``C`` key columns per block, ``K`` pools kept per query and one ``(r0, r1, n_vis, first)``
+    per row tile (its rows, the pools its last row and its first row see); no tiles when nothing is selected."""
+    from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE
+
+    kp, g, tile = cfg.index_kpool, INDEX_GROUP, cfg.indexer_tile_tokens
+    n_pools = (S + T) // kp
+    K = min(cfg.index_topk // kp, n_pools)
+    if K == 0 or T == 0:
+        return g, K, []
+    C = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
+    C = max(g, min(C, _cdiv(n_pools, g) * g))
+    R = max(1, min(INDEX_ROW_TILE, T, tile // C))
+    tiles = [(r0, min(T, r0 + R), (S + min(T, r0 + R)) // kp, (S + r0 + 1) // kp) for r0 in range(0, T, R)]
+    return C, K, tiles
+
+
 def dsa_units(cfg: ModelConfig, T: int, B: int = 1, S: int = 0) -> dict:
     """Loop bodies of one DSA layer's forward over ``T`` queries (a window's start; ``B`` windows): ``call``, the
     sparse attention's query tiles (``attn_tile``: ``_SparseMLA``'s, as many for the sparse-stage indexer KL,
     ``kl_tile``) and the indexer top-k's row tiles (``topk_tile``), key blocks (``topk_block``) and the blocks that
     cross the causal boundary (``topk_masked``): ``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning)."""
-    from ..model.dsa import (
-        DENSE_RATIO,
-        INDEX_COL_BLOCK,
-        INDEX_GROUP,
-        INDEX_ROW_TILE,
-        _dense_split,
-        _dense_tiles,
-        _sparse_tiles,  # fmt: skip
-        attn_tile_tokens,
-    )
+    from ..model.dsa import DENSE_RATIO, _dense_split, _dense_tiles, _sparse_tiles, attn_tile_tokens
 
     kp = cfg.index_kpool
     n_pools = T // kp
@@ -129,17 +138,11 @@ def dsa_units(cfg: ModelConfig, T: int, B: int = 1, S: int = 0) -> dict:
     out = {"call": 1, "attn_tile": tiles, "kl_tile": tiles, "dense_call": int(dense > 0), "dense_tile": dense,
            "kl_dense_call": int(dense > 0), "kl_dense_tile": B * dense, "topk_call": 0, "topk_tile": 0,
            "topk_block": 0, "topk_masked": 0}  # fmt: skip
-    if K == 0 or T == 0:
+    C, _, tiles = topk_row_tiles(cfg, T)
+    if not tiles:
         return out
-    g, tile = INDEX_GROUP, cfg.indexer_tile_tokens
-    vis = lambda t: (t + 1) // kp  # noqa: E731 (keys visible to query t: its complete pools)
-    C = max(g, min(INDEX_COL_BLOCK, tile) // g * g)
-    C = max(g, min(C, _cdiv(n_pools, g) * g))
-    R = max(1, min(INDEX_ROW_TILE, T, tile // C))
     row_tiles = blocks = masked = 0
-    for r0 in range(0, T, R):
-        r1 = min(T, r0 + R)
-        n_vis, first = vis(r1 - 1), vis(r0)
+    for _, _, n_vis, first in tiles:
         row_tiles += 1
         nb = _cdiv(n_vis, C)
         blocks += nb
