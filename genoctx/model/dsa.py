@@ -59,12 +59,14 @@ Design choices (why this is not the reference's code):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -88,6 +90,11 @@ DENSE_RATIO = 2.0
 INDEX_ROW_TILE = 256  # indexer_topk: query rows per tile (fast path; bounded by indexer_tile_tokens)
 INDEX_COL_BLOCK = 4096  # indexer_topk: key columns per block (a multiple of INDEX_GROUP)
 INDEX_GROUP = 32  # indexer_topk: key columns per pruning group (block maxima are compared to the threshold)
+# indexer_topk on a CPU: a call that scores at least this many visible (query, key) pairs takes its query tiles'
+# group maxima from one compiled kernel (``_grouped_topk``); smaller calls stay eager (the compile would cost more)
+INDEX_COMPILE_PAIRS = 1 << 32
+INDEX_COMPILE_TERMS = 32  # ... for indexers of at most this many index_n_heads x index_head_dim terms (tiny: 2 x 8)
+INDEX_GROUPED_BLOCKS = 4  # ... and for query tiles whose every row sees at least this many key blocks (shorter: eager)
 
 
 def attn_tile_tokens(kv_lora_rank: int, heads: int) -> int:
@@ -274,6 +281,199 @@ def _pad_rows(rows: Tensor, n_row: Tensor, most: int, vals: Tensor, cols: Tensor
     return cand_v, cand_i
 
 
+def _index_group_max(q3: Tensor, w2: Tensor, kt: Tensor, group: int) -> Tensor:
+    """Group maxima of one tile's indexer scores, as elementwise terms that ``torch.compile`` fuses into one loop.
+
+    ``q3 [R, H_I, d_I]``, ``w2 [R, H_I]``, ``kt [d_I, C]`` (fp32, ``C`` a multiple of ``group``) -> ``[R, C / group]``:
+    the maximum over each ``group`` columns of ``s[r, c] = sum_j w[r, j] * ReLU(sum_i q[r, j, i] * k[i, c])``
+    (``_index_scores_tile``'s math, summed term by term). Compiled (``_index_group_max_compiled``), the scores never
+    reach memory: eager's matrix product, ReLU, head sum and group maximum move about forty bytes per score, which
+    bounds a CPU at tiny's dims (``bench/eval_long.py``). The unrolled form has ``H_I x d_I`` terms
+    (``INDEX_COMPILE_TERMS``).
+    """
+    acc = None
+    for j in range(q3.shape[1]):
+        s = q3[:, j, 0, None] * kt[0][None, :]
+        for i in range(1, q3.shape[2]):
+            s = s + q3[:, j, i, None] * kt[i][None, :]
+        s = torch.relu(s) * w2[:, j, None]
+        acc = s if acc is None else acc + s
+    return acc.view(acc.shape[0], -1, group).amax(-1)
+
+
+_COMPILED: dict = {}  # "group_max": the compiled _index_group_max, or None once compiling it failed
+
+
+def _index_group_max_guarded(q3: Tensor, w2: Tensor, kt: Tensor, group: int) -> Tensor:
+    """``_index_group_max`` compiled; where compiling fails (no C++ compiler, an inductor error) a warning on stderr,
+    once, and the eager products (``_index_scores_tile``, the same math) from then on."""
+    fn = _COMPILED.get("group_max")
+    if fn is not None:
+        try:
+            return fn(q3, w2, kt, group)
+        except Exception as err:  # noqa: BLE001 -- any compile failure: the eager scores are the same math
+            _COMPILED["group_max"] = None
+            logging.getLogger("genoctx").warning(
+                "indexer_topk: the compiled CPU scorer failed (%s); scoring eagerly", str(err).splitlines()[0]
+            )
+    R, H, d = q3.shape
+    C = kt.shape[1]
+    s = _index_scores_tile(q3.reshape(R * H, d), w2.view(R, 1, H), kt, q3.new_empty(R * H * C), q3.new_empty(R * C))
+    return s.view(R, C // group, group).amax(-1)
+
+
+def _index_group_max_compiled(device: torch.device, dtype: torch.dtype, terms: int, pairs: int):
+    """The group-maximum scorer ``indexer_topk`` should use for its full query tiles, or ``None`` (eager tiles).
+
+    Compiled for a call on a CPU in fp32 that scores ``pairs >= INDEX_COMPILE_PAIRS`` visible (query, key) pairs with
+    at most ``INDEX_COMPILE_TERMS`` index heads x head dims, outside any ``TorchDispatchMode`` (the op counter counts
+    the eager ops). CPU only: on CUDA the Triton kernel (``kernels.indexer_topk``) already scores in registers.
+    Compiled once per process and shape; inductor's on-disk cache serves later processes.
+    """
+    if device.type != "cpu" or dtype != torch.float32 or terms > INDEX_COMPILE_TERMS or pairs < INDEX_COMPILE_PAIRS:
+        return None
+    if _get_current_dispatch_mode() is not None or "group_max" in _COMPILED and _COMPILED["group_max"] is None:
+        return None
+    if "group_max" not in _COMPILED:
+        _COMPILED["group_max"] = torch.compile(_index_group_max, dynamic=False, fullgraph=True)
+    return _index_group_max_guarded
+
+
+def _grouped_topk(
+    group_max,
+    q3: Tensor,
+    w2: Tensor,
+    kt_blocks: Tensor,
+    k_rows: Tensor,
+    vis: list[int],
+    r0: int,
+    r1: int,
+    lim: Tensor,
+    K: int,
+    tie_all: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One query tile of ``indexer_topk`` from group maxima: the same top-k as ``_running_topk`` in a fixed number
+    of ops per tile.
+
+    1. ``group_max`` scores the tile against every block of ``kt_blocks [n_blocks, d_I, C]`` (keys zero-padded to
+       whole blocks) and keeps each group's maximum score ``m_G`` (``INDEX_GROUP`` keys): ``[R, groups]``.
+    2. Each group bounds the score plus tie-break ``v`` of its keys: ``v <= high = m_G + `` the tie-break of its
+       last key, and its best key has ``v >= low = m_G + `` that of its first key (rounding is monotonic). The k-th
+       largest ``low`` among the groups a row sees whole, ``theta``, is at most the row's k-th best ``v``, so a key of
+       its top-k lies in a group with ``high > theta`` or in one of the k groups ``theta`` came from (a tie at the
+       k-th place): about k groups (exactly equal scores, which real DNA gives in runs, rank by recency through
+       ``high``). With fewer than k whole groups, every group.
+    3. Those groups' keys (``k_rows [n_blocks * C, d_I]``) are scored again (two batched products), masked to the
+       row's visible keys, and reduced to the top-k.
+
+    ``q3 [R, H_I, d_I]``, ``w2 [R, H_I]``, ``lim [R]`` keys visible to each row (``vis[r0:r1]`` on the host),
+    ``tie_all`` each column's tie-break. Returns ``(best_v [R, K]``, ``best_i [R, K]`` int64``)``, unsorted, as
+    ``_running_topk``. Step 3 scores in a different order than step 1 and than the eager tiles, so keys whose scores
+    differ by fp32 rounding at the k-th place may swap.
+    """
+    R, g, C = q3.shape[0], INDEX_GROUP, kt_blocks.shape[2]
+    n_vis, v0 = vis[r1 - 1], vis[r0]
+    n_groups = -(-n_vis // g)  # groups holding a key some row of the tile sees
+    parts = [group_max(q3, w2, kt_blocks[i], g) for i in range(-(-n_vis // C))]
+    m = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])[:, :n_groups]  # [R, groups]
+    whole = v0 // g  # groups every row sees whole
+    if whole >= K:
+        # bounds on v = score + tie-break in each group: every key's v <= high; the group's best key has v >= low
+        high = m + tie_all[g - 1 :: g][:n_groups]
+        low = m.add_(tie_all[::g][:n_groups])
+        low[:, whole:] = float("-inf")  # theta from the groups every row sees whole
+        theta = low.topk(K, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [R, 1]
+        first = torch.arange(whole * g, n_groups * g, g, device=m.device)
+        high[:, whole:].masked_fill_(first[None, :] >= lim[:, None], float("-inf"))  # groups a row sees no key of
+        above = high > theta
+        # groups above theta, then the K theta came from (their high may equal it): the top of high there, low else
+        n_cand = min(n_groups, int(above.sum(-1).max()) + K)
+        grp = torch.where(above, high, low).topk(n_cand, dim=-1, sorted=False).indices  # [R, n_cand]
+    else:  # no bound yet: every group
+        n_cand = n_groups
+        grp = torch.arange(n_groups, device=m.device).expand(R, n_groups)
+    cols = (grp[:, :, None] * g + torch.arange(g, device=m.device)).view(R, n_cand * g)
+    s = torch.bmm(q3, k_rows[cols].transpose(1, 2)).relu_()  # [R, H_I, n_cand * g]
+    s = torch.bmm(w2[:, None, :], s).view(R, n_cand * g)
+    s = island("dsa.indexer.scores", s).add_(tie_all[cols]).masked_fill_(cols >= lim[:, None], float("-inf"))
+    best_v, j = s.topk(min(K, s.shape[1]), dim=-1, sorted=False)
+    best_i = cols.gather(-1, j)
+    if best_v.shape[1] < K:
+        best_v = torch.cat([best_v, best_v.new_full((R, K - best_v.shape[1]), float("-inf"))], dim=1)
+        best_i = torch.cat([best_i, best_i.new_full((R, K - best_i.shape[1]), SENTINEL)], dim=1)
+    return best_v, best_i
+
+
+def _running_topk(
+    q2: Tensor,
+    w3: Tensor,
+    kt: Tensor,
+    vis: list[int],
+    r0: int,
+    r1: int,
+    lim: Tensor,
+    K: int,
+    C: int,
+    prune: bool,
+    scratch: tuple[Tensor, Tensor, Tensor, Tensor],
+) -> tuple[Tensor, Tensor]:
+    """One query tile of ``indexer_topk`` (eager): key blocks of ``C`` columns, each scored and merged into a running
+    top-k, most recent block first when pruning. ``q2 [Rt * H_I, d_I]``, ``w3 [Rt, 1, H_I]``, ``kt [d_I, n_keys]``,
+    ``lim [Rt]`` keys visible to each row (``vis[r0:r1]`` on the host); ``scratch``: score buffers, the key columns
+    and their tie-breaks. Returns ``(best_v [Rt, K]`` scores plus tie-breaks, ``-inf`` where empty,
+    ``best_i [Rt, K]`` int64 key positions``)``, unsorted."""
+    buf, sbuf, cols_all, tie_all = scratch
+    Rt, dt, dev, g = r1 - r0, buf.dtype, buf.device, INDEX_GROUP
+    n_vis = vis[r1 - 1]  # keys visible to the tile's last row
+    best_v = torch.full((Rt, K), float("-inf"), dtype=dt, device=dev)
+    best_i = torch.full((Rt, K), SENTINEL, dtype=torch.long, device=dev)
+    pend_v, pend_i = [], []  # pruned candidates [Rt, w] waiting for one merged top-k
+    starts = list(range(0, n_vis, C))
+    for c0 in reversed(starts) if prune else starts:
+        c1 = min(n_vis, c0 + C)
+        s = island("dsa.indexer.scores", _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf))  # no tie yet
+        if c1 > vis[r0]:  # the block reaches past some row's visible keys: causal mask
+            s.masked_fill_(cols_all[c0:c1][None, :] >= lim[:, None], float("-inf"))
+        thr = best_v.amin(-1, keepdim=True)  # [Rt, 1] k-th best so far (-inf: fewer than K)
+        if prune and c1 - c0 == C and bool(torch.isfinite(thr).all()):
+            # fl(s + tie) <= fl(max s + largest tie of the block): a group whose bound is not above
+            # the threshold cannot enter the top-k (rounding is monotonic, so this is exact)
+            tie_max = tie_all[c1 - 1]
+            gmax = s.view(Rt, C // g, g).amax(-1).add_(tie_max)  # [Rt, C / g]
+            keep = gmax > thr
+            most_groups = int(keep.sum(-1).max())  # groups of a row that may enter its top-k
+            if most_groups == 0:
+                continue
+            if most_groups * g * 4 < C:  # few groups survive: look only inside those
+                rows, grp = keep.nonzero(as_tuple=True)
+                cols = c0 + grp[:, None] * g + torch.arange(g, device=dev)  # [n, g]
+                vals = s.view(Rt, C // g, g)[rows, grp].add_(tie_all[cols])
+                ii, jj = (vals > thr[rows]).nonzero(as_tuple=True)
+                rows, cols, vals = rows[ii], cols[ii, jj], vals[ii, jj]
+            else:  # many groups: every key of the block
+                rows, col = (s + tie_max > thr).nonzero(as_tuple=True)
+                cols = c0 + col
+                vals = s[rows, col].add_(tie_all[cols])
+            # keys above the row's threshold (rows sorted): pad per row, merge once K are pending
+            n_row = torch.bincount(rows, minlength=Rt)
+            most = int(n_row.max())
+            if most * 4 < C:
+                if most:
+                    cand_v, cand_i = _pad_rows(rows, n_row, most, vals, cols)
+                    pend_v.append(cand_v)
+                    pend_i.append(cand_i)
+                    if sum(p.shape[1] for p in pend_v) >= K:
+                        best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                continue
+        s.add_(tie_all[c0:c1])  # ties (ReLU zeros) go to the most recent key
+        pend_v.append(s)
+        pend_i.append(cols_all[c0:c1].expand(Rt, c1 - c0))
+        best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+    if pend_v:
+        best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+    return best_v, best_i
+
+
 def indexer_topk(
     index_q: Tensor,
     index_w: Tensor,
@@ -310,6 +510,10 @@ def indexer_topk(
             where two keys have exactly equal scores at the k-th place (fp32 scores above ~1 round
             ``TIE_BREAK`` away), where either may be kept. Pruning reads thresholds and candidate counts on the host
             per block: the DSA layer prunes only where that is free (``genoctx.model.host.reads_free``: a CPU).
+            A pruned call on a CPU that scores at least ``INDEX_COMPILE_PAIRS`` visible pairs (tiny's indexer at
+            256k tokens and beyond) takes its long query tiles from compiled group maxima instead (``_grouped_topk``:
+            a fixed number of ops per tile, the scores never in memory): the same keys, except that keys whose
+            scores differ by fp32 rounding at the k-th place may swap (tested).
         visible_host: ``visible``'s values as a host list when the caller has them (the DSA layer computes them from
             its positions); else ``visible`` is read from the device (one host sync: the tiles are steered by it).
 
@@ -349,62 +553,28 @@ def indexer_topk(
     cols_all = torch.arange(n_keys + C, device=dev)
     tie_all = cols_all.to(dt) * TIE_BREAK
     vis_t_all = visible.to(device=dev, dtype=torch.long)
+    grouped = _index_group_max_compiled(dev, dt, H_I * d_I, sum(vis)) if prune and T >= R else None
     with torch.no_grad():
         for b in range(B):
             kt = index_k[b, :n_keys].to(dt).t().contiguous()  # [d_I, n_keys]
+            if grouped is not None:  # keys zero-padded to whole blocks: as rows, and as contiguous [d_I, C] blocks
+                k_rows = index_k.new_zeros(-(-n_keys // C) * C, d_I, dtype=dt)
+                k_rows[:n_keys] = index_k[b, :n_keys]
+                kt_blocks = k_rows.view(-1, C, d_I).transpose(1, 2).contiguous()
             for r0 in range(0, T, R):
                 r1 = min(T, r0 + R)
                 Rt = r1 - r0
                 q2 = index_q[b, r0:r1].to(dt).reshape(Rt * H_I, d_I)
                 w3 = index_w[b, r0:r1].to(dt).reshape(Rt, 1, H_I)
                 lim = vis_t_all[r0:r1]  # [Rt] keys visible to each row
-                n_vis = vis[r1 - 1]  # keys visible to the tile's last row
-                best_v = torch.full((Rt, K), float("-inf"), dtype=dt, device=dev)
-                best_i = torch.full((Rt, K), SENTINEL, dtype=torch.long, device=dev)
-                pend_v, pend_i = [], []  # pruned candidates [Rt, w] waiting for one merged top-k
-                starts = list(range(0, n_vis, C))
-                for c0 in reversed(starts) if prune else starts:
-                    c1 = min(n_vis, c0 + C)
-                    s = island("dsa.indexer.scores", _index_scores_tile(q2, w3, kt[:, c0:c1], buf, sbuf))  # no tie yet
-                    if c1 > vis[r0]:  # the block reaches past some row's visible keys: causal mask
-                        s.masked_fill_(cols_all[c0:c1][None, :] >= lim[:, None], float("-inf"))
-                    thr = best_v.amin(-1, keepdim=True)  # [Rt, 1] k-th best so far (-inf: fewer than K)
-                    if prune and c1 - c0 == C and bool(torch.isfinite(thr).all()):
-                        # fl(s + tie) <= fl(max s + largest tie of the block): a group whose bound is not above
-                        # the threshold cannot enter the top-k (rounding is monotonic, so this is exact)
-                        tie_max = tie_all[c1 - 1]
-                        gmax = s.view(Rt, C // g, g).amax(-1).add_(tie_max)  # [Rt, C / g]
-                        keep = gmax > thr
-                        most_groups = int(keep.sum(-1).max())  # groups of a row that may enter its top-k
-                        if most_groups == 0:
-                            continue
-                        if most_groups * g * 4 < C:  # few groups survive: look only inside those
-                            rows, grp = keep.nonzero(as_tuple=True)
-                            cols = c0 + grp[:, None] * g + torch.arange(g, device=dev)  # [n, g]
-                            vals = s.view(Rt, C // g, g)[rows, grp].add_(tie_all[cols])
-                            ii, jj = (vals > thr[rows]).nonzero(as_tuple=True)
-                            rows, cols, vals = rows[ii], cols[ii, jj], vals[ii, jj]
-                        else:  # many groups: every key of the block
-                            rows, col = (s + tie_max > thr).nonzero(as_tuple=True)
-                            cols = c0 + col
-                            vals = s[rows, col].add_(tie_all[cols])
-                        # keys above the row's threshold (rows sorted): pad per row, merge once K are pending
-                        n_row = torch.bincount(rows, minlength=Rt)
-                        most = int(n_row.max())
-                        if most * 4 < C:
-                            if most:
-                                cand_v, cand_i = _pad_rows(rows, n_row, most, vals, cols)
-                                pend_v.append(cand_v)
-                                pend_i.append(cand_i)
-                                if sum(p.shape[1] for p in pend_v) >= K:
-                                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
-                            continue
-                    s.add_(tie_all[c0:c1])  # ties (ReLU zeros) go to the most recent key
-                    pend_v.append(s)
-                    pend_i.append(cols_all[c0:c1].expand(Rt, c1 - c0))
-                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
-                if pend_v:
-                    best_v, best_i = _merge_topk(best_v, best_i, pend_v, pend_i)
+                if grouped is not None and Rt == R and vis[r0] >= INDEX_GROUPED_BLOCKS * C:
+                    best_v, best_i = _grouped_topk(
+                        grouped, q2.view(R, H_I, d_I), w3.view(R, H_I), kt_blocks, k_rows, vis, r0, r1, lim, K, tie_all
+                    )
+                else:
+                    best_v, best_i = _running_topk(
+                        q2, w3, kt, vis, r0, r1, lim, K, C, prune, (buf, sbuf, cols_all, tie_all)
+                    )
                 # descending score; equal scores (fp32 ties the tie-break cannot split) most recent key first
                 best_i, j = best_i.sort(dim=-1, descending=True)
                 best_v = best_v.gather(-1, j)

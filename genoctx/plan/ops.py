@@ -104,7 +104,10 @@ def moe_units(cfg: ModelConfig, rows: int) -> dict:
 def topk_row_tiles(cfg: ModelConfig, T: int, S: int = 0) -> tuple[int, int, list[tuple[int, int, int, int]]]:
     """``genoctx.model.dsa.indexer_topk``'s loop bounds (no pruning) over ``T`` queries after ``S`` positions:
     ``(C, K, tiles)`` with ``C`` key columns per block, ``K`` pools kept per query and one ``(r0, r1, n_vis, first)``
-    per row tile (its rows, the pools its last row and its first row see); no tiles when nothing is selected."""
+    per row tile (its rows, the pools its last row and its first row see); no tiles when nothing is selected.
+    These are the eager tiles: a CPU call scoring ``dsa.INDEX_COMPILE_PAIRS`` pairs and more with a narrow indexer
+    (tiny at 256k tokens and beyond) takes its long tiles from one compiled kernel per block and about fifteen ops
+    per tile (``dsa._grouped_topk``), fewer ops and bytes than planned here."""
     from ..model.dsa import INDEX_COL_BLOCK, INDEX_GROUP, INDEX_ROW_TILE
 
     kp, g, tile = cfg.index_kpool, INDEX_GROUP, cfg.indexer_tile_tokens

@@ -165,6 +165,103 @@ def test_indexer_pruning_equals_plain_running_topk(monkeypatch, dtype, ties):
     torch.testing.assert_close(got, full.topk(topk, -1).values, rtol=1e-5, atol=1e-6)
 
 
+
+def _grouped_setup(monkeypatch):
+    """Small blocks and groups, the compiled group-maximum path on at any size; returns the list the spy on
+    ``_grouped_topk`` appends each tile's row count to."""
+    import genoctx.model.dsa as dsa
+
+    monkeypatch.setattr(dsa, "INDEX_COL_BLOCK", 128)
+    monkeypatch.setattr(dsa, "INDEX_ROW_TILE", 24)
+    monkeypatch.setattr(dsa, "INDEX_GROUP", 8)
+    monkeypatch.setattr(dsa, "INDEX_COMPILE_PAIRS", 0)
+    tiles, real = [], dsa._grouped_topk
+
+    def spy(*args):
+        tiles.append(args[1].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(dsa, "_grouped_topk", spy)
+    return tiles
+
+
+@pytest.mark.parametrize("topk", [4, 64])
+@pytest.mark.parametrize("ties", [False, True])
+def test_indexer_compiled_group_maxima_equal_plain_running_topk(monkeypatch, topk, ties):
+    """A CPU call large enough for the compiled path (``INDEX_COMPILE_PAIRS``, here 0) selects the keys of the plain
+    running top-k in the same order, with many exact ties (ReLU zeros) too; with a threshold from whole groups
+    (topk 4) and without one (64: more than the groups a tile sees whole), the causal tail masked per row."""
+    import genoctx.model.dsa as dsa
+
+    tiles = _grouped_setup(monkeypatch)
+    torch.manual_seed(5)
+    B, S, T = 2, 2600, 130  # rows see 650-683 keys: 5 blocks of 128; 130 rows = 5 tiles of 24 and an eager 10
+    iq, iw, ik = _indexer_inputs(B, T, (S + T) // 4, H_I=2, d_I=8, dtype=torch.float32)
+    if ties:
+        iq = iq.abs().neg()
+        ik = ik.abs()
+        ik[:, ::7] = -ik[:, ::7]
+    vis = (torch.arange(S, S + T) + 1) // 4
+    fast = indexer_topk(iq, iw, ik, vis, topk, 1 << 12)
+    assert tiles == [24] * 10 and dsa._COMPILED["group_max"] is not None  # 5 tiles a batch row, compiled
+    plain = indexer_topk(iq, iw, ik, vis, topk, 1 << 12, prune=False)
+    assert len(tiles) == 10  # prune=False stays the plain running top-k
+    assert torch.equal(fast, plain)
+
+
+def test_indexer_compiled_group_maxima_rank_equal_scores_by_recency(monkeypatch):
+    """Keys repeated exactly (real DNA's runs give equal pool keys): every group holds the best score, and the groups
+    are ranked by their tie-breaks, so each tile scores again about 2 k groups, not all of them, and keeps the most
+    recent keys of the best score, as the plain running top-k."""
+    import genoctx.model.dsa as dsa
+
+    tiles = _grouped_setup(monkeypatch)
+    widths, real_island = [], dsa.island
+
+    def spy(name, t):
+        if name == "dsa.indexer.scores" and t.dim() == 2:
+            widths.append(t.shape[1])
+        return real_island(name, t)
+
+    monkeypatch.setattr(dsa, "island", spy)
+    torch.manual_seed(7)
+    S, T, topk = 2600, 48, 4
+    iq, iw, ik = _indexer_inputs(1, T, (S + T) // 4, H_I=2, d_I=8, dtype=torch.float32)
+    ik = ik[:, :3][:, torch.randint(0, 3, (ik.shape[1],))]  # three distinct keys, repeated at random
+    iw = iw.abs() * 1e-6  # scores ~1e-6: the tie-break (pool x 2^-40) stays representable
+    vis = (torch.arange(S, S + T) + 1) // 4
+    fast = indexer_topk(iq, iw, ik, vis, topk, 1 << 12)
+    assert tiles == [24, 24] and max(widths) <= (3 * topk + 2) * 8  # 83 groups of 8 seen, at most 14 scored again
+    assert torch.equal(fast, indexer_topk(iq, iw, ik, vis, topk, 1 << 12, prune=False))
+
+
+def test_indexer_compiled_scorer_falls_back_once(monkeypatch, caplog):
+    """A compile that fails (no C++ compiler) is logged once and the call goes on with eager scores: same keys."""
+    import genoctx.model.dsa as dsa
+
+    tiles = _grouped_setup(monkeypatch)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("InductorError: no C++ compiler\nmore")
+
+    monkeypatch.setitem(dsa._COMPILED, "group_max", broken)
+    torch.manual_seed(6)
+    iq, iw, ik = _indexer_inputs(1, 48, 700, H_I=2, d_I=8, dtype=torch.float32)
+    vis = (torch.arange(2600, 2648) + 1) // 4
+    with caplog.at_level("WARNING", logger="genoctx"):
+        fast = indexer_topk(iq, iw, ik, vis, 8, 1 << 12)
+    assert len(calls) == 1 and len(tiles) == 2 and dsa._COMPILED["group_max"] is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "indexer_topk: the compiled CPU scorer failed (InductorError: no C++ compiler); scoring eagerly"
+    ]
+    assert torch.equal(fast, indexer_topk(iq, iw, ik, vis, 8, 1 << 12, prune=False))
+    tiles.clear()
+    indexer_topk(iq, iw, ik, vis, 8, 1 << 12)
+    assert tiles == []  # no second try in this process: the eager tiles from then on
+
+
 # ---- selections, pooling ----
 
 
