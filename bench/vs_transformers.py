@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--keep-heap", action="store_true", help="both with genoctx.heap.keep_freed_memory")
     a = ap.parse_args()
     if a.keep_heap:
