@@ -361,15 +361,17 @@ def _grouped_topk(
        last key, and its best key has ``v >= low = m_G + `` that of its first key (rounding is monotonic). The k-th
        largest ``low`` among the groups a row sees whole, ``theta``, is at most the row's k-th best ``v``, so a key of
        its top-k lies in a group with ``high > theta`` or in one of the k groups ``theta`` came from (a tie at the
-       k-th place): about k groups (exactly equal scores, which real DNA gives in runs, rank by recency through
-       ``high``). With fewer than k whole groups, every group.
+       k-th place): about k groups. Exactly equal scores (real DNA gives them in runs) rank by recency through
+       ``high`` while the tie-break survives fp32 rounding (scores below about ``key * 2^-17``); above that they tie
+       exactly, as in the eager path. With fewer than k whole groups, every group.
     3. Those groups' keys (``k_rows [n_blocks * C, d_I]``) are scored again (two batched products), masked to the
        row's visible keys, and reduced to the top-k.
 
     ``q3 [R, H_I, d_I]``, ``w2 [R, H_I]``, ``lim [R]`` keys visible to each row (``vis[r0:r1]`` on the host),
     ``tie_all`` each column's tie-break. Returns ``(best_v [R, K]``, ``best_i [R, K]`` int64``)``, unsorted, as
-    ``_running_topk``. Step 3 scores in a different order than step 1 and than the eager tiles, so keys whose scores
-    differ by fp32 rounding at the k-th place may swap.
+    ``_running_topk``. The bounds hold exactly for step 1's scores; step 3 scores in another order (as do the eager
+    tiles), so keys whose scores differ by fp32 rounding may swap, in the selection at the k-th place and in order.
+    Autocast must be off (``indexer_topk`` turns it off): step 3's products in bf16 would break the bounds.
     """
     R, g, C = q3.shape[0], INDEX_GROUP, kt_blocks.shape[2]
     n_vis, v0 = vis[r1 - 1], vis[r0]
@@ -513,7 +515,7 @@ def indexer_topk(
             A pruned call on a CPU that scores at least ``INDEX_COMPILE_PAIRS`` visible pairs (tiny's indexer at
             256k tokens and beyond) takes its long query tiles from compiled group maxima instead (``_grouped_topk``:
             a fixed number of ops per tile, the scores never in memory): the same keys, except that keys whose
-            scores differ by fp32 rounding at the k-th place may swap (tested).
+            scores differ by fp32 rounding may swap, at the k-th place and in order (tested).
         visible_host: ``visible``'s values as a host list when the caller has them (the DSA layer computes them from
             its positions); else ``visible`` is read from the device (one host sync: the tiles are steered by it).
 
@@ -553,7 +555,10 @@ def indexer_topk(
     cols_all = torch.arange(n_keys + C, device=dev)
     tie_all = cols_all.to(dt) * TIE_BREAK
     vis_t_all = visible.to(device=dev, dtype=torch.long)
-    grouped = _index_group_max_compiled(dev, dt, H_I * d_I, sum(vis)) if prune and T >= R else None
+    # the compiled path takes full tiles of R rows only where R is the budget's, not T's: one shape per indexer and
+    # budget, not one per short call (dynamo recompiles each shape, up to its limit of 8)
+    full_rows = R == max(1, min(INDEX_ROW_TILE, tile_tokens // C))
+    grouped = _index_group_max_compiled(dev, dt, H_I * d_I, B * sum(vis)) if prune and full_rows else None
     with torch.no_grad():
         for b in range(B):
             kt = index_k[b, :n_keys].to(dt).t().contiguous()  # [d_I, n_keys]
@@ -568,9 +573,20 @@ def indexer_topk(
                 w3 = index_w[b, r0:r1].to(dt).reshape(Rt, 1, H_I)
                 lim = vis_t_all[r0:r1]  # [Rt] keys visible to each row
                 if grouped is not None and Rt == R and vis[r0] >= INDEX_GROUPED_BLOCKS * C:
-                    best_v, best_i = _grouped_topk(
-                        grouped, q2.view(R, H_I, d_I), w3.view(R, H_I), kt_blocks, k_rows, vis, r0, r1, lim, K, tie_all
-                    )
+                    with torch.autocast(device_type=dev.type, enabled=False):  # its products in fp32, as the bounds
+                        best_v, best_i = _grouped_topk(
+                            grouped,
+                            q2.view(R, H_I, d_I),
+                            w3.view(R, H_I),
+                            kt_blocks,
+                            k_rows,
+                            vis,
+                            r0,
+                            r1,
+                            lim,
+                            K,
+                            tie_all,
+                        )
                 else:
                     best_v, best_i = _running_topk(
                         q2, w3, kt, vis, r0, r1, lim, K, C, prune, (buf, sbuf, cols_all, tie_all)

@@ -186,27 +186,35 @@ def _grouped_setup(monkeypatch):
 
 
 @pytest.mark.parametrize("topk", [4, 64])
-@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("ties", [False, True, "autocast"])
 def test_indexer_compiled_group_maxima_equal_plain_running_topk(monkeypatch, topk, ties):
     """A CPU call large enough for the compiled path (``INDEX_COMPILE_PAIRS``, here 0) selects the keys of the plain
-    running top-k in the same order, with many exact ties (ReLU zeros) too; with a threshold from whole groups
-    (topk 4) and without one (64: more than the groups a tile sees whole), the causal tail masked per row."""
+    running top-k in the same order, with many exact ties (ReLU zeros) too, and under bf16 autocast (as
+    ``train.dtype: bf16`` runs the layer on a CPU: the rescoring's products stay fp32, as the bounds need); with a
+    threshold from whole groups (topk 4) and without one (64: more than the groups a tile sees whole), the causal
+    tail masked per row. A call shorter than the row tile stays eager (one compiled shape per indexer)."""
+    import contextlib
+
     import genoctx.model.dsa as dsa
 
     tiles = _grouped_setup(monkeypatch)
     torch.manual_seed(5)
     B, S, T = 2, 2600, 130  # rows see 650-683 keys: 5 blocks of 128; 130 rows = 5 tiles of 24 and an eager 10
     iq, iw, ik = _indexer_inputs(B, T, (S + T) // 4, H_I=2, d_I=8, dtype=torch.float32)
-    if ties:
+    if ties is True:
         iq = iq.abs().neg()
         ik = ik.abs()
         ik[:, ::7] = -ik[:, ::7]
     vis = (torch.arange(S, S + T) + 1) // 4
-    fast = indexer_topk(iq, iw, ik, vis, topk, 1 << 12)
-    assert tiles == [24] * 10 and dsa._COMPILED["group_max"] is not None  # 5 tiles a batch row, compiled
-    plain = indexer_topk(iq, iw, ik, vis, topk, 1 << 12, prune=False)
-    assert len(tiles) == 10  # prune=False stays the plain running top-k
-    assert torch.equal(fast, plain)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if ties == "autocast" else contextlib.nullcontext()
+    with amp:
+        fast = indexer_topk(iq, iw, ik, vis, topk, 1 << 12)
+        assert tiles == [24] * 10 and dsa._COMPILED["group_max"] is not None  # 5 tiles a batch row, compiled
+        plain = indexer_topk(iq, iw, ik, vis, topk, 1 << 12, prune=False)
+        assert len(tiles) == 10  # prune=False stays the plain running top-k
+        assert torch.equal(fast, plain)
+        short = indexer_topk(iq[:, :20], iw[:, :20], ik, vis[:20], topk, 1 << 12)
+    assert len(tiles) == 10 and torch.equal(short, plain[:, :20])  # 20 rows < the tile's 24: eager
 
 
 def test_indexer_compiled_group_maxima_rank_equal_scores_by_recency(monkeypatch):
