@@ -332,7 +332,7 @@ def _index_group_max_compiled(device: torch.device, dtype: torch.dtype, terms: i
     """
     if device.type != "cpu" or dtype != torch.float32 or terms > INDEX_COMPILE_TERMS or pairs < INDEX_COMPILE_PAIRS:
         return None
-    if _get_current_dispatch_mode() is not None or "group_max" in _COMPILED and _COMPILED["group_max"] is None:
+    if _get_current_dispatch_mode() is not None or _COMPILED.get("group_max", True) is None:  # None: compile failed
         return None
     if "group_max" not in _COMPILED:
         _COMPILED["group_max"] = torch.compile(_index_group_max, dynamic=False, fullgraph=True)
@@ -371,7 +371,7 @@ def _grouped_topk(
     ``tie_all`` each column's tie-break. Returns ``(best_v [R, K]``, ``best_i [R, K]`` int64``)``, unsorted, as
     ``_running_topk``. The bounds hold exactly for step 1's scores; step 3 scores in another order (as do the eager
     tiles), so keys whose scores differ by fp32 rounding may swap, in the selection at the k-th place and in order.
-    Autocast must be off (``indexer_topk`` turns it off): step 3's products in bf16 would break the bounds.
+    Autocast must be off (``indexer_topk`` runs without it): step 3's products in bf16 would break the bounds.
     """
     R, g, C = q3.shape[0], INDEX_GROUP, kt_blocks.shape[2]
     n_vis, v0 = vis[r1 - 1], vis[r0]
@@ -527,7 +527,8 @@ def indexer_topk(
         ValueError: ``topk < 1``, ``tile_tokens < 1``, or ``visible`` of the wrong length, decreasing or out of
             range.
 
-    Runs under ``torch.no_grad``. No ``[T, N]`` tensor is materialised: each tile is reduced to top-k at once.
+    Runs under ``torch.no_grad`` with autocast off. No ``[T, N]`` tensor is materialised: each tile is reduced to
+    top-k at once.
     Cost: ``2 H_I d_I`` FLOPs per visible (query, key) pair, quadratic in position as in DeepSeek-V3.2 (divided
     by ``index_kpool`` with pools); ``bench/eval_long.py`` measures it at 1M tokens.
     """
@@ -559,7 +560,8 @@ def indexer_topk(
     # budget, not one per short call (dynamo recompiles each shape, up to its limit of 8)
     full_rows = R == max(1, min(INDEX_ROW_TILE, tile_tokens // C))
     grouped = _index_group_max_compiled(dev, dt, H_I * d_I, B * sum(vis)) if prune and full_rows else None
-    with torch.no_grad():
+    # no autocast: the tiles pick their own (>= fp32) dtypes, and the grouped tiles' bounds need fp32 rescoring
+    with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=False):
         for b in range(B):
             kt = index_k[b, :n_keys].to(dt).t().contiguous()  # [d_I, n_keys]
             if grouped is not None:  # keys zero-padded to whole blocks: as rows, and as contiguous [d_I, C] blocks
@@ -573,20 +575,9 @@ def indexer_topk(
                 w3 = index_w[b, r0:r1].to(dt).reshape(Rt, 1, H_I)
                 lim = vis_t_all[r0:r1]  # [Rt] keys visible to each row
                 if grouped is not None and Rt == R and vis[r0] >= INDEX_GROUPED_BLOCKS * C:
-                    with torch.autocast(device_type=dev.type, enabled=False):  # its products in fp32, as the bounds
-                        best_v, best_i = _grouped_topk(
-                            grouped,
-                            q2.view(R, H_I, d_I),
-                            w3.view(R, H_I),
-                            kt_blocks,
-                            k_rows,
-                            vis,
-                            r0,
-                            r1,
-                            lim,
-                            K,
-                            tie_all,
-                        )
+                    best_v, best_i = _grouped_topk(
+                        grouped, q2.view(R, H_I, d_I), w3.view(R, H_I), kt_blocks, k_rows, vis, r0, r1, lim, K, tie_all
+                    )
                 else:
                     best_v, best_i = _running_topk(
                         q2, w3, kt, vis, r0, r1, lim, K, C, prune, (buf, sbuf, cols_all, tie_all)
