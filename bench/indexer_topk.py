@@ -8,7 +8,9 @@ and nanoseconds per (query, pool) pair for ``prune=True`` and ``prune=False``, a
 same pools (``same_selection``) in the same order. With ``--preset tiny`` (an indexer of at most
 ``dsa.INDEX_COMPILE_TERMS`` head x dim terms) a third case, ``compiled``: the compiled group maxima that long CPU calls
 use (``dsa._grouped_topk``, forced here at any size), timed after one warm-up call that compiles it, with its own
-``compiled_same_selection`` / ``compiled_same_order`` against the plain top-k (keys within fp32 rounding may swap).
+``compiled_same_selection`` / ``compiled_same_order`` against the plain top-k (keys within fp32 rounding may swap)
+and ``compiled_tiles``, the query tiles that took it (0, said on stderr too: ``--tokens`` too short for any tile to
+see enough key blocks, and the case timed the eager tiles).
 
     .venv/bin/python bench/indexer_topk.py                 # 1024 queries at 512k tokens (32k pools), 1 thread
     .venv/bin/python bench/indexer_topk.py --preset tiny --tokens 1M --queries 4096 --threads 2
@@ -62,11 +64,25 @@ def main() -> None:
     if H * d <= dsa.INDEX_COMPILE_TERMS:
         dsa.INDEX_COMPILE_PAIRS = 0
         indexer_topk(q[:, :256], w[:, :256], k, visible[:256], topk, cfg.indexer_tile_tokens, torch.int32)  # compiles
-        t0 = time.perf_counter()
-        idx["compiled"] = indexer_topk(q, w, k, visible, topk, cfg.indexer_tile_tokens, torch.int32)
-        s = time.perf_counter() - t0
+        grouped, tiles = dsa._grouped_topk, []
+
+        def counted(*a, **kw):  # the query tiles that took the compiled path
+            tiles.append(1)
+            return grouped(*a, **kw)
+
+        dsa._grouped_topk = counted
+        try:
+            t0 = time.perf_counter()
+            idx["compiled"] = indexer_topk(q, w, k, visible, topk, cfg.indexer_tile_tokens, torch.int32)
+            s = time.perf_counter() - t0
+        finally:
+            dsa._grouped_topk = grouped
+        if not tiles:
+            print("indexer_topk: no query tile was long enough for the compiled path (--tokens too short): the "
+                  "'compiled' case timed the eager tiles", file=sys.stderr)
         out["compiled"] = {"seconds": round(s, 3), "ns_per_pair": round(s / pairs * 1e9, 3)}
         extra = {
+            "compiled_tiles": len(tiles),
             "compiled_speedup": round(out["pruned"]["seconds"] / s, 2),
             "compiled_same_selection": bool(torch.equal(idx["compiled"].sort(-1).values, idx["plain"].sort(-1).values)),
             "compiled_same_order": bool(torch.equal(idx["compiled"], idx["plain"])),

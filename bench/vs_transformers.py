@@ -5,14 +5,17 @@
 Prints one JSON line per length::
 
     {"bench": "vs_transformers", "preset": "cpu-small", "seq_len": 1024, "genoctx_s": ..., "transformers_s": ...,
-     "speedup": ..., "genoctx_ops": ..., "max_abs_logit_diff": ..., "threads": 2, "heap": "glibc defaults",
-     "loadavg_1m": ...}
+     "speedup": ..., "paired_speedup": ..., "genoctx_ops": ..., "max_abs_logit_diff": ..., "threads": 2,
+     "heap": "glibc defaults", "loadavg_1m": ...}
 
 Method: a random ``preset`` model (``HybridLM``, seed 0, fp32) is exported with ``genoctx.model.hf.save_hf`` and loaded
 by transformers 5.23.0 (``Glm5NextForConditionalGeneration.from_pretrained``) with its own PyTorch KDA and convolution
 paths (fla's Triton kernels, which transformers binds when fla is importable, unwrapped: they need CUDA). The same
-random nucleotide tokens (ids 3-6) go through both; each side's time is the median over ``--repeats`` runs (after one
-warm-up run) of the forward, the mean token loss (cross-entropy against the next token) and its backward.
+random nucleotide tokens (ids 3-6) go through both; a step is the forward, the mean token loss (cross-entropy against
+the next token) and its backward. After one warm-up step each, ``--repeats`` pairs of steps run, genoctx's then the
+reference's, back to back: each side's time is its median step (``speedup`` = the ratio of the two medians) and
+``paired_speedup`` the median of the pairs' own ratios (both steps of a pair see the same minute of a VM whose speed
+drifts 10-25% between runs; the two medians of a run may come from different minutes).
 ``max_abs_logit_diff``: the two models' forward logits, to show they are the same model (genoctx computes
 GLM-5.3-Flash exactly; the reference's DSA layers are dense attention masked to the same selection). ``genoctx_ops``:
 aten ops of genoctx's forward + backward (``genoctx.model.opcount.OpCounter``).
@@ -51,14 +54,18 @@ def reference_model_class():
     return Glm5NextForConditionalGeneration
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()
-    times = []
+def _timed_pairs(ours, theirs, repeats: int) -> tuple[float, float, float]:
+    """``(median ours s, median theirs s, median of theirs / ours per pair)``: one warm-up each, then ``repeats``
+    pairs, the two steps back to back in each pair (so that both see the same minute of a machine whose speed
+    drifts)."""
+    ours(), theirs()
+    g, t = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((ours, g), (theirs, t)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(g), statistics.median(t), statistics.median(b / a for a, b in zip(g, t, strict=True))
 
 
 def main() -> None:
@@ -107,11 +114,10 @@ def main() -> None:
         counter = OpCounter(ours)
         with counter:
             ours_step(ids)
-        g = _timed(lambda ids=ids: ours_step(ids), a.repeats)
-        t = _timed(lambda ids=ids: theirs_step(ids), a.repeats)
+        g, t, paired = _timed_pairs(lambda ids=ids: ours_step(ids), lambda ids=ids: theirs_step(ids), a.repeats)
         print(json.dumps({"bench": "vs_transformers", "preset": a.preset, "seq_len": L, "genoctx_s": round(g, 4),
-                          "transformers_s": round(t, 4), "speedup": round(t / g, 2), "genoctx_ops": counter.total,
-                          "max_abs_logit_diff": diff, "threads": torch.get_num_threads(),
+                          "transformers_s": round(t, 4), "speedup": round(t / g, 2), "paired_speedup": round(paired, 2),
+                          "genoctx_ops": counter.total, "max_abs_logit_diff": diff, "threads": torch.get_num_threads(),
                           "heap": "kept" if a.keep_heap else "glibc defaults",
                           "loadavg_1m": os.getloadavg()[0]}), flush=True)  # fmt: skip
 
