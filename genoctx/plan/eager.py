@@ -551,6 +551,27 @@ EVAL_COEFS: dict = {
 }
 
 
+# the bytes of a KDA layer's CP state pass (``genoctx.parallel.context.kda_cp_cache``) per token of the rank's piece,
+# beyond its one-process call: fitted by ``bench/op_count.py --fit-cp-bytes`` to cp = 2 ranks' counts of 10 random
+# configs (each pass and kind within 14%, most within 5%; its gathers, a few bytes per token, left out)
+CP_COEFS: dict = {
+    "kda": {
+        "forward": {
+            "elementwise": {"1": -617.6, "D": -11.5, "HK": 1012.0, "HC": 7.7, "HKK/C": -128.6},
+            "matmul": {"1": -24.09, "D": 14.25, "HK": 261.5, "HC": 13.6, "HKK/C": -16.04},
+        },
+        "recompute": {
+            "elementwise": {"1": 16.54, "D": 0.9102, "HK": 175.9, "HC": 0.6089, "HKK/C": 0.9392},
+            "matmul": {"1": 23.22, "D": 20.23, "HK": 49.69, "HC": -0.5982, "HKK/C": -3.189},
+        },
+        "backward": {
+            "elementwise": {"1": -2142.0, "D": 33.28, "HK": 2838.0, "HC": 77.85, "HKK/C": -296.4},
+            "matmul": {"1": -56.55, "D": 23.3, "HK": 854.7, "HC": 58.93, "HKK/C": -30.76},
+        },
+    },
+}
+
+
 def _instances(cfg: ModelConfig) -> list[tuple[str, int]]:
     """``(component, instances)`` of one forward of every layer."""
     full = sum(1 for i, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[i] == "full")
@@ -581,21 +602,35 @@ def _call(cfg: ModelConfig, out: dict, table: dict, T: int, S: int, B: int, pass
                     out[comp][into or p][kind] += n * B * T * max(0.0, per_token)
 
 
+def _cp_state(cfg: ModelConfig, out: dict, table: dict, T: int, B: int) -> None:
+    """Under CP, every KDA layer's ``[L | M]`` state pass over the rank's ``B x T`` tokens (``CP_COEFS``) into
+    ``out``."""
+    n = cfg.layer_types.count(KDA)
+    f = features(cfg, "kda", T)
+    for p, kinds in table.get("kda", {}).items():
+        for kind, coef in kinds.items():
+            out["kda"][p][kind] += n * B * T * max(0.0, sum(coef.get(k, 0.0) * v for k, v in f.items()))
+
+
 def _totals(out: dict) -> dict:
     by_kind = {k: sum(out[c][p][k] for c in COMPONENTS for p in PASSES) for k in KINDS}
     return {"components": out, "by_kind": by_kind, "total": sum(by_kind.values())}
 
 
 def step_bytes(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, batch_size: int = 1,
-               recompute: bool = False, seq_chunk_tokens: int | None = None) -> dict:  # fmt: skip
+               recompute: bool = False, seq_chunk_tokens: int | None = None,
+               cp_state: bool = True) -> dict:  # fmt: skip
     """Bytes the eager elementwise and gather ops of one training step move on a rank (the busiest: under CP the one
     holding the window's last piece), per component, pass and kind.
 
     Args:
         cfg: the architecture; seq_len: tokens per window; batch_size: windows per rank.
-        layout: the parallel layout (``cp`` splits the window).
+        layout: the parallel layout (``cp`` splits the window; each KDA layer then runs its ``[L | M]`` state pass
+            over the rank's piece too, ``CP_COEFS``; the contiguous layout).
         recompute: activation checkpointing: each layer's forward bytes once more in ``recompute``.
         seq_chunk_tokens: the chunked backward's chunk (its no-grad sweep adds each chunk's scoring forward).
+        cp_state: count the CP state pass (False: the one-process bytes of the rank's piece, as
+            ``bench/op_count.py --fit-cp-bytes`` fits the difference).
 
     Returns:
         ``{"components": {component: {pass: {kind: bytes}}}, "by_kind": {kind: bytes}, "total": bytes}``.
@@ -609,6 +644,8 @@ def step_bytes(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, 
         t = min(chunk, tokens - t0)
         sel = chunk < tokens
         _call(cfg, out, COEFS, t, S0 + t0, batch_size, PASSES, sel)
+        if layout.cp > 1 and cp_state:
+            _cp_state(cfg, out, CP_COEFS, t, batch_size)
         if recompute:  # each layer's forward once more in backward
             _call(cfg, out, COEFS, t, S0 + t0, batch_size, ("forward",), sel, into="recompute")
         if sel:  # the no-grad sweep scores every chunk first

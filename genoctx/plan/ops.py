@@ -75,10 +75,23 @@ CHUNKED_OPS: dict = {"other": {"chunk": (22, 0, 2)}, "dsa_indexer": {"cached": (
 # changes by a few ops under it (a KDA layer's and an mHC call's parameters arrive as plain unsharded tensors, the
 # gradient accumulation of the mHC parameters goes through FSDP's hooks); the clip and AdamW step over DTensors
 FSDP_OPS = {"group": (60, 0, 12), "tensor": (6.3, 0, 1.15), "kda_layer": (-3, 0, -4), "mhc_call": (0, 0, 19),
-            "dsa_indexer_call": (2, 0, 0), "optimizer": -20}  # fmt: skip
+            "dsa_indexer_call": (2, 0, 0), "optimizer": -20, "eval_group": 43}  # fmt: skip
 # the optimizer pass: gradient clip, foreach AdamW (two host reads of each tensor's step count), schedule, the router
 # biases' update and the step's metric read: per step, per trained parameter tensor, per MoE layer
 OPTIMIZER_OPS = {"step": 60, "tensor": 2, "moe_layer": 20}
+# context parallelism (``genoctx.parallel.context``; the rank holding the window's last piece, contiguous layout),
+# per layer call beside its one-process loop bodies (planned after the ``S`` positions of the earlier pieces):
+# - a KDA layer runs the ``[L | M]`` state pass of ``kda_cp_cache`` first: its projections, the conv tails'
+#   all-gather, ``chunk_kda`` over the piece with values ``[v | 0]`` and the fold of the gathered transfer maps
+#   (``piece``: per CP rank); ``call`` here, plus the pass's own blocks and chunks (``OPS["kda"]``' forward ones in
+#   forward; under its checkpoint again in backward, with their backward ones);
+# - a DSA layer takes the window's latents and pooled keys all-gathered (autograd-aware: gradients sent back);
+# - ``other``: the step's own (the window's pieces cut out).
+# CP always runs under FSDP2 (it shards over ``dp_shard x cp``), whose ``kda_layer`` change a KDA layer under CP does
+# not see: its ``call`` includes that. Counted by OpCounter on cp = 2 and 4 ranks (``bench/op_count.py --cp 2``).
+CP_OPS = {"kda": {"call": (110, 57, 233), "piece": (9, 0, 14)}, "dsa_attention": {"call": (39, 0, 54)},
+          "dsa_indexer": {"call": (27, 0, 36)}, "other": {"call": (5, 0, 3)}}  # fmt: skip
+CP_EVAL_OPS = {"kda": {"call": (104,), "piece": (9,)}, "dsa_attention": {"call": (33,)}, "dsa_indexer": {"call": (29,)}}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -193,6 +206,28 @@ def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, p
     _add(out, "other", table, {"call": 1}, 1, passes)
 
 
+def _cp(cfg: ModelConfig, out: dict, tokens: int, cp: int, mode: str) -> None:
+    """Context parallelism's ops (``CP_OPS``, ``CP_EVAL_OPS``) of one forward call of every layer over the rank's
+    ``tokens`` (of ``cp`` pieces) into ``out``; ``mode`` "train" (forward, recompute, backward) or "eval" (forward)."""
+    table = CP_OPS if mode == "train" else CP_EVAL_OPS
+    passes = ("forward", "recompute", "backward") if mode == "train" else ("forward",)
+    u = kda_units(cfg, tokens)
+    _add(out, "other", table, {"call": 1}, 1, passes)
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == KDA:
+            _add(out, "kda", table, {"call": 1, "piece": cp}, 1, passes)  # the fold: per gathered piece
+            body = OPS if mode == "train" else EVAL_OPS
+            for unit in ("block", "chunk"):  # the state pass's chunk_kda
+                f = body["kda"][unit][0] * u[unit]
+                out["kda"]["forward"] += f
+                if mode == "train":  # its checkpoint reruns the pass in backward, then its backward
+                    out["kda"]["backward"] += f + body["kda"][unit][2] * u[unit]
+        elif kind == DSA:
+            _add(out, "dsa_attention", table, {"call": 1}, 1, passes)
+            if cfg.indexer_types[i] == "full":
+                _add(out, "dsa_indexer", table, {"call": 1}, 1, passes)
+
+
 def _totals(out: dict) -> dict:
     by_pass = {p: sum(out[c][p] for c in COMPONENTS) for p in PASSES}
     return {"components": out, "by_pass": by_pass, "total": sum(by_pass.values())}
@@ -205,7 +240,10 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
 
     Args:
         cfg: the architecture and its compute knobs; seq_len: tokens per window; batch_size: windows per rank.
-        layout: the parallel layout (``cp`` splits the window; other dimensions add no model ops here).
+        layout: the parallel layout: ``cp`` splits the window and adds its own ops (``CP_OPS``: the KDA state pass,
+            the DSA layers' gathered keys; the contiguous layout); FSDP2's (``FSDP_OPS``) whenever it shards
+            (``dp_shard x cp > 1`` or ``fsdp_one``: ``genoctx.parallel.mesh`` shards over ``dp_shard x cp``);
+            other dimensions add no model ops here.
         recompute: activation checkpointing (``apply_ac``): every decoder layer's forward runs once more in
             backward, planned as the layers' forward ops again in ``recompute`` (not yet checked against a count).
         seq_chunk_tokens: the chunked backward's chunk, or None (one pass).
@@ -222,9 +260,12 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
         [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
                                                              else []))  # fmt: skip
     sel = len(chunks) > 1  # chunked: the top-k runs in the no-grad sweep only
+    S0 = seq_len - tokens  # under CP the busiest rank holds the window's last piece
     for i, t in enumerate(chunks):
-        S = sum(chunks[:i])  # the chunk's cached positions
+        S = S0 + sum(chunks[:i])  # the chunk's earlier positions (cached, or other ranks' pieces)
         _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S, sel)
+        if layout.cp > 1:
+            _cp(cfg, out, t, layout.cp, "train")
         if recompute:
             again = _empty()
             _layers(cfg, again, OPS, t, batch_size, ("forward",), S, sel)
@@ -236,7 +277,7 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
             if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
                 full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
                 _add(out, "dsa_indexer", CHUNKED_OPS, {"cached": full}, 1, ("forward", "recompute", "backward"))
-    if layout.dp_shard > 1 or layout.fsdp_one:
+    if layout.dp_shard * layout.cp > 1 or layout.fsdp_one:
         _fsdp(cfg, out, layout)
     if trainable_tensors is None:
         from .trainable import check_trainable, param_entries
@@ -275,11 +316,19 @@ def _fsdp(cfg: ModelConfig, out: dict, layout: Layout) -> None:
 
 def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk_tokens: int | None = None) -> dict:
     """Aten ops of scoring one window (no gradient) on a rank, in chunks of ``chunk_tokens`` (None: one pass); the
-    same dict as ``step_ops`` with every op in ``forward``."""
+    same dict as ``step_ops`` with every op in ``forward``. Under CP the busiest rank's (the last piece: its layers'
+    CP ops, ``CP_EVAL_OPS``, and the scorer's, ``genoctx.eval.distributed.mesh_scorer``), under FSDP2 its forward
+    gathers (``FSDP_OPS["eval_group"]`` per group)."""
     layout = layout or Layout()
     out = _empty()
     tokens = seq_len // layout.cp
     chunk = chunk_tokens or tokens
     for t0 in range(0, tokens, chunk):
-        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",), t0)
+        _layers(cfg, out, EVAL_OPS, min(chunk, tokens - t0), 1, ("forward",), seq_len - tokens + t0)
+        if layout.cp > 1:
+            _cp(cfg, out, min(chunk, tokens - t0), layout.cp, "eval")
+    if layout.dp_shard * layout.cp > 1 or layout.fsdp_one:  # FSDP2's forward gathers, per group
+        from .comms import fsdp_groups
+
+        out["other"]["forward"] += FSDP_OPS["eval_group"] * len(fsdp_groups(cfg, layout, "fp32"))
     return _totals(out)

@@ -80,12 +80,17 @@ def test_eval_ops_equal_the_counted(name, L):
 
 
 def test_ops_grow_with_what_loops():
-    """The loop bounds: KDA chunks and blocks, DSA tiles, MoE chunks; CP divides a rank's tokens."""
+    """The loop bounds: KDA chunks and blocks, DSA tiles, MoE chunks; CP divides a rank's tokens and adds each KDA
+    layer's state pass over them (its blocks and chunks, the fold per piece) and FSDP2's change to the layer."""
     cfg = preset("cpu-small")
     assert cfg.kda_block_tokens == 4096 and O.kda_units(cfg, 8192) == {"call": 1, "block": 2, "chunk": 128}
     assert O.kda_units(cfg, 1000)["chunk"] == 16 and O.kda_units(cfg, 4100) == {"call": 1, "block": 2, "chunk": 65}
     assert O.moe_units(cfg, 8192 * 2 + 5)["chunk"] == 3
-    assert O.step_ops(cfg, 1 << 15, Layout(cp=2))["components"]["kda"] == O.step_ops(cfg, 1 << 14)["components"]["kda"]
+    cp, one = O.step_ops(cfg, 1 << 15, Layout(cp=2))["components"]["kda"], O.step_ops(cfg, 1 << 14)["components"]["kda"]
+    u, n = O.kda_units(cfg, 1 << 14), cfg.layer_types.count("linear_attention")
+    body = O.OPS["kda"]["block"][0] * u["block"] + O.OPS["kda"]["chunk"][0] * u["chunk"]
+    state = O.CP_OPS["kda"]["call"][0] + 2 * O.CP_OPS["kda"]["piece"][0] + body
+    assert cp["forward"] == one["forward"] + n * (state + O.FSDP_OPS["kda_layer"][0])
     a, b = O.step_ops(cfg, 1 << 13)["total"], O.step_ops(cfg, 1 << 14)["total"]
     assert b > a
 
@@ -126,6 +131,44 @@ def test_fsdp_step_ops_equal_the_counted(tmp_path):
             got = torch.load(tmp_path / f"{name}-rank{r}.pt")
             assert plan["total"] == pytest.approx(got["total"], rel=0.01)
             _close(got["counts"], plan["components"], O.PASSES)
+
+
+@pytest.mark.parametrize(("name", "L", "cp", "dp_shard", "mode"), [
+    ("tiny", 1024, 4, 1, "train"), ("tiny", 1024, 2, 1, "eval"), ("cpu-small", 2048, 2, 2, "train"),
+])  # fmt: skip
+def test_cp_ops_equal_the_counted(tmp_path, name, L, cp, dp_shard, mode):
+    """Context parallelism on gloo ranks (FSDP2 over ``dp_shard x cp``), the busiest rank (the window's last piece):
+    its layers' ops after the earlier pieces' positions, each KDA layer's ``[L | M]`` state pass (``CP_OPS``: its
+    blocks and chunks, and the fold per piece: cp = 2 and 4), FSDP2's; a training step and a CP scoring forward. The
+    cpu-small step's bytes: the KDA layers' state pass (``eager.CP_COEFS``, fitted on other configs) included."""
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
+    from mesh_runner import fork_ranks
+    from op_count import mesh_rank
+
+    world, out = cp * dp_shard, tmp_path / "counted.pt"
+    fork_ranks(mesh_rank, (world, tempfile.mktemp(prefix="genoctx-gloo-"), str(out), name, L, cp, dp_shard, mode,
+                           None), world)  # fmt: skip
+    got = torch.load(out)
+    cfg, lay = preset(name), Layout(cp=cp, dp_shard=dp_shard)
+    plan = O.step_ops(cfg, L, lay) if mode == "train" else O.eval_ops(cfg, L, lay)
+    counted = {c: {p: got["counts"].get(c, {}).get(p, 0) for p in O.PASSES} for c in O.COMPONENTS}
+    assert plan["total"] == pytest.approx(got["total"], rel=0.01)
+    _close(counted, plan["components"], O.PASSES)
+    kda = sum(plan["components"]["kda"].values())
+    assert kda > 1.5 * sum(O.step_ops(cfg, L // cp)["components"]["kda"].values()) or mode == "eval"  # the pass
+    if name == "cpu-small":
+        b = E.step_bytes(cfg, L, lay)["components"]
+        for kind in ("elementwise", "matmul"):  # (CP's and FSDP's gathers and copies, ``other``, are not modelled)
+            c = sum(got["bytes"].get(x, {}).get(p, {}).get(kind, 0) for x in E.COMPONENTS for p in E.PASSES)
+            assert sum(b[x][p][kind] for x in E.COMPONENTS for p in E.PASSES) == pytest.approx(c, rel=0.08)
+        c = sum(sum(k.values()) for k in got["bytes"]["kda"].values())
+        assert sum(sum(k.values()) for k in b["kda"].values()) == pytest.approx(c, rel=0.1)
+        alone = E.step_bytes(cfg, L, lay, cp_state=False)["components"]["kda"]
+        assert sum(sum(k.values()) for k in alone.values()) < 0.5 * c  # the state pass: more than the layers' own
 
 
 def test_eager_memory_model_times_the_counted_bytes():
