@@ -62,6 +62,9 @@ Method:
    start-up and its daemons would only add noise to a 2-core machine; tests/eval/mesh_runner.py does the same).
    Per step: the loop's own timer (``RUN/metrics.jsonl``: ``tokens / tokens_per_s``; under the mesh the slowest
    rank's, from ``ranks``); the first step is dropped (warm-up), ``measured_s`` is the median of the rest.
+   ``aten_ops``: the step's ops as ``genoctx.model.opcount`` counts them (one process: on real DNA, untimed; a mesh:
+   its busiest rank, the window's last CP piece, on random tokens, ``bench/op_count.py``'s ``count_mesh``), beside
+   the ``planned_ops`` that the launch term uses.
 """
 
 from __future__ import annotations
@@ -455,6 +458,18 @@ def step_aten_ops(recipe, tokens: int) -> int:
     return count_aten_ops(lambda: train_step(model, opt, sched, x, recipe.train, nullcontext()))
 
 
+def mesh_aten_ops(recipe, L: int, layout) -> int | None:
+    """Aten ops of the busiest rank (the window's last CP piece) of a ``layout`` train step of the recipe's model
+    (a preset, else None) on random tokens (``bench/op_count.py``'s ``count_mesh``: gloo ranks spawned here, FSDP2
+    over ``dp_shard x cp``)."""
+    from op_count import count_mesh
+
+    from genoctx.model.config import PRESETS
+
+    name = next((n for n, c in PRESETS.items() if c == recipe.model), None)
+    return None if name is None else count_mesh(name, L, layout.cp, layout.dp_shard)["total"]
+
+
 # ------------------------------------------------------------------ 3. measured
 
 
@@ -646,11 +661,11 @@ def main() -> None:
             for name in a.layouts:
                 layout = Layout(**LAYOUT_ARGS[name])
                 p = predict(recipe, L, layout, hws[layout.world])
-                n = L // layout.cp  # tokens per rank: the mesh's rank counted as one process on its piece
+                n = (name, L)
                 if n not in ops:
-                    log(f"counting the aten ops of a one-process step on {n} tokens")
-                    ops[n] = step_aten_ops(recipe, n)
-                host = ops[n] * op_s[layout.world]
+                    log(f"counting the aten ops of a step: {name}, {L} tokens")
+                    ops[n] = step_aten_ops(recipe, L) if layout.world == 1 else mesh_aten_ops(recipe, L, layout)
+                host = None if ops[n] is None else ops[n] * op_s[layout.world]
                 line = {"bench": "step_time_cpu", "kind": "case", "layout": name, "seq_len": L,
                         "ranks": layout.world, "dtype": recipe.train.dtype, "predicted_s": p["step_s"],
                         "predicted_no_launch_s": p["device_s"], "launch_s": p["launch_s"], "planned_ops": p["ops"],
