@@ -243,7 +243,8 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
         layout: the parallel layout: ``cp`` splits the window and adds its own ops (``CP_OPS``: the KDA state pass,
             the DSA layers' gathered keys; the contiguous layout); FSDP2's (``FSDP_OPS``) whenever it shards
             (``dp_shard x cp > 1`` or ``fsdp_one``: ``genoctx.parallel.mesh`` shards over ``dp_shard x cp``);
-            other dimensions add no model ops here.
+            other dimensions add no model ops here. CP with ``seq_chunk_tokens`` adds the CP ops per round, as
+            planned, not yet checked against a count.
         recompute: activation checkpointing (``apply_ac``): every decoder layer's forward runs once more in
             backward, planned as the layers' forward ops again in ``recompute`` (not yet checked against a count).
         seq_chunk_tokens: the chunked backward's chunk, or None (one pass).
