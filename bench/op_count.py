@@ -296,6 +296,8 @@ def main() -> None:
         t = fit_bytes(a.fit_configs)
         print(f"COEFS: dict = {t['train']!r}\nEVAL_COEFS: dict = {t['eval']!r}")
         return
+    if a.chunk and a.cp * a.fsdp > 1:
+        ap.error("--chunk with --cp/--fsdp: a mesh is counted unchunked (count_mesh)")
     for L in a.lengths:
         print(json.dumps(case(a.preset, L, a.chunk, "eval" if a.eval else "train", a.cp, a.fsdp)), flush=True)
 

@@ -553,7 +553,8 @@ EVAL_COEFS: dict = {
 
 # the bytes of a KDA layer's CP state pass (``genoctx.parallel.context.kda_cp_cache``) per token of the rank's piece,
 # beyond its one-process call: fitted by ``bench/op_count.py --fit-cp-bytes`` to cp = 2 ranks' counts of 10 random
-# configs (each pass and kind within 14%, most within 5%; its gathers, a few bytes per token, left out)
+# configs (each pass and kind within 14%, most within 5%; its gathers, a few bytes per token, left out). The fit
+# covers head dims 8-32 and K / C <= 2: far outside (K / C > 8) its negative terms clamp the forward bytes to 0
 CP_COEFS: dict = {
     "kda": {
         "forward": {
@@ -602,14 +603,15 @@ def _call(cfg: ModelConfig, out: dict, table: dict, T: int, S: int, B: int, pass
                     out[comp][into or p][kind] += n * B * T * max(0.0, per_token)
 
 
-def _cp_state(cfg: ModelConfig, out: dict, table: dict, T: int, B: int) -> None:
+def _cp_state(cfg: ModelConfig, out: dict, T: int, B: int, passes=PASSES, into: str | None = None) -> None:
     """Under CP, every KDA layer's ``[L | M]`` state pass over the rank's ``B x T`` tokens (``CP_COEFS``) into
-    ``out``."""
+    ``out``: each of ``passes`` into the same pass or, given ``into``, into that one (a no-grad forward, the sweep
+    or scoring, and a layer's rerun under activation checkpointing move the pass's forward bytes)."""
     n = cfg.layer_types.count(KDA)
     f = features(cfg, "kda", T)
-    for p, kinds in table.get("kda", {}).items():
-        for kind, coef in kinds.items():
-            out["kda"][p][kind] += n * B * T * max(0.0, sum(coef.get(k, 0.0) * v for k, v in f.items()))
+    for p in passes:
+        for kind, coef in CP_COEFS["kda"].get(p, {}).items():
+            out["kda"][into or p][kind] += n * B * T * max(0.0, sum(coef.get(k, 0.0) * v for k, v in f.items()))
 
 
 def _totals(out: dict) -> dict:
@@ -637,29 +639,36 @@ def step_bytes(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, 
     """
     layout = layout or Layout()
     out = _empty()
-    tokens = seq_len // layout.cp
-    S0 = seq_len - tokens
-    chunk = seq_chunk_tokens if seq_chunk_tokens and seq_chunk_tokens < tokens else tokens
-    for t0 in range(0, tokens, chunk):
-        t = min(chunk, tokens - t0)
-        sel = chunk < tokens
-        _call(cfg, out, COEFS, t, S0 + t0, batch_size, PASSES, sel)
-        if layout.cp > 1 and cp_state:
-            _cp_state(cfg, out, CP_COEFS, t, batch_size)
+    from .ops import rank_rounds
+
+    rounds = rank_rounds(seq_len, layout.cp, seq_chunk_tokens)
+    sel = len(rounds) > 1
+    cp = layout.cp > 1 and cp_state
+    for S, t in rounds:
+        _call(cfg, out, COEFS, t, S, batch_size, PASSES, sel)
+        if cp:
+            _cp_state(cfg, out, t, batch_size)
         if recompute:  # each layer's forward once more in backward
-            _call(cfg, out, COEFS, t, S0 + t0, batch_size, ("forward",), sel, into="recompute")
+            _call(cfg, out, COEFS, t, S, batch_size, ("forward",), sel, into="recompute")
+            if cp:
+                _cp_state(cfg, out, t, batch_size, ("forward",), into="recompute")
         if sel:  # the no-grad sweep scores every chunk first
-            _call(cfg, out, EVAL_COEFS, t, S0 + t0, batch_size, ("forward",))
+            _call(cfg, out, EVAL_COEFS, t, S, batch_size, ("forward",))
+            if cp:
+                _cp_state(cfg, out, t, batch_size, ("forward",))
     return _totals(out)
 
 
 def eval_bytes(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk_tokens: int | None = None) -> dict:
     """Bytes the eager ops of scoring one window (no gradient) move on a rank, in chunks of ``chunk_tokens``: the
-    same dict as ``step_bytes``, every byte in ``forward``."""
+    same dict as ``step_bytes``, every byte in ``forward`` (under CP the last piece's, its KDA layers' state pass
+    at ``CP_COEFS``' forward bytes)."""
     layout = layout or Layout()
     out = _empty()
     tokens = seq_len // layout.cp
     chunk = chunk_tokens or tokens
     for t0 in range(0, tokens, chunk):
         _call(cfg, out, EVAL_COEFS, min(chunk, tokens - t0), seq_len - tokens + t0, 1, ("forward",))
+        if layout.cp > 1:  # each KDA layer's state pass, no grad
+            _cp_state(cfg, out, min(chunk, tokens - t0), 1, ("forward",))
     return _totals(out)

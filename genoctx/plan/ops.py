@@ -98,6 +98,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def rank_rounds(seq_len: int, cp: int = 1, seq_chunk_tokens: int | None = None) -> list[tuple[int, int]]:
+    """The busiest rank's forward calls of a training step: ``(S, T)``, its ``T`` tokens after ``S`` earlier positions
+    of the window, per round: one round (the whole window, or under CP the last piece), or, with ``seq_chunk_tokens``
+    below the rank's share, rounds of ``cp x seq_chunk_tokens`` tokens whose last pieces it holds (the contiguous CP
+    layout; ``genoctx.plan.flops._rank_rounds``)."""
+    chunked = seq_chunk_tokens is not None and seq_chunk_tokens * cp < seq_len
+    size = seq_chunk_tokens * cp if chunked else seq_len
+    out = []
+    for s in range(0, seq_len, size):
+        c = (min(seq_len, s + size) - s) // cp
+        out.append((s + (cp - 1) * c, c))
+    return out
+
+
 def kda_units(cfg: ModelConfig, T: int) -> dict:
     """Loop bodies of one KDA layer's forward over ``T`` tokens: ``call``, ``block`` (``chunk_kda``'s blocks of
     ``kda_block_tokens`` rounded down to whole chunks) and ``chunk`` (chunks of ``kda_chunk_size``, each block padded
@@ -243,8 +257,10 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
         layout: the parallel layout: ``cp`` splits the window and adds its own ops (``CP_OPS``: the KDA state pass,
             the DSA layers' gathered keys; the contiguous layout); FSDP2's (``FSDP_OPS``) whenever it shards
             (``dp_shard x cp > 1`` or ``fsdp_one``: ``genoctx.parallel.mesh`` shards over ``dp_shard x cp``);
-            other dimensions add no model ops here. CP with ``seq_chunk_tokens`` adds the CP ops per round, as
-            planned, not yet checked against a count.
+            other dimensions add no model ops here. The contiguous CP layout (zigzag's two pieces per rank are
+            planned as one: about 6% under on tiny); the rank planned is the last piece's (rank 0 issues ~170 more
+            ops: its first queries' dense tiles). CP or FSDP2 with ``seq_chunk_tokens``: the CP ops per round and
+            FSDP2's once per step (each round gathers again: 5-9% under on tiny at cp = 2), not yet per round.
         recompute: activation checkpointing (``apply_ac``): every decoder layer's forward runs once more in
             backward, planned as the layers' forward ops again in ``recompute`` (not yet checked against a count).
         seq_chunk_tokens: the chunked backward's chunk, or None (one pass).
@@ -256,24 +272,23 @@ def step_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, *, ba
     """
     layout = layout or Layout()
     out = _empty()
-    tokens = seq_len // layout.cp
-    chunks = [tokens] if not seq_chunk_tokens or seq_chunk_tokens >= tokens else (
-        [seq_chunk_tokens] * (tokens // seq_chunk_tokens) + ([tokens % seq_chunk_tokens] if tokens % seq_chunk_tokens
-                                                             else []))  # fmt: skip
-    sel = len(chunks) > 1  # chunked: the top-k runs in the no-grad sweep only
-    S0 = seq_len - tokens  # under CP the busiest rank holds the window's last piece
-    for i, t in enumerate(chunks):
-        S = S0 + sum(chunks[:i])  # the chunk's earlier positions (cached, or other ranks' pieces)
+    rounds = rank_rounds(seq_len, layout.cp, seq_chunk_tokens)
+    sel = len(rounds) > 1  # chunked: the top-k runs in the no-grad sweep only
+    for i, (S, t) in enumerate(rounds):  # S: the piece's earlier positions (cached, or other ranks' pieces)
         _layers(cfg, out, OPS, t, batch_size, ("forward", "recompute", "backward"), S, sel)
         if layout.cp > 1:
             _cp(cfg, out, t, layout.cp, "train")
         if recompute:
             again = _empty()
             _layers(cfg, again, OPS, t, batch_size, ("forward",), S, sel)
+            if layout.cp > 1:  # the layer's rerun runs its state pass's forward again
+                _cp(cfg, again, t, layout.cp, "train")
             for c in COMPONENTS:
                 out[c]["recompute"] += again[c]["forward"] if c != "other" else 0
-        if len(chunks) > 1:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
+        if sel:  # the chunked backward's no-grad sweep runs every chunk once more (genoctx.train.chunked)
             _layers(cfg, out, EVAL_OPS, t, batch_size, ("forward",), S)
+            if layout.cp > 1:
+                _cp(cfg, out, t, layout.cp, "eval")
             _add(out, "other", CHUNKED_OPS, {"chunk": 1}, 1, ("forward", "recompute", "backward"))
             if i:  # a chunk after the first joins the caches handed to it (the DSA layers' latents and pools)
                 full = sum(1 for j, k in enumerate(cfg.layer_types) if k == DSA and cfg.indexer_types[j] == "full")
@@ -319,7 +334,8 @@ def eval_ops(cfg: ModelConfig, seq_len: int, layout: Layout | None = None, chunk
     """Aten ops of scoring one window (no gradient) on a rank, in chunks of ``chunk_tokens`` (None: one pass); the
     same dict as ``step_ops`` with every op in ``forward``. Under CP the busiest rank's (the last piece: its layers'
     CP ops, ``CP_EVAL_OPS``, and the scorer's, ``genoctx.eval.distributed.mesh_scorer``), under FSDP2 its forward
-    gathers (``FSDP_OPS["eval_group"]`` per group)."""
+    gathers (``FSDP_OPS["eval_group"]`` per group). (Under CP only the mixers stream in ``chunk_tokens``: planned
+    per chunk, the count is over-planned there.)"""
     layout = layout or Layout()
     out = _empty()
     tokens = seq_len // layout.cp
