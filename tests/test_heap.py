@@ -26,9 +26,12 @@ def step():
     m.zero_grad(set_to_none=True)
 step()
 step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+faults = []
+for _ in range(2):  # the fewer of two steps: a loaded machine's reclaim can fault a page of either back in
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(min(faults)))
 """
 
 
