@@ -101,15 +101,11 @@ def _cdiv(a: int, b: int) -> int:
 def rank_rounds(seq_len: int, cp: int = 1, seq_chunk_tokens: int | None = None) -> list[tuple[int, int]]:
     """The busiest rank's forward calls of a training step: ``(S, T)``, its ``T`` tokens after ``S`` earlier positions
     of the window, per round: one round (the whole window, or under CP the last piece), or, with ``seq_chunk_tokens``
-    below the rank's share, rounds of ``cp x seq_chunk_tokens`` tokens whose last pieces it holds (the contiguous CP
-    layout; ``genoctx.plan.flops._rank_rounds``)."""
-    chunked = seq_chunk_tokens is not None and seq_chunk_tokens * cp < seq_len
-    size = seq_chunk_tokens * cp if chunked else seq_len
-    out = []
-    for s in range(0, seq_len, size):
-        c = (min(seq_len, s + size) - s) // cp
-        out.append((s + (cp - 1) * c, c))
-    return out
+    below the rank's share, rounds of ``cp x seq_chunk_tokens`` tokens whose last pieces it holds: the contiguous CP
+    layout's pieces of ``genoctx.plan.flops._rank_rounds`` (one per round)."""
+    from .flops import _rank_rounds
+
+    return [pieces[0] for pieces in _rank_rounds(seq_len, cp, "contiguous", seq_chunk_tokens)]
 
 
 def kda_units(cfg: ModelConfig, T: int) -> dict:
@@ -223,14 +219,13 @@ def _layers(cfg: ModelConfig, out: dict, table: dict, tokens: int, batch: int, p
 def _cp(cfg: ModelConfig, out: dict, tokens: int, cp: int, mode: str) -> None:
     """Context parallelism's ops (``CP_OPS``, ``CP_EVAL_OPS``) of one forward call of every layer over the rank's
     ``tokens`` (of ``cp`` pieces) into ``out``; ``mode`` "train" (forward, recompute, backward) or "eval" (forward)."""
-    table = CP_OPS if mode == "train" else CP_EVAL_OPS
+    table, body = (CP_OPS, OPS) if mode == "train" else (CP_EVAL_OPS, EVAL_OPS)  # body: the state pass's chunk_kda
     passes = ("forward", "recompute", "backward") if mode == "train" else ("forward",)
     u = kda_units(cfg, tokens)
     _add(out, "other", table, {"call": 1}, 1, passes)
     for i, kind in enumerate(cfg.layer_types):
         if kind == KDA:
             _add(out, "kda", table, {"call": 1, "piece": cp}, 1, passes)  # the fold: per gathered piece
-            body = OPS if mode == "train" else EVAL_OPS
             for unit in ("block", "chunk"):  # the state pass's chunk_kda
                 f = body["kda"][unit][0] * u[unit]
                 out["kda"]["forward"] += f
